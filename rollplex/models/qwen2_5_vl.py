@@ -1,0 +1,423 @@
+"""Qwen2.5-VL in plain PyTorch: vision tower, Qwen2 language model, M-RoPE.
+
+No parallelism and no scheduling in here. The same module serves the trainer's
+packed forward, the engine's prefill and decode, and the shared-prefix passes:
+attention goes through the `AttentionBackend` the caller passes in
+(rollplex.ops.attention), and tensor/data parallelism is applied from outside
+(rollplex.train.parallelize). Head counts are read off the weight shapes at run
+time (`view(T, -1, head_dim)`), so a TP-sharded module runs unchanged.
+
+Module names follow the Hugging Face checkpoint (`visual.*`, `model.*`,
+`lm_head`), with `language_model` standing for the hub's `model.` prefix; the
+loader maps both naming styles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from rollplex.models.rope import MRotaryEmbedding, RopeIndexSpec, apply_rotary, mrope_positions, vision_rotary
+from rollplex.ops.attention import AttentionBackend, VarlenAttention, resolve_backend, varlen_attention
+
+
+@dataclass
+class VisionArgs:
+    depth: int = 32
+    hidden_size: int = 1280
+    intermediate_size: int = 3420
+    num_heads: int = 16
+    in_channels: int = 3
+    patch_size: int = 14
+    spatial_merge_size: int = 2
+    temporal_patch_size: int = 2
+    tokens_per_second: float = 2.0
+    window_size: int = 112
+    out_hidden_size: int = 2048
+    fullatt_block_indexes: list[int] = field(default_factory=lambda: [7, 15, 23, 31])
+    hidden_act: str = "silu"
+    rope_theta: float = 10000.0
+
+
+@dataclass
+class TextArgs:
+    vocab_size: int = 151936
+    hidden_size: int = 2048
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 36
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 2
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    mrope_section: list[int] = field(default_factory=lambda: [16, 24, 24])
+    max_position_embeddings: int = 128000
+    hidden_act: str = "silu"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass
+class ModelArgs:
+    """Everything the model's shape and inputs depend on; built from a HF config.json."""
+
+    vision: VisionArgs = field(default_factory=VisionArgs)
+    text: TextArgs = field(default_factory=TextArgs)
+    tie_word_embeddings: bool = False
+    image_token_id: int = 151655
+    video_token_id: int = 151656
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+    eos_token_id: int | list[int] | None = 151645
+
+    @property
+    def rope_spec(self) -> RopeIndexSpec:
+        return RopeIndexSpec(self.image_token_id, self.video_token_id, self.vision.spatial_merge_size,
+                             self.vision.tokens_per_second)
+
+
+def _check_act(act: str) -> None:
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (Qwen2.5-VL uses silu)")
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, scaled in the input dtype (as Qwen2 does)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int, bias: bool):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# ----------------------------------------------------------------------------- vision tower
+
+
+class PatchEmbed(nn.Module):
+    """Conv3d with stride = kernel over (temporal, patch, patch) blocks. The
+    processor already cut pixels into flattened blocks, so the convolution is a
+    matmul with the flattened kernel (same weights, same math, no conv call)."""
+
+    def __init__(self, args: VisionArgs):
+        super().__init__()
+        k = (args.temporal_patch_size, args.patch_size, args.patch_size)
+        self.proj = nn.Conv3d(args.in_channels, args.hidden_size, kernel_size=k, stride=k, bias=False)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        weight = self.proj.weight
+        return F.linear(pixels.to(weight.dtype), weight.reshape(weight.shape[0], -1))
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, args: VisionArgs):
+        super().__init__()
+        self.head_dim = args.hidden_size // args.num_heads
+        self.qkv = nn.Linear(args.hidden_size, 3 * args.hidden_size, bias=True)
+        self.proj = nn.Linear(args.hidden_size, args.hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
+                max_seqlen: int, backend: str) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv(x).view(T, 3, -1, self.head_dim).unbind(1)
+        # Vision rotary is applied in float32 (as the reference does), then cast back.
+        q = apply_rotary(q.float(), cos, sin).to(v.dtype)
+        k = apply_rotary(k.float(), cos, sin).to(v.dtype)
+        out = varlen_attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=False,
+                               backend=backend)
+        return self.proj(out.reshape(T, -1))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, args: VisionArgs):
+        super().__init__()
+        self.norm1 = RMSNorm(args.hidden_size)
+        self.norm2 = RMSNorm(args.hidden_size)
+        self.attn = VisionAttention(args)
+        self.mlp = SwiGLU(args.hidden_size, args.intermediate_size, bias=True)
+
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, backend):
+        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens, max_seqlen, backend)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """Concatenates each m x m block of patch features and projects it to the LM width."""
+
+    def __init__(self, args: VisionArgs):
+        super().__init__()
+        self.merged_dim = args.hidden_size * args.spatial_merge_size**2
+        self.ln_q = RMSNorm(args.hidden_size)
+        self.mlp = nn.Sequential(nn.Linear(self.merged_dim, self.merged_dim), nn.GELU(),
+                                 nn.Linear(self.merged_dim, args.out_hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.merged_dim))
+
+
+@dataclass
+class VisionLayout:
+    """Index bookkeeping of one vision forward: patches reordered so every
+    attention window is contiguous, and the window / full-attention boundaries."""
+
+    window_index: torch.Tensor  # merged-token order with windows contiguous
+    cu_window: torch.Tensor
+    max_window: int
+    cu_full: torch.Tensor  # one segment per image / video frame
+    max_full: int
+
+
+def vision_layout(grid_thw: torch.Tensor, args: VisionArgs) -> VisionLayout:
+    merge = args.spatial_merge_size
+    unit = merge * merge
+    win = args.window_size // merge // args.patch_size  # window side in merged tokens
+    index, window_lengths, offset = [], [], 0
+    for t, h, w in grid_thw.tolist():
+        gh, gw = h // merge, w // merge
+        ids = torch.arange(t * gh * gw).reshape(t, gh, gw)
+        nh, nw = -(-gh // win), -(-gw // win)
+        padded = F.pad(ids, (0, nw * win - gw, 0, nh * win - gh), value=-1)
+        windows = padded.reshape(t, nh, win, nw, win).permute(0, 1, 3, 2, 4).reshape(t * nh * nw, win * win)
+        for window in windows:
+            members = window[window >= 0]
+            if members.numel():  # windows fully in the padding hold nothing
+                index.append(members + offset)
+                window_lengths.append(members.numel() * unit)
+        offset += t * gh * gw
+    window_index = torch.cat(index).to(grid_thw.device)
+    frame_lengths = [h * w for t, h, w in grid_thw.tolist() for _ in range(t)]
+    return VisionLayout(window_index, _cu(window_lengths, grid_thw.device), max(window_lengths),
+                        _cu(frame_lengths, grid_thw.device), max(frame_lengths))
+
+
+def _cu(lengths: list[int], device) -> torch.Tensor:
+    return F.pad(torch.tensor(lengths, device=device).cumsum(0), (1, 0)).to(torch.int32)
+
+
+class VisionTransformer(nn.Module):
+    def __init__(self, args: VisionArgs):
+        super().__init__()
+        _check_act(args.hidden_act)
+        self.args = args
+        self.patch_embed = PatchEmbed(args)
+        self.blocks = nn.ModuleList(VisionBlock(args) for _ in range(args.depth))
+        self.merger = PatchMerger(args)
+        self.attn_backend = "torch"
+
+    def forward(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """pixels (patches, C*T*P*P) as the processor returns them, grid_thw (n, 3)
+        -> merged embeddings (patches / merge^2, out_hidden_size), in input order."""
+        args = self.args
+        unit = args.spatial_merge_size**2
+        layout = vision_layout(grid_thw, args)
+        x = self.patch_embed(pixels)
+        cos, sin = vision_rotary(grid_thw, args.spatial_merge_size, args.hidden_size // args.num_heads,
+                                 args.rope_theta)
+
+        def windowed(t: torch.Tensor) -> torch.Tensor:  # group the m*m patches of a merged token together
+            return t.view(-1, unit, t.shape[-1])[layout.window_index].view(-1, t.shape[-1])
+
+        x, cos, sin = windowed(x), windowed(cos), windowed(sin)
+        for i, block in enumerate(self.blocks):
+            if i in args.fullatt_block_indexes:
+                x = block(x, cos, sin, layout.cu_full, layout.max_full, self.attn_backend)
+            else:
+                x = block(x, cos, sin, layout.cu_window, layout.max_window, self.attn_backend)
+        merged = self.merger(x)
+        return merged[torch.argsort(layout.window_index)]
+
+
+# ----------------------------------------------------------------------------- language model
+
+
+class Attention(nn.Module):
+    def __init__(self, args: TextArgs, layer: int):
+        super().__init__()
+        self.layer, self.head_dim = layer, args.head_dim
+        self.q_proj = nn.Linear(args.hidden_size, args.num_attention_heads * args.head_dim, bias=True)
+        self.k_proj = nn.Linear(args.hidden_size, args.num_key_value_heads * args.head_dim, bias=True)
+        self.v_proj = nn.Linear(args.hidden_size, args.num_key_value_heads * args.head_dim, bias=True)
+        self.o_proj = nn.Linear(args.num_attention_heads * args.head_dim, args.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        T = x.shape[0]
+        q = apply_rotary(self.q_proj(x).view(T, -1, self.head_dim), cos, sin)
+        k = apply_rotary(self.k_proj(x).view(T, -1, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(T, -1, self.head_dim)
+        return self.o_proj(attn(self.layer, q, k, v).reshape(T, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: TextArgs, layer: int):
+        super().__init__()
+        self.self_attn = Attention(args, layer)
+        self.mlp = SwiGLU(args.hidden_size, args.intermediate_size, bias=False)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attn):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, args: TextArgs):
+        super().__init__()
+        _check_act(args.hidden_act)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rotary = MRotaryEmbedding(args.head_dim, args.rope_theta, args.mrope_section)
+
+    def forward(self, h: torch.Tensor, position_ids: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        cos, sin = self.rotary(position_ids, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, attn)
+        return self.norm(h)
+
+
+# ----------------------------------------------------------------------------- the whole model
+
+
+@dataclass
+class VisionEmbeds:
+    """Merged vision features of a batch, kept so that later passes reuse them
+    instead of running the tower again. Rows follow the order of the pad tokens."""
+
+    image: torch.Tensor | None = None
+    video: torch.Tensor | None = None
+
+
+class Qwen2_5_VL(nn.Module):
+    """Qwen2.5-VL for causal LM.
+
+    Main forward: packed tokens (no padding) -> final hidden states. Logits are a
+    separate step (`logits`), so that callers who need only a few positions
+    (decode) or per-token logprobs in chunks (training) never build the full
+    (tokens, vocab) tensor at once.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.visual = VisionTransformer(args.vision)
+        self.language_model = LanguageModel(args.text)
+        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.text.hidden_size, args.text.vocab_size,
+                                                                       bias=False)
+        self.attn_backend = "torch"
+
+    def set_attn_backend(self, name: str) -> None:
+        """auto / torch / flash, resolved for the model's device."""
+        self.attn_backend = self.visual.attn_backend = resolve_backend(name, self.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.language_model.embed_tokens.weight.device
+
+    def encode_vision(self, pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
+                      pixel_values_videos: torch.Tensor | None = None,
+                      video_grid_thw: torch.Tensor | None = None) -> VisionEmbeds:
+        """Run the vision tower on a prompt's (or batch's) images and videos."""
+        embeds = VisionEmbeds()
+        if pixel_values is not None:
+            _check_pixels(pixel_values, image_grid_thw, self.args.vision, "image")
+            embeds.image = self.visual(pixel_values, image_grid_thw)
+        if pixel_values_videos is not None:
+            _check_pixels(pixel_values_videos, video_grid_thw, self.args.vision, "video")
+            embeds.video = self.visual(pixel_values_videos, video_grid_thw)
+        return embeds
+
+    def embed(self, input_ids: torch.Tensor, vision: VisionEmbeds | None = None) -> torch.Tensor:
+        """Token embeddings with vision features written at their pad tokens."""
+        h = self.language_model.embed_tokens(input_ids)
+        for name, token_id, feats in (("image", self.args.image_token_id, vision and vision.image),
+                                      ("video", self.args.video_token_id, vision and vision.video)):
+            mask = input_ids == token_id
+            n_tokens = int(mask.sum())
+            n_feats = 0 if feats is None else feats.shape[0]
+            if n_tokens != n_feats:
+                raise ValueError(
+                    f"{name} features and {name} pad tokens disagree: {n_tokens} <|{name}_pad|> tokens in the input "
+                    f"but {n_feats} {name} feature rows (from the {name} grids). A prompt truncated through an "
+                    f"{name}, or a grid that does not belong to this prompt, causes this."
+                )
+            if n_feats:
+                h = h.masked_scatter(mask[..., None], feats.to(h.dtype))
+        return h
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn: AttentionBackend,
+                vision: VisionEmbeds | None = None) -> torch.Tensor:
+        """input_ids (T,) packed, position_ids (3, T) -> final hidden states (T, hidden)."""
+        return self.language_model(self.embed(input_ids, vision), position_ids, attn)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.language_model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def forward_packed(self, batch: "PackedBatch", vision: VisionEmbeds | None = None) -> torch.Tensor:
+        """Hidden states of a packed batch; encodes its images/videos unless `vision` is given."""
+        if vision is None:
+            vision = self.encode_vision(batch.pixel_values, batch.image_grid_thw, batch.pixel_values_videos,
+                                        batch.video_grid_thw)
+        attn = VarlenAttention(batch.cu_seqlens, batch.max_seqlen, causal=True, backend=self.attn_backend)
+        return self(batch.input_ids, batch.position_ids, attn, vision)
+
+    @torch.no_grad()
+    def hf_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
+                   pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
+                   second_per_grid_ts: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, L, vocab) for exactly what the transformers processor returns
+        for a left- or right-padded batch. Pad positions get zero logits."""
+        from rollplex.models.packing import pack_padded
+
+        batch = pack_padded(self.args, input_ids, attention_mask, pixel_values, image_grid_thw,
+                            pixel_values_videos, video_grid_thw, second_per_grid_ts)
+        logits = self.logits(self.forward_packed(batch))
+        out = logits.new_zeros(*input_ids.shape, logits.shape[-1])
+        mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        out[mask] = logits
+        return out
+
+
+def _check_pixels(pixels: torch.Tensor, grid_thw: torch.Tensor | None, args: VisionArgs, kind: str) -> None:
+    if grid_thw is None:
+        raise ValueError(f"{kind} pixels were given without their {kind}_grid_thw")
+    if grid_thw.ndim != 2 or grid_thw.shape[1] != 3:
+        raise ValueError(f"{kind}_grid_thw must have shape (n, 3), got {tuple(grid_thw.shape)}")
+    patches = int(grid_thw.prod(-1).sum())
+    row = args.in_channels * args.temporal_patch_size * args.patch_size**2
+    if pixels.ndim != 2 or pixels.shape[0] != patches or pixels.shape[1] != row:
+        raise ValueError(
+            f"{kind} pixel tensor of shape {tuple(pixels.shape)} does not match its grids "
+            f"{grid_thw.tolist()}: expected ({patches}, {row})"
+        )
+    m = args.spatial_merge_size
+    if bool(((grid_thw[:, 1:] % m) != 0).any()):
+        raise ValueError(f"{kind} grid {grid_thw.tolist()} has a height or width not divisible by the merge size {m}")
+
+
+def mrope_for(args: ModelArgs, input_ids: torch.Tensor, image_grid_thw=None, video_grid_thw=None,
+              second_per_grid_ts=None) -> tuple[torch.Tensor, int]:
+    """M-RoPE positions and rope delta of one unpadded sequence under `args`."""
+    return mrope_positions(input_ids, args.rope_spec, image_grid_thw, video_grid_thw, second_per_grid_ts)

@@ -1,0 +1,179 @@
+"""Rotary position embeddings of Qwen2.5-VL.
+
+Two kinds:
+- multimodal RoPE (M-RoPE) for the language model: every token has three
+  position ids (temporal, height, width). Text tokens use the same id on all
+  three axes; vision tokens use their grid coordinates. The rotary frequencies
+  are split into `mrope_section` chunks, chunk i rotated by axis i.
+- 2D rotary for the vision tower: each patch rotated by its (row, column).
+
+Inverse frequencies are always computed in float32 and kept outside the
+module's buffers, so casting the model to bf16 never rounds them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def inv_frequencies(dim: int, theta: float, device: torch.device | str | None = None) -> torch.Tensor:
+    """1 / theta^(2i/dim) for i < dim/2, in float32."""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+
+
+class MRotaryEmbedding:
+    """cos/sin tables of M-RoPE for given (3, tokens) position ids.
+
+    A plain object, not an nn.Module: it holds no parameters and must not be
+    cast with the model.
+    """
+
+    def __init__(self, head_dim: int, theta: float, mrope_section: list[int]):
+        if 2 * sum(mrope_section) != head_dim:
+            raise ValueError(f"mrope_section {mrope_section} must sum to head_dim/2 = {head_dim // 2}")
+        self.head_dim, self.theta, self.mrope_section = head_dim, theta, list(mrope_section)
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        if device not in self._inv_freq:
+            self._inv_freq[device] = inv_frequencies(self.head_dim, self.theta, device)
+        return self._inv_freq[device]
+
+    def __call__(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids (3, T) -> cos, sin of shape (T, head_dim) in `dtype`."""
+        freqs = position_ids[..., None].float() * self.inv_freq(position_ids.device)  # (3, T, D/2)
+        # Chunk i of the frequency axis takes its angle from axis i % 3 (t, h, w).
+        freqs = torch.cat([chunk[i % 3] for i, chunk in enumerate(freqs.split(self.mrope_section, dim=-1))], dim=-1)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, heads, D), cos/sin (T, D)."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+def vision_rotary(grid_thw: torch.Tensor, spatial_merge_size: int, head_dim: int,
+                  theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin (patches, head_dim) in float32 for the vision tower's patches, in
+    the processor's patch order (spatial-merge blocks of m x m patches, row-major).
+    Half of the rotary dims rotate by the patch row, half by the column."""
+    device = grid_thw.device
+    rows = []
+    for t, h, w in grid_thw.tolist():
+        hpos, wpos = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
+        block = (h // spatial_merge_size, spatial_merge_size, w // spatial_merge_size, spatial_merge_size)
+        hpos = hpos.reshape(block).transpose(1, 2).flatten()
+        wpos = wpos.reshape(block).transpose(1, 2).flatten()
+        rows.append(torch.stack([hpos, wpos], dim=-1).repeat(t, 1))
+    pos = torch.cat(rows)  # (patches, 2)
+    inv_freq = inv_frequencies(head_dim // 2, theta, device)  # (head_dim/4,)
+    freqs = (pos[..., None].float() * inv_freq).flatten(1)  # (patches, head_dim/2): [row freqs | col freqs]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+@dataclass(frozen=True)
+class RopeIndexSpec:
+    """The config values M-RoPE position ids depend on."""
+
+    image_token_id: int
+    video_token_id: int
+    spatial_merge_size: int
+    tokens_per_second: float
+
+
+def mrope_positions(
+    input_ids: torch.Tensor,
+    spec: RopeIndexSpec,
+    image_grid_thw: torch.Tensor | None = None,
+    video_grid_thw: torch.Tensor | None = None,
+    second_per_grid_ts: torch.Tensor | list[float] | None = None,
+) -> tuple[torch.Tensor, int]:
+    """M-RoPE position ids (3, L) of one unpadded sequence, and its rope delta.
+
+    Text tokens count up by one on all three axes. An image or video takes its
+    grid coordinates (after spatial merging) offset by the position where it
+    starts; a video's temporal coordinate is frame-group index x
+    `second_per_grid_t * tokens_per_second`, so positions follow real time.
+    Text after a vision block continues from the largest position so far + 1,
+    as the reference Qwen2.5-VL implementation (and vLLM) do.
+
+    The rope delta is (largest position + 1) - L: a token generated at index
+    L + i (0-based, after the prompt) gets position L + i + delta on all axes.
+
+    `image_grid_thw` / `video_grid_thw` hold the grids of this sequence's images
+    and videos in order; a mismatch between pad tokens and grids is an error.
+    """
+    ids = input_ids.tolist()
+    merge = spec.spatial_merge_size
+    grids = {spec.image_token_id: _grid_list(image_grid_thw), spec.video_token_id: _grid_list(video_grid_thw)}
+    used = {spec.image_token_id: 0, spec.video_token_id: 0}
+    seconds = [float(s) for s in (second_per_grid_ts if second_per_grid_ts is not None else [])]
+    device = input_ids.device
+    chunks: list[torch.Tensor] = []
+    next_pos, i, text_start = 0, 0, 0
+
+    def flush_text(end: int) -> None:
+        nonlocal next_pos
+        if end > text_start:
+            chunks.append(torch.arange(next_pos, next_pos + end - text_start, device=device).expand(3, -1))
+            next_pos += end - text_start
+
+    while i < len(ids):
+        tok = ids[i]
+        if tok not in grids:
+            i += 1
+            continue
+        flush_text(i)
+        kind = "image" if tok == spec.image_token_id else "video"
+        k = used[tok]
+        if k >= len(grids[tok]):
+            raise ValueError(f"the sequence has more {kind} blocks than {kind} grids ({len(grids[tok])} given)")
+        t, h, w = grids[tok][k]
+        used[tok] += 1
+        gh, gw = h // merge, w // merge
+        n_tokens = t * gh * gw
+        if ids[i:i + n_tokens] != [tok] * n_tokens:
+            run = _run_length(ids, i, tok)
+            raise ValueError(
+                f"{kind} {k} has grid (t={t}, h={h}, w={w}) = {n_tokens} tokens after merging, but the sequence holds "
+                f"{run} {kind} pad tokens there (was the prompt truncated through the {kind}?)"
+            )
+        if kind == "video":
+            if k >= len(seconds) and seconds:
+                raise ValueError(f"second_per_grid_ts has {len(seconds)} entries for more videos")
+            interval = (seconds[k] if seconds else 1.0) * spec.tokens_per_second
+        else:
+            interval = 0.0
+        tpos = (torch.arange(t, device=device) * interval).long()
+        grid = torch.stack(torch.meshgrid(tpos, torch.arange(gh, device=device), torch.arange(gw, device=device),
+                                          indexing="ij")).reshape(3, -1)
+        chunks.append(grid + next_pos)
+        next_pos = int(chunks[-1].max()) + 1
+        i += n_tokens
+        text_start = i
+    flush_text(len(ids))
+    for tok, name in ((spec.image_token_id, "image"), (spec.video_token_id, "video")):
+        if used[tok] != len(grids[tok]):
+            raise ValueError(f"{len(grids[tok])} {name} grids given but the sequence holds {used[tok]} {name} blocks")
+    positions = torch.cat(chunks, dim=1) if chunks else torch.zeros(3, 0, dtype=torch.long, device=device)
+    return positions, next_pos - len(ids)
+
+
+def _grid_list(grid_thw: torch.Tensor | None) -> list[list[int]]:
+    return [] if grid_thw is None else [list(map(int, g)) for g in grid_thw.tolist()]
+
+
+def _run_length(ids: list[int], start: int, tok: int) -> int:
+    n = 0
+    while start + n < len(ids) and ids[start + n] == tok:
+        n += 1
+    return n

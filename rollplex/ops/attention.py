@@ -1,0 +1,138 @@
+"""Attention kernels and the backend interface the model calls.
+
+The model never decides *how* attention runs. Every attention layer calls the
+`AttentionBackend` its caller passed in, with the layer index and packed
+(unpadded) q/k/v of shape (tokens, heads, head_dim). The caller chooses the
+backend for the phase at hand: `VarlenAttention` for a packed training forward
+or a plain prefill, the engine's paged backends for rollout (they also write
+the KV cache), the shared-prefix backend for GRPO groups. That keeps model code
+free of scheduling, as in nano-vllm.
+
+Kernels: flash-attn's `flash_attn_varlen_func` on CUDA when it is installed,
+else PyTorch SDPA. The torch path batches segments of equal length into one
+SDPA call (vision windows are mostly equal-sized), so it does not loop over
+thousands of windows one by one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+_HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+
+
+def flash_attn_available(device: torch.device) -> bool:
+    return _HAS_FLASH_ATTN and device.type == "cuda"
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """Turn a configured backend name (auto / torch / flash) into the one that runs."""
+    if name == "auto":
+        return "flash" if flash_attn_available(device) else "torch"
+    if name == "flash" and not flash_attn_available(device):
+        raise RuntimeError(
+            "attn_backend 'flash' needs the flash-attn package and a CUDA device "
+            "(pip install 'rollplex[gpu]'); use 'auto' or 'torch' otherwise"
+        )
+    if name not in ("torch", "flash"):
+        raise ValueError(f"unknown attention backend {name!r}: expected auto, torch or flash")
+    return name
+
+
+class AttentionBackend(Protocol):
+    """What a model layer calls: attend q over k/v for layer `layer`.
+
+    q: (tokens, q_heads, head_dim); k, v: (tokens, kv_heads, head_dim), rotary
+    already applied. Returns (tokens, q_heads, head_dim). A backend may also
+    store k/v (the engine's paged KV cache) before attending.
+    """
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass
+class VarlenAttention:
+    """Packed sequences, each attending only to itself (causal for text, full for vision).
+
+    `cu_seqlens` are the cumulative sequence boundaries (int32, starting at 0),
+    as flash-attn's varlen API takes them.
+    """
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    causal: bool = True
+    backend: str = "torch"
+
+    @classmethod
+    def from_lengths(cls, lengths: list[int], device: torch.device | str, causal: bool = True,
+                     backend: str = "auto") -> "VarlenAttention":
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        return cls(cu, max(lengths), causal, resolve_backend(backend, torch.device(device)))
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return varlen_attention(q, k, v, self.cu_seqlens, self.cu_seqlens, self.max_seqlen, self.max_seqlen,
+                                causal=self.causal, backend=self.backend)
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    backend: str = "torch",
+) -> torch.Tensor:
+    """Segment i of q attends segment i of k/v. With `causal` and a query segment
+    shorter than its key segment, the queries are the *last* keys' positions
+    (bottom-right alignment, as flash-attn defines it): the usual case of new
+    tokens attending a cached prefix plus themselves.
+    """
+    if backend == "flash":
+        from flash_attn import flash_attn_varlen_func
+
+        return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      causal=causal)
+    return _varlen_attention_torch(q, k, v, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), causal)
+
+
+def _varlen_attention_torch(q, k, v, cu_q: list[int], cu_k: list[int], causal: bool) -> torch.Tensor:
+    out = torch.empty_like(q)
+    # Group segments by (query length, key length) so each group is one batched SDPA call.
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i in range(len(cu_q) - 1):
+        lq, lk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
+        if lq > 0:
+            groups.setdefault((lq, lk), []).append(i)
+    for (lq, lk), segs in groups.items():
+        q_idx = _segment_index([cu_q[i] for i in segs], lq, q.device)
+        k_idx = _segment_index([cu_k[i] for i in segs], lk, q.device)
+        # (segments, len, heads, dim) -> (segments, heads, len, dim)
+        qs = q[q_idx].transpose(1, 2)
+        ks = k[k_idx].transpose(1, 2)
+        vs = v[k_idx].transpose(1, 2)
+        mask = None
+        if causal and lq != lk:
+            mask = causal_mask(lq, lk, q.device)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal and lq == lk,
+                                           enable_gqa=qs.shape[1] != ks.shape[1])
+        out[q_idx] = o.transpose(1, 2)
+    return out
+
+
+def _segment_index(starts: list[int], length: int, device: torch.device) -> torch.Tensor:
+    """(segments, length) token indices of equal-length segments starting at `starts`."""
+    return torch.tensor(starts, device=device)[:, None] + torch.arange(length, device=device)[None, :]
+
+
+def causal_mask(len_q: int, len_k: int, device: torch.device) -> torch.Tensor:
+    """Boolean (len_q, len_k) mask, True where query i may see key j (bottom-right aligned)."""
+    offset = len_k - len_q
+    return torch.arange(len_k, device=device)[None, :] <= (torch.arange(len_q, device=device)[:, None] + offset)
