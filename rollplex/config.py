@@ -1,0 +1,688 @@
+"""Configuration: one dataclass per section, loaded from YAML, overridden on the command line.
+
+Order of precedence (last wins):
+
+1. dataclass defaults below,
+2. the YAML file (``--config PATH``; default ``<repo>/configs/tiny.yaml``),
+3. command-line flags with dotted names, parsed by tyro (``--rollout.n 4``).
+
+Command-line syntax (tyro 1.0, ``use_underscores=True``; hyphens are accepted too)::
+
+    --rollout.n 4  --trainer.output_dir runs/x  --trainer.lr 1e-3
+    --parallel.freeze_vision            # bool on
+    --parallel.no_freeze_vision         # bool off
+    --schedule.share_prefix false       # also accepted (rewritten to the flag form)
+    --schedule.share_prefix=true
+    --data.train_files a.jsonl b.jsonl  # lists take several values
+    --data.train_files                  # empty list
+
+YAML is strict: unknown keys and wrongly typed values raise :class:`ConfigError` naming
+the dotted key and the file, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import re
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import yaml
+
+__all__ = [
+    "ConfigError",
+    "TinyModelConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "RolloutConfig",
+    "AlgorithmConfig",
+    "DataConfig",
+    "TrainerConfig",
+    "ScheduleConfig",
+    "LoggingConfig",
+    "Config",
+    "DEFAULT_CONFIG_PATH",
+    "load_config",
+    "load_config_file",
+    "config_from_dict",
+    "config_to_dict",
+    "save_config",
+]
+
+# The built-in default lives beside the package: <repo>/configs/tiny.yaml.
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+
+
+class ConfigError(ValueError):
+    """A bad configuration: unknown key, wrong type, invalid choice or missing file."""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+class _Section:
+    """Mixin: validates Literal choices and simple ranges right after construction.
+
+    Runs for every construction path (YAML, tyro, direct), so a bad value can never
+    reach the trainer. tyro turns the ValueError into a CLI error message.
+    """
+
+    _section: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            tp = _hints(type(self))[f.name]
+            if typing.get_origin(tp) is Literal:
+                choices = typing.get_args(tp)
+                value = getattr(self, f.name)
+                if value not in choices:
+                    raise ConfigError(
+                        f"{self._section}.{f.name}: {value!r} is not one of "
+                        f"{', '.join(map(str, choices))}"
+                    )
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        """Section-specific range checks; override where needed."""
+
+    def _require(self, ok: bool, name: str, what: str) -> None:
+        if not ok:
+            raise ConfigError(
+                f"{self._section}.{name} must be {what}, got {getattr(self, name)!r}"
+            )
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    # Annotations are strings (postponed evaluation); resolve them once per class.
+    return typing.get_type_hints(cls)
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class TinyModelConfig(_Section):
+    """Size of the tiny Qwen2.5-VL built from scratch when model.path is empty."""
+
+    _section: ClassVar[str] = "model.tiny"
+
+    hidden_size: int = 64
+    """Text decoder hidden size."""
+    num_layers: int = 2
+    """Text decoder layers."""
+    num_heads: int = 4
+    """Attention heads of the text decoder."""
+    num_kv_heads: int = 2
+    """Key/value heads of the text decoder (grouped-query attention)."""
+    intermediate_size: int = 128
+    """MLP width of the text decoder."""
+    vision_hidden_size: int = 32
+    """Vision encoder hidden size."""
+    vision_depth: int = 2
+    """Vision encoder blocks."""
+    vision_num_heads: int = 2
+    """Vision encoder attention heads."""
+    vocab: Literal["words", "bytes"] = "words"
+    """Tokenizer: 'words' = small word-level vocabulary (~64 tokens), 'bytes' = byte-level."""
+    seed: int = 0
+    """Seed for the random initial weights."""
+
+    def _check_ranges(self) -> None:
+        for name in (
+            "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+            "vision_hidden_size", "vision_depth", "vision_num_heads",
+        ):
+            self._require(getattr(self, name) >= 1, name, ">= 1")
+        self._require(
+            self.hidden_size % self.num_heads == 0,
+            "hidden_size", f"divisible by num_heads ({self.num_heads})",
+        )
+        self._require(
+            self.num_heads % self.num_kv_heads == 0,
+            "num_heads", f"divisible by num_kv_heads ({self.num_kv_heads})",
+        )
+        self._require(
+            self.vision_hidden_size % self.vision_num_heads == 0,
+            "vision_hidden_size", f"divisible by vision_num_heads ({self.vision_num_heads})",
+        )
+
+
+@dataclass
+class ModelConfig(_Section):
+    """Which model to train and how to hold it."""
+
+    _section: ClassVar[str] = "model"
+
+    path: str = ""
+    """Hugging Face Qwen2.5-VL directory. Empty: build the tiny model (model.tiny) into <trainer.output_dir>/tiny_model."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter and compute dtype."""
+    attn_backend: Literal["auto", "torch", "flash"] = "auto"
+    """Attention kernels: auto = flash-attn when available on GPU, else torch SDPA."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    """Tiny model built when model.path is empty."""
+
+
+@dataclass
+class ParallelConfig(_Section):
+    """How the trainer shards the model over ranks."""
+
+    _section: ClassVar[str] = "parallel"
+
+    dp_shard: int = -1
+    """FSDP data-parallel shard degree; -1 = world_size // tp."""
+    tp: int = 1
+    """Tensor-parallel degree of the trainer."""
+    activation_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    freeze_vision: bool = False
+    """Do not train the vision encoder."""
+    offload_optimizer: bool = False
+    """Keep optimizer state in host memory."""
+
+    def _check_ranges(self) -> None:
+        self._require(self.tp >= 1, "tp", ">= 1")
+        self._require(self.dp_shard == -1 or self.dp_shard >= 1, "dp_shard", "-1 or >= 1")
+
+
+@dataclass
+class RolloutConfig(_Section):
+    """Generation of responses (the rollout engine)."""
+
+    _section: ClassVar[str] = "rollout"
+
+    n: int = 8
+    """Responses sampled per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 = greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold; 1.0 = off."""
+    top_k: int = -1
+    """Top-k sampling; -1 = off."""
+    max_tokens: int = 16
+    """Maximum new tokens per response."""
+    tp: int = 1
+    """Tensor-parallel degree of the rollout engine."""
+    block_size: int = 16
+    """Tokens per paged KV-cache block."""
+    kv_cache_memory: float = 0.3
+    """KV-cache size: fraction of free device memory if <= 1, else bytes."""
+    max_num_seqs: int = 256
+    """Maximum sequences decoded at once."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs in decoding."""
+
+    def _check_ranges(self) -> None:
+        self._require(self.n >= 1, "n", ">= 1")
+        self._require(self.temperature >= 0, "temperature", ">= 0")
+        self._require(0 < self.top_p <= 1, "top_p", "in (0, 1]")
+        self._require(self.top_k == -1 or self.top_k >= 1, "top_k", "-1 or >= 1")
+        self._require(self.max_tokens >= 1, "max_tokens", ">= 1")
+        self._require(self.tp >= 1, "tp", ">= 1")
+        self._require(self.block_size >= 1, "block_size", ">= 1")
+        self._require(self.kv_cache_memory > 0, "kv_cache_memory", "> 0")
+        self._require(self.max_num_seqs >= 1, "max_num_seqs", ">= 1")
+
+
+@dataclass
+class AlgorithmConfig(_Section):
+    """The RL objective: advantages, clipping, loss aggregation, regularizers."""
+
+    _section: ClassVar[str] = "algorithm"
+
+    adv_estimator: Literal["grpo", "drgrpo"] = "grpo"
+    """Advantage estimator: grpo, or drgrpo (Dr. GRPO: no std normalization)."""
+    norm_adv_by_std: bool = True
+    """Divide group-centred rewards by the group std (grpo)."""
+    clip_low: float = 0.2
+    """PPO ratio clip below: 1 - clip_low."""
+    clip_high: float = 0.28
+    """PPO ratio clip above: 1 + clip_high (DAPO clip-higher)."""
+    clip_c: float = 3.0
+    """Dual-clip bound for negative advantages (must be > 1)."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """How per-token losses are averaged into the batch loss."""
+    kl_coef: float = 0.0
+    """KL penalty to the reference policy in the loss; 0 = off (no reference model kept)."""
+    kl_kind: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    updates_per_batch: int = 1
+    """Optimizer passes over each rollout batch (PPO epochs)."""
+    recompute_old_logprobs: bool = False
+    """Recompute old log-probs with the trainer instead of using the rollout's."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling cap for the rollout/trainer mismatch; 0 = off."""
+
+    def _check_ranges(self) -> None:
+        self._require(self.clip_low >= 0, "clip_low", ">= 0")
+        self._require(self.clip_high >= 0, "clip_high", ">= 0")
+        self._require(self.clip_c > 1, "clip_c", "> 1")
+        self._require(self.kl_coef >= 0, "kl_coef", ">= 0")
+        self._require(self.updates_per_batch >= 1, "updates_per_batch", ">= 1")
+        self._require(self.tis_cap >= 0, "tis_cap", ">= 0")
+
+
+@dataclass
+class DataConfig(_Section):
+    """Prompts, images/videos and the reward."""
+
+    _section: ClassVar[str] = "data"
+
+    task: str = "color"
+    """Built-in synthetic task, used when train_files is empty."""
+    train_files: list[str] = field(default_factory=list)
+    """Training files (jsonl/parquet); empty = use data.task."""
+    val_files: list[str] = field(default_factory=list)
+    """Validation files; empty = held-out samples of data.task."""
+    format: Literal["auto", "easyr1", "verl"] = "auto"
+    """Dataset layout: auto-detect, EasyR1 or verl."""
+    prompt_key: str = "problem"
+    """Column with the prompt text."""
+    answer_key: str = "answer"
+    """Column with the reference answer."""
+    image_key: str = "images"
+    """Column with the images."""
+    video_key: str = "videos"
+    """Column with the videos."""
+    max_prompt_length: int = 1024
+    """Longer prompts (in tokens, images included) are dropped."""
+    batch_size: int = 16
+    """Prompts per step (each gets rollout.n responses)."""
+    val_size: int = 64
+    """Validation prompts per evaluation."""
+    video_fps: float = 2.0
+    """Frames per second sampled from videos."""
+    reward: str = "exact_match"
+    """Reward function name."""
+    seed: int = 0
+    """Seed for shuffling and synthetic data."""
+
+    def _check_ranges(self) -> None:
+        self._require(self.max_prompt_length >= 1, "max_prompt_length", ">= 1")
+        self._require(self.batch_size >= 1, "batch_size", ">= 1")
+        self._require(self.val_size >= 0, "val_size", ">= 0")
+        self._require(self.video_fps > 0, "video_fps", "> 0")
+
+
+@dataclass
+class TrainerConfig(_Section):
+    """Optimization, checkpoints and evaluation."""
+
+    _section: ClassVar[str] = "trainer"
+
+    total_steps: int = 100
+    """Training steps (one rollout batch each)."""
+    output_dir: str = "runs/default"
+    """Directory for checkpoints, logs and the tiny model."""
+    lr: float = 1e-6
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """Learning-rate schedule after warm-up."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 = off."""
+    max_tokens_per_micro_batch: int = 8192
+    """Token budget of one forward/backward micro-batch."""
+    save_every: int = 0
+    """Save a checkpoint every this many steps; 0 = never."""
+    keep_last: int = 2
+    """Checkpoints kept on disk; 0 = keep all."""
+    eval_every: int = 0
+    """Evaluate every this many steps; 0 = never."""
+    seed: int = 0
+    """Global seed (torch, sampling)."""
+    device: str = "auto"
+    """auto, cpu, cuda or cuda:N."""
+    num_threads: int = 0
+    """torch CPU threads; 0 = leave torch's default."""
+    resume: bool = True
+    """Resume from the latest checkpoint in output_dir if there is one."""
+
+    def _check_ranges(self) -> None:
+        for name in ("total_steps", "warmup_steps", "save_every", "keep_last", "eval_every", "num_threads"):
+            self._require(getattr(self, name) >= 0, name, ">= 0")
+        self._require(self.lr >= 0, "lr", ">= 0")
+        self._require(self.weight_decay >= 0, "weight_decay", ">= 0")
+        self._require(self.grad_clip >= 0, "grad_clip", ">= 0")
+        self._require(self.max_tokens_per_micro_batch >= 1, "max_tokens_per_micro_batch", ">= 1")
+
+
+@dataclass
+class ScheduleConfig(_Section):
+    """How rollout and training share the devices."""
+
+    _section: ClassVar[str] = "schedule"
+
+    kind: Literal["serial", "overlap", "disagg"] = "serial"
+    """serial = generate then train; overlap = pipeline the two; disagg = separate rollout ranks."""
+    share_prefix: bool = True
+    """Compute the shared prompt prefix (image + prompt) once per group."""
+    rollout_ranks: int = 0
+    """Ranks dedicated to rollout (disagg only)."""
+    prefix_memory_budget: float = 0.0
+    """Memory for cached prefix hidden states: fraction if <= 1, else bytes; 0 = automatic."""
+
+    def _check_ranges(self) -> None:
+        self._require(self.rollout_ranks >= 0, "rollout_ranks", ">= 0")
+        self._require(self.prefix_memory_budget >= 0, "prefix_memory_budget", ">= 0")
+
+
+@dataclass
+class LoggingConfig(_Section):
+    """Where metrics go."""
+
+    _section: ClassVar[str] = "logging"
+
+    console: bool = True
+    """Print metrics to the console."""
+    jsonl: bool = True
+    """Append metrics to <trainer.output_dir>/metrics.jsonl."""
+    tensorboard: bool = False
+    """Write TensorBoard events to <trainer.output_dir>/tb."""
+    log_every: int = 1
+    """Log every this many steps."""
+
+    def _check_ranges(self) -> None:
+        self._require(self.log_every >= 1, "log_every", ">= 1")
+
+
+@dataclass
+class Config:
+    """The whole run configuration."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Which model to train and how to hold it."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How the trainer shards the model over ranks."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation of responses."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """The RL objective."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts, images/videos and the reward."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Optimization, checkpoints and evaluation."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """How rollout and training share the devices."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Where metrics go."""
+
+    def validate(self) -> None:
+        """Re-check every section (e.g. after code mutated fields)."""
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            section.validate()
+            for sub in dataclasses.fields(section):
+                value = getattr(section, sub.name)
+                if isinstance(value, _Section):
+                    value.validate()
+
+
+# --------------------------------------------------------------------------- dict / YAML
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(tp)))
+    if typing.get_origin(tp) is list:
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _check_value(value: Any, tp: Any, key: str, source: str) -> Any:
+    """Return `value` if it fits type `tp` (ints widened to float), else raise ConfigError."""
+
+    def bad() -> ConfigError:
+        got = "null" if value is None else f"{type(value).__name__} {value!r}"
+        return ConfigError(f"{key} in {source}: expected {_type_name(tp)}, got {got}")
+
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value not in typing.get_args(tp) or not isinstance(value, str):
+            raise bad()
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise bad()
+        (elem,) = typing.get_args(tp)
+        return [_check_value(v, elem, f"{key}[{i}]", source) for i, v in enumerate(value)]
+    # bool is a subclass of int: reject it for numeric fields so `n: true` is an error.
+    if tp is bool:
+        ok = isinstance(value, bool)
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif tp is str:
+        ok = isinstance(value, str)
+    else:  # a field type this loader does not know: a bug in this file, not in the YAML
+        raise TypeError(f"config field {key} has unsupported type {tp!r}")
+    if not ok:
+        raise bad()
+    return value
+
+
+def _build(cls: type, data: Any, prefix: str, source: str) -> Any:
+    """Construct dataclass `cls` from a mapping, strictly (see module docstring)."""
+    where = prefix or "top level"
+    if data is None:  # an empty section (`logging:` with everything commented out)
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} in {source}: expected a mapping, got {type(data).__name__} {data!r}")
+    hints = _hints(cls)
+    valid = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in valid:
+            msg = f"unknown key '{key}' in {source}. Valid keys of {where}: {', '.join(valid)}"
+            close = difflib.get_close_matches(str(k), valid, n=1)
+            if close:
+                msg += f". Did you mean '{prefix + '.' if prefix else ''}{close[0]}'?"
+            raise ConfigError(msg)
+        tp = hints[k]
+        if dataclasses.is_dataclass(tp):
+            kwargs[k] = _build(tp, v, key, source)
+        else:
+            kwargs[k] = _check_value(v, tp, key, source)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:  # range/choice checks in __post_init__: add the file
+        raise ConfigError(f"{e} (in {source})") from None
+
+
+def config_from_dict(d: dict | None, source: str = "<dict>") -> Config:
+    """Build a Config from a nested dict (e.g. parsed YAML); missing keys keep defaults.
+
+    `source` names where the dict came from (a file path) in error messages.
+    """
+    return _build(Config, d, "", source)
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """Nested plain dict of `cfg`; `config_from_dict(config_to_dict(cfg)) == cfg`."""
+    return dataclasses.asdict(cfg)
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that also reads `1e-3` as a float and rejects duplicate keys.
+
+    PyYAML follows YAML 1.1, where `1e-3` (no dot) is a *string*; in a config that
+    would turn `lr: 1e-3` into a type error. Duplicate keys would silently drop the
+    first block (e.g. two `trainer:` sections).
+    """
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _construct_mapping_no_dups(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        if key in seen:
+            raise ConfigError(f"duplicate key '{key}'{key_node.start_mark}")
+        seen.add(key)
+    return loader.construct_mapping(node)
+
+
+_YamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping_no_dups)
+
+
+def load_config_file(path: str | Path) -> Config:
+    """Load a YAML config file strictly; missing keys keep the dataclass defaults."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path} (resolved: {path.resolve()})")
+    source = str(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.load(f, Loader=_YamlLoader)  # noqa: S506 - SafeLoader subclass
+    except yaml.YAMLError as e:
+        raise ConfigError(f"cannot parse YAML in {source}: {e}") from None
+    return config_from_dict(data, source)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Write `cfg` as YAML that `load_config_file` reads back to an equal Config."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False, default_flow_style=False)
+
+
+# --------------------------------------------------------------------------- command line
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+def _pop_config_arg(argv: list[str]) -> tuple[str | None, list[str]]:
+    """Remove `--config PATH` / `--config=PATH` from argv; tyro never sees it."""
+    path: str | None = None
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--config" or a.startswith("--config="):
+            if path is not None:
+                raise ConfigError("--config given more than once")
+            if a == "--config":
+                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                    raise ConfigError("--config needs a path: --config PATH")
+                path = argv[i + 1]
+                i += 2
+                continue
+            path = a.split("=", 1)[1]
+            if not path:
+                raise ConfigError("--config needs a path: --config PATH")
+        else:
+            rest.append(a)
+        i += 1
+    return path, rest
+
+
+def _bool_fields(cls: type = Config, prefix: str = "") -> set[str]:
+    """Dotted names of all bool fields, e.g. {'parallel.freeze_vision', ...}."""
+    out: set[str] = set()
+    for name, tp in _hints(cls).items():
+        if name.startswith("_"):
+            continue
+        dotted = f"{prefix}{name}"
+        if dataclasses.is_dataclass(tp):
+            out |= _bool_fields(tp, dotted + ".")
+        elif tp is bool:
+            out.add(dotted)
+    return out
+
+
+def _rewrite_bool_values(args: list[str]) -> list[str]:
+    """Turn `--a.b true|false` and `--a.b=false` into tyro's `--a.b` / `--a.no_b` flags.
+
+    tyro 1.0 makes bools either flag pairs (default) or value options
+    (FlagConversionOff, which then *requires* a capitalized True/False). Rewriting
+    lets both styles work, and lower-case values like in the YAML file.
+    """
+    bools = _bool_fields()
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        name, eq, val = a[2:].partition("=") if a.startswith("--") else ("", "", "")
+        canon = name.replace("-", "_")
+        if canon in bools:
+            if eq:
+                value: str | None = val
+            elif i + 1 < len(args) and args[i + 1].lower() in _TRUE | _FALSE:
+                value = args[i + 1]
+                i += 1
+            else:
+                value = None  # plain flag: leave as is
+            if value is not None:
+                if value.lower() not in _TRUE | _FALSE:
+                    raise ConfigError(f"--{name}: expected true or false, got {value!r}")
+                section, _, leaf = canon.rpartition(".")
+                a = f"--{canon}" if value.lower() in _TRUE else f"--{section}.no_{leaf}"
+        out.append(a)
+        i += 1
+    return out
+
+
+def _description(source: str) -> str:
+    return (
+        "rollplex: RL post-training for vision-language models.\n\n"
+        "Values come from a YAML file; command-line options override them.\n"
+        "  --config PATH                       YAML config file (default: configs/tiny.yaml)\n"
+        f"                                      loaded now: {source}\n"
+        "  --rollout.n 4                       set any field by its dotted name\n"
+        "  --parallel.freeze_vision            bool on  (also: --parallel.freeze_vision true)\n"
+        "  --parallel.no_freeze_vision         bool off (also: --parallel.freeze_vision false)\n"
+        "  --data.train_files a.jsonl b.jsonl  lists take several values\n\n"
+        "Defaults shown below are the values after loading the YAML file."
+    )
+
+
+def load_config(argv: list[str] | None = None) -> Config:
+    """Load the config: YAML file (``--config PATH`` or configs/tiny.yaml), then CLI overrides.
+
+    `argv` defaults to ``sys.argv[1:]``. ``--help`` prints every option and raises
+    SystemExit(0); a bad command-line value makes tyro print an error and raise
+    SystemExit(2). Errors in the YAML file raise ConfigError.
+    """
+    import tyro  # imported here so that config_from_dict works without tyro's import cost
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    path, rest = _pop_config_arg(argv)
+    if path is not None:
+        base, source = load_config_file(path), str(path)
+    elif DEFAULT_CONFIG_PATH.is_file():
+        base, source = load_config_file(DEFAULT_CONFIG_PATH), str(DEFAULT_CONFIG_PATH)
+    else:  # e.g. installed as a wheel without the configs/ folder
+        base, source = Config(), "built-in dataclass defaults (configs/tiny.yaml not found)"
+    cfg = tyro.cli(
+        Config,
+        args=_rewrite_bool_values(rest),
+        default=base,
+        use_underscores=True,  # --trainer.output_dir, as in the YAML; hyphens still accepted
+        description=_description(source),
+    )
+    cfg.validate()
+    return cfg

@@ -1,0 +1,275 @@
+"""Tests for rollplex.config: YAML loading, CLI overrides, strict errors, --help."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rollplex.config import (
+    DEFAULT_CONFIG_PATH,
+    Config,
+    ConfigError,
+    RolloutConfig,
+    TinyModelConfig,
+    config_from_dict,
+    config_to_dict,
+    load_config,
+    load_config_file,
+    save_config,
+)
+
+SECTIONS = ["model", "parallel", "rollout", "algorithm", "data", "trainer", "schedule", "logging"]
+
+
+def write_yaml(path: Path, data: dict | str) -> Path:
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return path
+
+
+# ----------------------------------------------------------------------------- defaults
+
+
+def test_default_loads_tiny_yaml():
+    assert DEFAULT_CONFIG_PATH.is_file()
+    raw = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
+    assert list(raw) == SECTIONS
+
+    cfg = load_config([])
+    assert cfg.model.path == "" and cfg.model.dtype == "float32"
+    assert cfg.rollout.n == 8 and cfg.rollout.max_tokens == 8 and cfg.rollout.temperature == 1.0
+    assert cfg.algorithm.entropy_coef == 0.01 and cfg.algorithm.updates_per_batch == 2
+    assert cfg.algorithm.kl_coef == 0.0
+    assert cfg.data.task == "color" and cfg.data.batch_size == 16 and cfg.data.val_size == 64
+    t = cfg.trainer
+    assert (t.total_steps, t.lr, t.output_dir) == (60, 1e-3, "runs/tiny")
+    assert (t.eval_every, t.save_every, t.num_threads, t.grad_clip) == (10, 20, 1, 1.0)
+
+
+def test_tiny_yaml_lists_every_field():
+    # The default file doubles as a template, so it should stay complete.
+    raw = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
+
+    def keys(d: dict, prefix: str = "") -> set[str]:
+        out = set()
+        for k, v in d.items():
+            out |= keys(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k}
+        return out
+
+    assert keys(raw) == keys(config_to_dict(Config()))
+
+
+def test_dataclass_defaults():
+    cfg = Config()
+    assert cfg.parallel.dp_shard == -1 and cfg.rollout.n == 8 and cfg.trainer.lr == 1e-6
+    assert cfg.model.tiny == TinyModelConfig()
+    assert cfg.data.train_files == [] and cfg.data.train_files is not Config().data.train_files
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def test_cli_overrides_yaml():
+    cfg = load_config(["--rollout.n", "4", "--trainer.lr", "0.5"])
+    assert cfg.rollout.n == 4 and cfg.trainer.lr == 0.5
+    assert cfg.trainer.total_steps == 60  # untouched values still from YAML
+
+
+def test_cli_syntax_variants():
+    cfg = load_config([
+        "--trainer.output_dir", "out/x",
+        "--rollout.max-tokens", "5",               # hyphens accepted too
+        "--model.tiny.hidden_size=32",
+        "--data.train_files", "a.jsonl", "b.jsonl",
+        "--parallel.freeze_vision",
+        "--schedule.no_share_prefix",
+        "--logging.no-jsonl",
+        "--parallel.dp_shard", "-1",
+        "--algorithm.loss_agg_mode", "seq-mean-token-mean",
+    ])
+    assert cfg.trainer.output_dir == "out/x" and cfg.rollout.max_tokens == 5
+    assert cfg.model.tiny.hidden_size == 32
+    assert cfg.data.train_files == ["a.jsonl", "b.jsonl"]
+    assert cfg.parallel.freeze_vision is True
+    assert cfg.schedule.share_prefix is False and cfg.logging.jsonl is False
+    assert cfg.algorithm.loss_agg_mode == "seq-mean-token-mean"
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--schedule.share_prefix", "false"], False),
+        (["--schedule.share_prefix", "False"], False),
+        (["--schedule.share_prefix=no"], False),
+        (["--schedule.share-prefix", "0"], False),
+        (["--schedule.no_share_prefix", "--schedule.share_prefix", "true"], True),
+        (["--schedule.no_share_prefix", "--schedule.share_prefix=True"], True),
+    ],
+)
+def test_cli_bool_values(args, expected):
+    assert load_config(args).schedule.share_prefix is expected
+
+
+def test_cli_bool_bad_value():
+    with pytest.raises(ConfigError, match="share_prefix"):
+        load_config(["--schedule.share_prefix=maybe"])
+
+
+def test_cli_empty_list(tmp_path):
+    path = write_yaml(tmp_path / "c.yaml", {"data": {"train_files": ["x.jsonl"]}})
+    assert load_config(["--config", str(path), "--data.train_files"]).data.train_files == []
+
+
+@pytest.mark.parametrize("args", [["--rollout.n", "0"], ["--model.dtype", "fp8"], ["--rollout.nn", "3"]])
+def test_cli_bad_values_exit(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        load_config(args)
+    assert e.value.code != 0
+
+
+def test_config_flag(tmp_path):
+    path = write_yaml(tmp_path / "other.yaml", {"rollout": {"n": 3}, "trainer": {"lr": 2}})
+    for argv in (["--config", str(path)], [f"--config={path}"], ["--rollout.top_k", "5", "--config", str(path)]):
+        cfg = load_config(argv)
+        assert cfg.rollout.n == 3
+        assert cfg.trainer.lr == 2.0 and isinstance(cfg.trainer.lr, float)  # int accepted for float
+        assert cfg.trainer.total_steps == 100  # not in other.yaml: dataclass default, not tiny.yaml
+    assert load_config(["--config", str(path), "--rollout.n", "6"]).rollout.n == 6
+
+
+def test_missing_config_file(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match="nope.yaml"):
+        load_config(["--config", str(missing)])
+    with pytest.raises(ConfigError, match="needs a path"):
+        load_config(["--config"])
+
+
+# ----------------------------------------------------------------------------- YAML errors
+
+
+@pytest.mark.parametrize(
+    "data, key, valid",
+    [
+        ({"rollouts": {"n": 2}}, "rollouts", "rollout"),
+        ({"rollout": {"nn": 2}}, "rollout.nn", "max_num_seqs"),
+        ({"model": {"tiny": {"bogus": 1}}}, "model.tiny.bogus", "vision_depth"),
+    ],
+)
+def test_unknown_key(tmp_path, data, key, valid):
+    path = write_yaml(tmp_path / "bad.yaml", data)
+    with pytest.raises(ConfigError) as e:
+        load_config(["--config", str(path)])
+    msg = str(e.value)
+    assert f"'{key}'" in msg and str(path) in msg and valid in msg
+
+
+def test_unknown_key_suggests():
+    with pytest.raises(ConfigError, match="Did you mean 'rollout.n'"):
+        config_from_dict({"rollout": {"nn": 2}}, "x.yaml")
+
+
+@pytest.mark.parametrize(
+    "data, key, expected",
+    [
+        ({"rollout": {"n": "eight"}}, "rollout.n", "expected int"),
+        ({"rollout": {"n": 2.5}}, "rollout.n", "expected int"),
+        ({"rollout": {"n": True}}, "rollout.n", "expected int"),
+        ({"trainer": {"lr": "fast"}}, "trainer.lr", "expected float"),
+        ({"parallel": {"freeze_vision": "yes please"}}, "parallel.freeze_vision", "expected bool"),
+        ({"data": {"train_files": "a.jsonl"}}, "data.train_files", "expected list[str]"),
+        ({"data": {"train_files": ["a", 3]}}, "data.train_files[1]", "expected str"),
+        ({"model": {"path": None}}, "model.path", "expected str"),
+        ({"rollout": 3}, "rollout", "expected a mapping"),
+    ],
+)
+def test_wrong_type(tmp_path, data, key, expected):
+    path = write_yaml(tmp_path / "bad.yaml", data)
+    with pytest.raises(ConfigError) as e:
+        load_config_file(path)
+    msg = str(e.value)
+    assert key in msg and str(path) in msg and expected in msg
+
+
+@pytest.mark.parametrize(
+    "data, key",
+    [
+        ({"model": {"dtype": "fp32"}}, "model.dtype"),
+        ({"model": {"attn_backend": "xformers"}}, "model.attn_backend"),
+        ({"model": {"tiny": {"vocab": "bpe"}}}, "model.tiny.vocab"),
+        ({"algorithm": {"adv_estimator": "ppo"}}, "algorithm.adv_estimator"),
+        ({"algorithm": {"loss_agg_mode": "sum"}}, "algorithm.loss_agg_mode"),
+        ({"algorithm": {"kl_kind": "k4"}}, "algorithm.kl_kind"),
+        ({"trainer": {"lr_schedule": "linear"}}, "trainer.lr_schedule"),
+        ({"schedule": {"kind": "async"}}, "schedule.kind"),
+        ({"data": {"format": "csv"}}, "data.format"),
+    ],
+)
+def test_invalid_choice(data, key):
+    with pytest.raises(ConfigError, match=rf"{key}.*one of"):
+        config_from_dict(data, "x.yaml")
+
+
+def test_invalid_choice_direct_construction():
+    # __post_init__ validates however the object is built.
+    with pytest.raises(ConfigError, match="model.tiny.vocab"):
+        TinyModelConfig(vocab="bpe")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="rollout.top_p"):
+        RolloutConfig(top_p=0.0)
+
+
+def test_range_error_names_file():
+    with pytest.raises(ConfigError, match=r"rollout.n must be >= 1.*x.yaml"):
+        config_from_dict({"rollout": {"n": 0}}, "x.yaml")
+
+
+def test_yaml_float_exponent_and_empty_section(tmp_path):
+    # PyYAML alone reads `1e-3` as a string; the loader reads it as a float.
+    path = write_yaml(tmp_path / "c.yaml", "trainer:\n  lr: 1e-3\nlogging:\n")
+    cfg = load_config_file(path)
+    assert cfg.trainer.lr == 1e-3 and cfg.logging == Config().logging
+
+
+def test_yaml_duplicate_key(tmp_path):
+    path = write_yaml(tmp_path / "c.yaml", "trainer:\n  lr: 1.0\ntrainer:\n  seed: 3\n")
+    with pytest.raises(ConfigError, match="duplicate key 'trainer'"):
+        load_config_file(path)
+
+
+def test_empty_yaml_file(tmp_path):
+    assert load_config_file(write_yaml(tmp_path / "c.yaml", "")) == Config()
+
+
+# ----------------------------------------------------------------------------- help, round trip
+
+
+def test_help_lists_options_with_descriptions(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # keep option names and descriptions on one line
+    with pytest.raises(SystemExit) as e:
+        load_config(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for text in [
+        "--config PATH",
+        "--rollout.n",
+        "Responses sampled per prompt",
+        "--trainer.output_dir",
+        "Directory for checkpoints",
+        "--model.tiny.hidden_size",
+        "--parallel.freeze_vision",
+        "--data.train_files",
+        "{grpo,drgrpo}",
+    ]:
+        assert text in out, text
+
+
+def test_dict_round_trip(tmp_path):
+    cfg = load_config(["--rollout.n", "3", "--data.train_files", "a", "b", "--model.tiny.vocab", "bytes"])
+    d = config_to_dict(cfg)
+    assert list(d) == SECTIONS
+    assert config_from_dict(d, "dict") == cfg
+    assert config_from_dict(yaml.safe_load(yaml.safe_dump(d)), "yaml") == cfg
+    save_config(cfg, tmp_path / "sub" / "config.yaml")
+    assert load_config_file(tmp_path / "sub" / "config.yaml") == cfg
+    assert load_config(["--config", str(tmp_path / "sub" / "config.yaml")]) == cfg
