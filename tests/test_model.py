@@ -27,7 +27,7 @@ def tiny_args(tie: bool = False, window_size: int = 56) -> ModelArgs:
         text=TextArgs(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, mrope_section=[2, 3, 3], rope_theta=10000.0),
         tie_word_embeddings=tie, image_token_id=IMG, video_token_id=VID, vision_start_token_id=VSTART,
-        vision_end_token_id=VEND, eos_token_id=94)
+        vision_end_token_id=VEND, eos_token_id=94, bos_token_id=95)
 
 
 def make_pair(tmp_path_factory, **kw):

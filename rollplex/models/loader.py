@@ -70,9 +70,10 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArgs:
         if "out_hidden_size" not in vision:
             vision_args.out_hidden_size = text_args.hidden_size
         top = {k: cfg[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
-                                   "vision_end_token_id", "eos_token_id") if k in cfg}
-        if "eos_token_id" not in top and "eos_token_id" in text:
-            top["eos_token_id"] = text["eos_token_id"]
+                                   "vision_end_token_id", "eos_token_id", "bos_token_id") if k in cfg}
+        for k in ("eos_token_id", "bos_token_id"):
+            if k not in top and k in text:
+                top[k] = text[k]
         args = ModelArgs(vision=vision_args, text=text_args, tie_word_embeddings=bool(tie), **top)
     except TypeError as e:
         raise CheckpointError(f"{source}: {e}") from e
@@ -108,6 +109,7 @@ def hf_config_from_args(args: ModelArgs) -> dict:
         "vision_start_token_id": args.vision_start_token_id,
         "vision_end_token_id": args.vision_end_token_id,
         "eos_token_id": args.eos_token_id,
+        "bos_token_id": args.bos_token_id,
         "use_sliding_window": False,
         "attention_dropout": 0.0,
         "torch_dtype": "bfloat16",

@@ -73,6 +73,7 @@ class ModelArgs:
     vision_start_token_id: int = 151652
     vision_end_token_id: int = 151653
     eos_token_id: int | list[int] | None = 151645
+    bos_token_id: int | None = 151643
 
     @property
     def rope_spec(self) -> RopeIndexSpec:
@@ -340,10 +341,10 @@ class Qwen2_5_VL(nn.Module):
         """Run the vision tower on a prompt's (or batch's) images and videos."""
         embeds = VisionEmbeds()
         if pixel_values is not None:
-            _check_pixels(pixel_values, image_grid_thw, self.args.vision, "image")
+            check_pixels(pixel_values, image_grid_thw, self.args.vision, "image")
             embeds.image = self.visual(pixel_values, image_grid_thw)
         if pixel_values_videos is not None:
-            _check_pixels(pixel_values_videos, video_grid_thw, self.args.vision, "video")
+            check_pixels(pixel_values_videos, video_grid_thw, self.args.vision, "video")
             embeds.video = self.visual(pixel_values_videos, video_grid_thw)
         return embeds
 
@@ -400,7 +401,7 @@ class Qwen2_5_VL(nn.Module):
         return out
 
 
-def _check_pixels(pixels: torch.Tensor, grid_thw: torch.Tensor | None, args: VisionArgs, kind: str) -> None:
+def check_pixels(pixels: torch.Tensor, grid_thw: torch.Tensor | None, args: VisionArgs, kind: str) -> None:
     if grid_thw is None:
         raise ValueError(f"{kind} pixels were given without their {kind}_grid_thw")
     if grid_thw.ndim != 2 or grid_thw.shape[1] != 3:

@@ -136,3 +136,37 @@ def causal_mask(len_q: int, len_k: int, device: torch.device) -> torch.Tensor:
     """Boolean (len_q, len_k) mask, True where query i may see key j (bottom-right aligned)."""
     offset = len_k - len_q
     return torch.arange(len_k, device=device)[None, :] <= (torch.arange(len_q, device=device)[:, None] + offset)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    backend: str = "torch",
+) -> torch.Tensor:
+    """One new query token per sequence over its paged context.
+
+    q: (batch, q_heads, head_dim); k_cache/v_cache: (blocks, block_size, kv_heads,
+    head_dim); block_tables: (batch, max_blocks) int32; context_lens: (batch,)
+    tokens of context including the new one (already stored). No host sync and
+    fixed shapes, so the call can be captured in a CUDA graph.
+
+    The torch path gathers each sequence's pages into a padded tensor: right on
+    CPU and as the reference, but it copies the context on every step; flash-attn's
+    kernel reads the pages in place (its paged KV needs block_size % 256 == 0).
+    """
+    if backend == "flash":
+        from flash_attn import flash_attn_with_kvcache
+
+        return flash_attn_with_kvcache(q[:, None], k_cache, v_cache, cache_seqlens=context_lens,
+                                       block_table=block_tables, causal=True)[:, 0]
+    batch, max_blocks = block_tables.shape
+    block_size, kv_heads, head_dim = k_cache.shape[1:]
+    k = k_cache[block_tables].view(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
+    v = v_cache[block_tables].view(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
+    visible = torch.arange(max_blocks * block_size, device=q.device)[None, :] < context_lens[:, None]
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=visible[:, None, None, :],
+                                         enable_gqa=q.shape[1] != kv_heads)
+    return out[:, :, 0]

@@ -1,0 +1,167 @@
+"""Every GPU-only check of Rollplex in one run, with a JSON report.
+
+    python tools/gpu_check.py --out $OUT/gpu_check.json
+
+Each check is a function returning a dict of figures; a check that raises is
+recorded as failed with its error and the run goes on. The whole run is sized
+to finish in under 8 minutes on one GPU. Later components add their checks to
+CHECKS. The exit status is non-zero when any check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from rollplex.models import ModelArgs, TextArgs, VisionArgs, build_model, from_pretrained, save_pretrained  # noqa: E402
+from rollplex.models.packing import SequenceInputs, pack_sequences  # noqa: E402
+
+
+def _tiny_args() -> ModelArgs:
+    return ModelArgs(
+        vision=VisionArgs(depth=4, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=128,
+                          window_size=112, fullatt_block_indexes=[1, 3], tokens_per_second=2),
+        text=TextArgs(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, mrope_section=[2, 3, 3], rope_theta=1e6),
+        image_token_id=500, video_token_id=501, vision_start_token_id=502, vision_end_token_id=503,
+        eos_token_id=504, bos_token_id=505)
+
+
+def _multimodal_prompt(args: ModelArgs, device: str, image_hw=(28, 40), video_thw=(4, 16, 16), seed: int = 0):
+    """Token ids with one image and one video, random pixels, as a processor would produce."""
+    g = torch.Generator().manual_seed(seed)
+    row = 3 * args.vision.temporal_patch_size * args.vision.patch_size**2
+    merge2 = args.vision.spatial_merge_size**2
+    ig = torch.tensor([[1, *image_hw]])
+    vg = torch.tensor([video_thw])
+    ni, nv = int(ig.prod()) // merge2, int(vg.prod()) // merge2
+    vs, ve, img, vid = args.vision_start_token_id, args.vision_end_token_id, args.image_token_id, args.video_token_id
+    ids = [1, 2, vs] + [img] * ni + [ve, 3, vs] + [vid] * nv + [ve] + list(range(10, 60))
+    return SequenceInputs(torch.tensor(ids, device=device),
+                          pixel_values=torch.randn(int(ig.prod()), row, generator=g).to(device),
+                          image_grid_thw=ig.to(device),
+                          pixel_values_videos=torch.randn(int(vg.prod()), row, generator=g).to(device),
+                          video_grid_thw=vg.to(device), second_per_grid_ts=torch.tensor([0.5], device=device))
+
+
+def check_model_parity_bf16(device: str) -> dict:
+    """Rollplex vs transformers on CUDA in bf16, both measured against an fp32 reference."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    args = _tiny_args()
+    with tempfile.TemporaryDirectory() as d:
+        save_pretrained(build_model(args, seed=0), d)
+        hf32 = Qwen2_5_VLForConditionalGeneration.from_pretrained(d, dtype=torch.float32).to(device).eval()
+        hf16 = Qwen2_5_VLForConditionalGeneration.from_pretrained(d, dtype=torch.bfloat16).to(device).eval()
+        ours32 = from_pretrained(d, dtype=torch.float32, device=device)
+        ours16 = from_pretrained(d, dtype=torch.bfloat16, device=device)
+    seq = _multimodal_prompt(args, device, video_thw=(2, 16, 16))
+    kw = dict(pixel_values=seq.pixel_values, image_grid_thw=seq.image_grid_thw,
+              pixel_values_videos=seq.pixel_values_videos, video_grid_thw=seq.video_grid_thw,
+              second_per_grid_ts=seq.second_per_grid_ts)
+    ids = seq.input_ids[None]
+    positions = pack_sequences(args, [seq]).position_ids[:, None, :]
+    mm = (ids == args.image_token_id).long() + 2 * (ids == args.video_token_id).long()
+    with torch.no_grad():
+        ref = hf32(input_ids=ids, position_ids=positions, mm_token_type_ids=mm, **kw).logits.float()
+        hf_bf16 = hf16(input_ids=ids, position_ids=positions, mm_token_type_ids=mm, **kw).logits.float()
+        ours_fp32 = ours32.hf_forward(ids, **kw).float()
+        ours_bf16 = ours16.hf_forward(ids, **kw).float()
+    fp32_err = (ours_fp32 - ref).abs().max().item()
+    ours_err = (ours_bf16 - ref).abs().max().item()
+    hf_err = (hf_bf16 - ref).abs().max().item()
+    ok = fp32_err < 1e-3 and ours_err <= 2 * hf_err + 1e-2
+    return {"ok": ok, "fp32_max_abs_diff": fp32_err, "bf16_ours_vs_fp32": ours_err, "bf16_hf_vs_fp32": hf_err}
+
+
+def check_forward_timing(device: str) -> dict:
+    """Packed training-shaped forward of a 3B-shaped model (random weights) in bf16."""
+    args = ModelArgs(vision=VisionArgs(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                                       out_hidden_size=2048, fullatt_block_indexes=[7, 15, 23, 31]),
+                     text=TextArgs())  # Qwen2.5-VL-3B shapes
+    model = build_model(args, dtype=torch.bfloat16, device=device, seed=0)
+    model.set_attn_backend("auto")
+    seqs = [_multimodal_prompt(args, device, image_hw=(28, 28), video_thw=(8, 28, 28), seed=i) for i in range(8)]
+    batch = pack_sequences(args, seqs)
+    tokens = int(batch.input_ids.numel())
+    with torch.no_grad():
+        model.forward_packed(batch)  # warm-up
+        _sync(device)
+        t0 = time.perf_counter()
+        iters = 5
+        for _ in range(iters):
+            model.forward_packed(batch)
+        _sync(device)
+    dt = (time.perf_counter() - t0) / iters
+    return {"ok": True, "attn_backend": model.attn_backend, "tokens": tokens, "forward_s": dt,
+            "tokens_per_s": tokens / dt, "note": "random weights; timing only"}
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+CHECKS = {
+    "model_parity_bf16": check_model_parity_bf16,
+    "forward_timing_3b": check_forward_timing,
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="gpu_check.json", help="where to write the JSON report")
+    parser.add_argument("--only", nargs="*", help="run only these checks")
+    parser.add_argument("--device", default="cuda",
+                        help="cuda; 'cpu' only dry-runs the script's own logic (CI does this for cheap checks)")
+    opts = parser.parse_args()
+    if opts.device.startswith("cuda") and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device; nothing to check", file=sys.stderr)
+        return 2
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if opts.device.startswith("cuda") else "cpu (dry run)",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": __import__("transformers").__version__,
+        "python": platform.python_version(),
+        "commit": commit,
+        "checks": {},
+    }
+    for name, fn in CHECKS.items():
+        if opts.only and name not in opts.only:
+            continue
+        t0 = time.perf_counter()
+        try:
+            result = fn(opts.device)
+        except Exception as e:  # a failed check is recorded, the others still run
+            result = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        result["seconds"] = round(time.perf_counter() - t0, 2)
+        report["checks"][name] = result
+        print(f"{name}: {'ok' if result.get('ok') else 'FAILED'} {json.dumps(result)[:400]}", flush=True)
+        if opts.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(opts.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"report written to {opts.out}")
+    return 0 if all(r.get("ok") for r in report["checks"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
