@@ -1,0 +1,248 @@
+"""The decode engine: generate(requests) -> sampled tokens with their logprobs.
+
+The loop, readable in one sitting: schedule a step (prefill or decode), run
+the model for it, sample, then postprocess (fork a group's children after its
+prompt's prefill, append tokens, finish and free sequences).
+
+The engine runs on the model it is given and never copies its weights: in the
+RL loop those weights belong to the trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from rollplex.engine.block_manager import BlockManager
+from rollplex.engine.kv_cache import KVCache
+from rollplex.engine.runner import ModelRunner
+from rollplex.engine.sampler import SamplingParams, sample
+from rollplex.engine.scheduler import Scheduler
+from rollplex.engine.sequence import PromptState, Request, RequestOutput, Sample, Sequence
+from rollplex.models.qwen2_5_vl import Qwen2_5_VL, check_pixels, mrope_for
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    kv_cache_memory: float = 0.3  # <= 1: fraction of free device memory; > 1: bytes
+    num_blocks: int | None = None  # set the pool size directly (overrides kv_cache_memory)
+    max_num_seqs: int = 256  # sequences decoding at once (and the largest CUDA-graph batch)
+    max_num_batched_tokens: int = 16384  # prefill tokens per step (a longer prompt runs alone)
+    max_model_len: int = 8192  # prompt + generation, capped by the model's max_position_embeddings
+    enforce_eager: bool = False  # no CUDA graphs
+    progress: bool = True  # progress line on stderr for long generations (rank 0)
+
+    def __post_init__(self):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"EngineConfig.kv_cache_memory must be > 0, got {self.kv_cache_memory}")
+
+
+class Engine:
+    def __init__(self, model: Qwen2_5_VL, config: EngineConfig | None = None):
+        self.model, self.config = model, config or EngineConfig()
+        cfg, text = self.config, model.args.text
+        self.max_model_len = min(cfg.max_model_len, text.max_position_embeddings)
+        self.device = model.device
+        self.dtype = model.language_model.embed_tokens.weight.dtype
+        # Read the KV width off the weights: under tensor parallelism k_proj holds this rank's heads only.
+        k_proj = model.language_model.layers[0].self_attn.k_proj.weight
+        kv_heads = _local_rows(k_proj) // text.head_dim
+        self.cache = KVCache(text.num_hidden_layers, self._num_blocks(kv_heads), cfg.block_size, kv_heads,
+                             text.head_dim, self.dtype, self.device)
+        self.runner = ModelRunner(model, self.cache, self.max_model_len, cfg.max_num_seqs,
+                                  use_cuda_graphs=not cfg.enforce_eager)
+        eos = model.args.eos_token_id
+        self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.stats: dict[str, int] = {}
+
+    def _num_blocks(self, kv_heads: int) -> int:
+        cfg, text = self.config, self.model.args.text
+        per_block = KVCache.bytes_per_block(text.num_hidden_layers, cfg.block_size, kv_heads, text.head_dim,
+                                            self.dtype)
+        useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)  # more could never be used
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks
+        budget = cfg.kv_cache_memory if cfg.kv_cache_memory > 1 else cfg.kv_cache_memory * _free_memory(self.device)
+        return max(1, min(useful, int(budget) // per_block))
+
+    # ------------------------------------------------------------------ memory between phases
+
+    def release_kv(self) -> None:
+        """Free the KV pool (before the training phase); `generate` allocates it again."""
+        self.cache.release()
+
+    # ------------------------------------------------------------------ generate
+
+    def generate(self, requests: list[Request], params: SamplingParams | None = None) -> list[RequestOutput]:
+        params = params or SamplingParams()
+        prompts = [self._prepare(i, r, params) for i, r in enumerate(requests)]
+        self.cache.allocate()
+        blocks = BlockManager(self.cache.num_blocks, self.cache.block_size)
+        scheduler = Scheduler(blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        for p in prompts:
+            scheduler.add(Sequence(p, -1, list(p.request.prompt_ids)))
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
+        progress = _Progress(len(requests), enabled=self.config.progress and _is_rank0())
+        while scheduler.has_work():
+            step = scheduler.schedule()
+            self.stats["steps"] += 1
+            if step.is_prefill:
+                slots = [blocks.slots(s.block_table, 0, len(s)) for s in step.seqs]
+                logits = self.runner.prefill(step.seqs, slots)
+                self.stats["prefill_tokens"] += sum(len(s) for s in step.seqs)
+                finished = self._after_prefill(step.seqs, logits, blocks, scheduler, params, stop_ids)
+            else:
+                self.cache.copy_blocks(step.copies)
+                logits = self.runner.decode(step.seqs, step.slots)
+                self.stats["decode_tokens"] += len(step.seqs)
+                tokens, logprobs = self._sample(logits, step.seqs, params)
+                finished = [s for s, t, lp in zip(step.seqs, tokens, logprobs)
+                            if self._append(s, t, lp, params, stop_ids)]
+                for s in finished:
+                    scheduler.finish(s)
+            progress.update(sum(p.samples.count(None) == 0 for p in prompts), self.stats["decode_tokens"])
+        progress.close()
+        self.stats["preemptions"] = scheduler.num_preemptions
+        assert blocks.num_free == self.cache.num_blocks, "KV blocks leaked"
+        return [RequestOutput(list(p.request.prompt_ids), list(p.samples), p.vision, p.rope_delta) for p in prompts]
+
+    def _prepare(self, index: int, r: Request, params: SamplingParams) -> PromptState:
+        """Validate a request up front (bad input fails before any work starts)."""
+        if r.n < 1:
+            raise ValueError(f"request {index}: n must be >= 1, got {r.n}")
+        if not r.prompt_ids:
+            raise ValueError(f"request {index}: empty prompt")
+        if len(r.prompt_ids) >= self.max_model_len:
+            raise ValueError(f"request {index}: prompt of {len(r.prompt_ids)} tokens does not fit the model's "
+                             f"maximum length {self.max_model_len} (with room for one generated token)")
+        vision = self.model.args.vision
+        if r.pixel_values is not None:
+            check_pixels(r.pixel_values, r.image_grid_thw, vision, "image")
+        if r.pixel_values_videos is not None:
+            check_pixels(r.pixel_values_videos, r.video_grid_thw, vision, "video")
+        ids = torch.tensor(r.prompt_ids, device=self.device)
+        try:
+            positions, delta = mrope_for(self.model.args, ids, _on(r.image_grid_thw, self.device),
+                                         _on(r.video_grid_thw, self.device), r.second_per_grid_ts)
+        except ValueError as e:
+            raise ValueError(f"request {index}: {e}") from None
+        longest = min(len(r.prompt_ids) + params.max_tokens, self.max_model_len)
+        needed = -(-longest // self.cache.block_size)
+        if needed > self.cache.num_blocks:
+            raise ValueError(f"the KV pool ({self.cache.num_blocks} blocks of {self.cache.block_size} tokens) cannot "
+                             f"hold one sequence of request {index} ({longest} tokens, {needed} blocks); raise "
+                             "kv_cache_memory / num_blocks or lower max_tokens")
+        base = params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
+        seeds = [_mix_seed(base, index, j) for j in range(r.n)]
+        return PromptState(index, r, positions, delta, seeds, samples=[None] * r.n)
+
+    def _after_prefill(self, seqs, logits, blocks, scheduler, params, stop_ids) -> list[Sequence]:
+        """Sample the next token of every prefilled sequence. A group's prompt
+        gives each of its n children a first token, then the children take over
+        its blocks (shared, copy-on-write on the last partial one)."""
+        rows, owners = [], []
+        for i, s in enumerate(seqs):
+            for j in (range(s.prompt.request.n) if s.is_group_prompt else [s.sample_index]):
+                rows.append(i)
+                owners.append((s, j))
+        row_logits = logits[torch.tensor(rows, device=logits.device)]
+        children = [Sequence(s.prompt, j, list(s.token_ids), blocks.fork(s.block_table), list(s.logprobs))
+                    if s.is_group_prompt else s for s, j in owners]
+        for s in seqs:
+            if s.is_group_prompt:
+                blocks.free(s.block_table)
+        tokens, logprobs = self._sample(row_logits, children, params)
+        finished = []
+        for child, t, lp in zip(children, tokens, logprobs):
+            if self._append(child, t, lp, params, stop_ids):
+                blocks.free(child.block_table)
+                finished.append(child)
+            else:
+                scheduler.start([child])
+        return finished
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], params: SamplingParams):
+        dev, n = logits.device, len(seqs)
+        tokens, logprobs = sample(
+            logits,
+            torch.full((n,), params.temperature, device=dev),
+            torch.full((n,), params.top_p, device=dev),
+            torch.full((n,), params.top_k, dtype=torch.long, device=dev),
+            torch.tensor([s.prompt.seeds[s.sample_index] for s in seqs], dtype=torch.long, device=dev),
+            torch.tensor([len(s) for s in seqs], dtype=torch.long, device=dev),
+        )
+        return tokens.tolist(), logprobs.tolist()
+
+    def _append(self, seq: Sequence, token: int, logprob: float, params: SamplingParams, stop_ids: set[int]) -> bool:
+        """Append a sampled token; record the sample and return True when the sequence is done."""
+        seq.token_ids.append(token)
+        seq.logprobs.append(logprob)
+        if token in stop_ids:
+            reason = "stop"
+        elif seq.num_generated >= params.max_tokens or len(seq) >= self.max_model_len:
+            reason = "length"
+        else:
+            return False
+        seq.prompt.samples[seq.sample_index] = Sample(seq.token_ids[seq.num_prompt:], seq.logprobs, reason)
+        return True
+
+
+def _mix_seed(*values: int) -> int:
+    """A 63-bit seed from several integers (splitmix64 steps), so each child of each
+    request gets its own stream from one user seed."""
+    x = 0x9E3779B97F4A7C15
+    for v in values:
+        x = (x ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        x = (x ^ (x >> 31)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+    return x >> 1
+
+
+def _local_rows(weight: torch.Tensor) -> int:
+    return weight.to_local().shape[0] if hasattr(weight, "to_local") else weight.shape[0]
+
+
+def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
+
+
+def _free_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _is_rank0() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+class _Progress:
+    """A one-line progress display (requests done, output tokens/s) for generations
+    that last more than a couple of seconds, on an interactive stderr."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled = total, enabled and sys.stderr.isatty()
+        self.start = self.last = time.perf_counter()
+        self.shown = False
+
+    def update(self, done: int, tokens: int) -> None:
+        now = time.perf_counter()
+        if not self.enabled or now - self.last < 0.5 or now - self.start < 2.0:
+            return
+        self.last, self.shown = now, True
+        rate = tokens / (now - self.start)
+        sys.stderr.write(f"\rgenerate: {done}/{self.total} requests, {rate:,.0f} tok/s ")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.shown:
+            sys.stderr.write("\n")

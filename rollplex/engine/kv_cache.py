@@ -1,0 +1,98 @@
+"""The paged KV pool and the attention backend that reads and writes it.
+
+One tensor holds every layer's keys and values, cut into blocks of
+`block_size` tokens: shape (layers, 2, blocks, block_size, kv_heads, head_dim).
+A sequence owns a list of block ids (its block table, kept by the block
+manager); token i of the sequence lives in slot
+table[i // block_size] * block_size + i % block_size of every layer.
+
+The pool is sized from a byte budget and can be released: in the RL loop it
+exists only during rollout and is freed before the training passes.
+
+One extra block at the end is a sink: the padded rows of a CUDA-graph decode
+batch write their (discarded) keys there, so the graph never needs a branch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rollplex.ops.attention import paged_decode_attention, varlen_attention
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        if num_blocks < 1:
+            raise ValueError(f"a KV pool needs at least one block, got {num_blocks}")
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, torch.device(device)
+        self.sink_block = num_blocks
+        self.data: torch.Tensor | None = None
+        self.allocate()
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return num_layers * 2 * block_size * kv_heads * head_dim * dtype.itemsize
+
+    def allocate(self) -> None:
+        if self.data is None:
+            # empty, not zeros: slots are always written before they are read.
+            self.data = torch.empty(self.num_layers, 2, self.num_blocks + 1, self.block_size, self.kv_heads,
+                                    self.head_dim, dtype=self.dtype, device=self.device)
+
+    def release(self) -> None:
+        """Free the pool's memory (the RL loop does this before training)."""
+        self.data = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.data is None else self.data.numel() * self.data.element_size()
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) of layer i, each (blocks + 1, block_size, kv_heads, head_dim)."""
+        assert self.data is not None, "the KV pool was released"
+        return self.data[i, 0], self.data[i, 1]
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate the KV of each src block into dst, in every layer."""
+        if copies:
+            src = torch.tensor([s for s, _ in copies], device=self.device)
+            dst = torch.tensor([d for _, d in copies], device=self.device)
+            self.data[:, :, dst] = self.data[:, :, src]
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write new tokens' k/v (tokens, kv_heads, head_dim) at their flat slots."""
+    k_cache.view(-1, *k.shape[1:])[slot_mapping] = k
+    v_cache.view(-1, *v.shape[1:])[slot_mapping] = v
+
+
+@dataclass
+class PagedAttention:
+    """Attention backend of the engine's model calls.
+
+    Prefill (`block_tables` is None): the packed new tokens of each sequence
+    attend to themselves, causally; their k/v are stored in the pool on the way.
+    Decode: one new token per sequence attends to its whole context in the pool
+    through its block table.
+    """
+
+    cache: KVCache
+    slot_mapping: torch.Tensor  # (tokens,) flat slot of every new token
+    cu_seqlens: torch.Tensor | None = None  # prefill: sequence boundaries of the packed tokens
+    max_seqlen: int = 0
+    block_tables: torch.Tensor | None = None  # decode: (batch, max_blocks) int32
+    context_lens: torch.Tensor | None = None  # decode: (batch,) int32, including the new token
+    backend: str = "torch"
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self.cache.layer(layer)
+        store_kv(k_cache, v_cache, k, v, self.slot_mapping)
+        if self.block_tables is None:
+            return varlen_attention(q, k, v, self.cu_seqlens, self.cu_seqlens, self.max_seqlen, self.max_seqlen,
+                                    causal=True, backend=self.backend)
+        return paged_decode_attention(q, k_cache, v_cache, self.block_tables, self.context_lens, self.backend)

@@ -1,0 +1,136 @@
+"""Runs the model for one engine step: prepare inputs, run, return last-token logits.
+
+Prefill packs the step's sequences end to end (no padding) and runs eagerly.
+Decode feeds one token per sequence; on CUDA it replays a CUDA graph captured
+for the smallest batch-size bucket that fits, with static input buffers that
+are refilled before each replay (padded rows write into the KV pool's sink
+block and their logits are dropped). On CPU, or with `enforce_eager`, the same
+decode inputs run eagerly through the same code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rollplex.engine.kv_cache import KVCache, PagedAttention
+from rollplex.engine.sequence import Sequence
+from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds
+
+
+class ModelRunner:
+    def __init__(self, model: Qwen2_5_VL, cache: KVCache, max_model_len: int, max_num_seqs: int,
+                 use_cuda_graphs: bool):
+        self.model, self.cache = model, cache
+        self.device = model.device
+        self.block_size = cache.block_size
+        self.max_blocks = -(-max_model_len // cache.block_size)
+        self.max_num_seqs = max_num_seqs
+        self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_logits: dict[int, torch.Tensor] = {}  # each graph's static output
+        self.graph_cache_ptr = 0  # the pool a capture refers to; a re-allocated pool needs new graphs
+
+    # ------------------------------------------------------------------ prefill
+
+    @torch.no_grad()
+    def prefill(self, seqs: list[Sequence], slots: list[list[int]]) -> torch.Tensor:
+        """Compute every token of each sequence, store its KV at `slots`, and
+        return float32 logits (len(seqs), vocab) of each sequence's last token."""
+        dev = self.device
+        ids = torch.tensor([t for s in seqs for t in s.token_ids], device=dev)
+        positions = torch.cat([s.positions(0, len(s)) for s in seqs], dim=1)
+        lengths = torch.tensor([len(s) for s in seqs])
+        cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(device=dev, dtype=torch.int32)
+        attn = PagedAttention(self.cache, torch.tensor([x for sl in slots for x in sl], device=dev),
+                              cu_seqlens=cu, max_seqlen=int(lengths.max()), backend=self.model.attn_backend)
+        hidden = self.model(ids, positions, attn, self._vision_of(seqs))
+        return self.model.logits(hidden[cu[1:].long() - 1]).float()
+
+    def _vision_of(self, seqs: list[Sequence]) -> VisionEmbeds:
+        """Vision features of the step's prompts in token order; each prompt's
+        images are encoded the first time it is prefilled and kept."""
+        images, videos = [], []
+        for s in seqs:
+            p = s.prompt
+            if p.has_vision and p.vision is None:
+                r, dev = p.request, self.device
+                p.vision = self.model.encode_vision(_to(r.pixel_values, dev), _to(r.image_grid_thw, dev),
+                                                    _to(r.pixel_values_videos, dev), _to(r.video_grid_thw, dev))
+            if p.vision is not None:
+                images += [p.vision.image] if p.vision.image is not None else []
+                videos += [p.vision.video] if p.vision.video is not None else []
+        return VisionEmbeds(torch.cat(images) if images else None, torch.cat(videos) if videos else None)
+
+    # ------------------------------------------------------------------ decode
+
+    @torch.no_grad()
+    def decode(self, seqs: list[Sequence], slots: list[int]) -> torch.Tensor:
+        """One token per sequence (its last, whose KV is not stored yet) -> float32 logits (batch, vocab)."""
+        batch = len(seqs)
+        inputs = self._decode_inputs(seqs, slots)
+        if not self.use_cuda_graphs or batch > self.max_num_seqs:
+            return self._decode_eager(*inputs).float()
+        if self.cache.data.data_ptr() != self.graph_cache_ptr:
+            self.capture()
+        bucket = next(b for b in sorted(self.graphs) if b >= batch)
+        static = self.static
+        for name, value in zip(("ids", "positions", "slots", "tables", "lens"), inputs):
+            buf = static[name]
+            (buf[:, :batch] if name == "positions" else buf[:batch]).copy_(value)
+        self._pad_rows(batch, bucket)
+        self.graphs[bucket].replay()
+        return self.graph_logits[bucket][:batch].float()
+
+    def _decode_inputs(self, seqs: list[Sequence], slots: list[int]):
+        dev = self.device
+        tables = torch.full((len(seqs), self.max_blocks), self.cache.sink_block, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        return (torch.tensor([s.token_ids[-1] for s in seqs], device=dev),
+                torch.cat([s.positions(len(s) - 1, len(s)) for s in seqs], dim=1),
+                torch.tensor(slots, device=dev),
+                tables.to(dev),
+                torch.tensor([len(s) for s in seqs], dtype=torch.int32, device=dev))
+
+    def _decode_eager(self, ids, positions, slots, tables, lens) -> torch.Tensor:
+        attn = PagedAttention(self.cache, slots, block_tables=tables, context_lens=lens,
+                              backend=self.model.attn_backend)
+        return self.model.logits(self.model(ids, positions, attn))
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    def _pad_rows(self, start: int, end: int) -> None:
+        """Rows past the real batch: write to the sink block, attend to one sink slot."""
+        s = self.static
+        s["ids"][start:end] = 0
+        s["positions"][:, start:end] = 0
+        s["slots"][start:end] = self.cache.sink_block * self.block_size
+        s["tables"][start:end] = self.cache.sink_block
+        s["lens"][start:end] = 1
+
+    def capture(self) -> None:
+        """Capture one decode graph per batch-size bucket, largest first, sharing one memory pool."""
+        dev, n = self.device, self.max_num_seqs
+        self.static = s = {
+            "ids": torch.zeros(n, dtype=torch.long, device=dev),
+            "positions": torch.zeros(3, n, dtype=torch.long, device=dev),
+            "slots": torch.zeros(n, dtype=torch.long, device=dev),
+            "tables": torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev),
+            "lens": torch.ones(n, dtype=torch.int32, device=dev),
+        }
+        self._pad_rows(0, n)
+        buckets = sorted({b for b in (1, 2, 4, 8) if b <= n} | set(range(16, n + 1, 16)) | {n}, reverse=True)
+        self.graphs, self.graph_logits, pool = {}, {}, None
+        for b in buckets:
+            args = (s["ids"][:b], s["positions"][:, :b], s["slots"][:b], s["tables"][:b], s["lens"][:b])
+            self._decode_eager(*args)  # warm-up: lazy allocations happen outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.graph_logits[b] = self._decode_eager(*args)
+            pool = graph.pool()
+            self.graphs[b] = graph
+        self.graph_cache_ptr = self.cache.data.data_ptr()
+        torch.cuda.synchronize()
+
+def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)

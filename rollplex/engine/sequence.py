@@ -1,0 +1,98 @@
+"""Requests, the sequences they become, and what generation returns.
+
+A request is one prompt with `n` samples (a GRPO group). The engine prefills
+the prompt once as a single "prompt" sequence, samples each child's first
+token from its logits, then forks n child sequences that share the prompt's KV
+blocks and decode independently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rollplex.models.qwen2_5_vl import VisionEmbeds
+
+
+@dataclass
+class Request:
+    """One prompt with its images/videos (as the processor returns them) and its group size."""
+
+    prompt_ids: list[int]
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
+    second_per_grid_ts: torch.Tensor | None = None
+    n: int = 1
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]
+    logprobs: list[float]  # float32 logprob of each sampled token under the unmodified distribution
+    finish_reason: str  # "stop" (EOS or a stop token) or "length" (max_tokens or the model's maximum length)
+
+
+@dataclass
+class RequestOutput:
+    prompt_ids: list[int]
+    samples: list[Sample]
+    vision: VisionEmbeds | None  # the prompt's vision features, computed once, for reuse by training passes
+    rope_delta: int
+
+
+@dataclass(eq=False)
+class PromptState:
+    """Per-request data every sequence of the group shares."""
+
+    index: int
+    request: Request
+    positions: torch.Tensor  # (3, prompt_len) M-RoPE position ids of the prompt
+    rope_delta: int
+    seeds: list[int]  # one sampling seed per child
+    vision: VisionEmbeds | None = None  # filled at the first prefill, reused by recomputes
+    samples: list[Sample | None] = field(default_factory=list)
+
+    @property
+    def has_vision(self) -> bool:
+        r = self.request
+        return r.pixel_values is not None or r.pixel_values_videos is not None
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt: PromptState
+    sample_index: int  # -1 for the group's prompt sequence, else the child's index
+    token_ids: list[int]
+    block_table: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def is_group_prompt(self) -> bool:
+        return self.sample_index < 0
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt.request.prompt_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def positions(self, start: int, end: int) -> torch.Tensor:
+        """M-RoPE positions (3, end - start) of tokens [start, end): the prompt's own,
+        then generated tokens at index + rope delta on all three axes."""
+        p = self.prompt
+        n_prompt = self.num_prompt
+        parts = []
+        if start < n_prompt:
+            parts.append(p.positions[:, start:min(end, n_prompt)])
+        if end > n_prompt:
+            gen = torch.arange(max(start, n_prompt), end, device=p.positions.device) + p.rope_delta
+            parts.append(gen.expand(3, -1))
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
