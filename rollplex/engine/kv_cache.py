@@ -39,8 +39,9 @@ class KVCache:
 
     def allocate(self) -> None:
         if self.data is None:
-            # empty, not zeros: slots are always written before they are read.
-            self.data = torch.empty(self.num_layers, 2, self.num_blocks + 1, self.block_size, self.kv_heads,
+            # zeros, not empty: the torch decode path multiplies masked-out slots by a zero
+            # attention weight, and 0 * NaN from uninitialised memory would poison the output.
+            self.data = torch.zeros(self.num_layers, 2, self.num_blocks + 1, self.block_size, self.kv_heads,
                                     self.head_dim, dtype=self.dtype, device=self.device)
 
     def release(self) -> None:

@@ -43,7 +43,8 @@ class ModelRunner:
         cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(device=dev, dtype=torch.int32)
         attn = PagedAttention(self.cache, torch.tensor([x for sl in slots for x in sl], device=dev),
                               cu_seqlens=cu, max_seqlen=int(lengths.max()), backend=self.model.attn_backend)
-        hidden = self.model(ids, positions, attn, self._vision_of(seqs))
+        prompt_mask = torch.cat([torch.arange(len(s)) < s.num_prompt for s in seqs]).to(dev)
+        hidden = self.model(ids, positions, attn, self._vision_of(seqs), prompt_mask)
         return self.model.logits(hidden[cu[1:].long() - 1]).float()
 
     def _vision_of(self, seqs: list[Sequence]) -> VisionEmbeds:
@@ -95,7 +96,7 @@ class ModelRunner:
     def _decode_eager(self, ids, positions, slots, tables, lens) -> torch.Tensor:
         attn = PagedAttention(self.cache, slots, block_tables=tables, context_lens=lens,
                               backend=self.model.attn_backend)
-        return self.model.logits(self.model(ids, positions, attn))
+        return self.model.logits(self.model.forward_generated(ids, positions, attn))
 
     # ------------------------------------------------------------------ CUDA graphs
 

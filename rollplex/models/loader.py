@@ -246,10 +246,13 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16
     return model.eval()
 
 
-def save_pretrained(model: Qwen2_5_VL, path: str | os.PathLike, max_shard_bytes: int = 4 << 30) -> None:
+def save_pretrained(model: Qwen2_5_VL, path: str | os.PathLike, max_shard_bytes: int = 4 << 30,
+                    hf_config: dict | None = None) -> None:
     """Write config.json and safetensors (sharded with an index past `max_shard_bytes`)
-    in the hub layout. DTensor parameters are gathered first, so every rank must call
-    this; only rank 0 (or a non-distributed process) writes."""
+    in the hub layout. `hf_config` replaces the config.json generated from the
+    model's args (to keep a source checkpoint's own file). DTensor parameters are
+    gathered first, so every rank must call this; only rank 0 (or a
+    non-distributed process) writes."""
     path = Path(path)
     tensors = {}
     for name, p in model.state_dict().items():
@@ -259,7 +262,8 @@ def save_pretrained(model: Qwen2_5_VL, path: str | os.PathLike, max_shard_bytes:
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
     path.mkdir(parents=True, exist_ok=True)
-    (path / CONFIG_NAME).write_text(json.dumps(hf_config_from_args(model.args), indent=2) + "\n")
+    config = hf_config if hf_config is not None else hf_config_from_args(model.args)
+    (path / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for key in sorted(tensors):

@@ -18,9 +18,10 @@ from rollplex.models.qwen2_5_vl import ModelArgs, mrope_for
 @dataclass
 class SequenceInputs:
     """One unpadded sequence with its own images and videos (what the processor
-    returns for one prompt, plus any response tokens appended)."""
+    returns for one prompt, plus any response tokens appended after `prompt_len`)."""
 
     input_ids: torch.Tensor  # (L,)
+    prompt_len: int | None = None  # None: the whole sequence is prompt
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
     pixel_values_videos: torch.Tensor | None = None
@@ -35,6 +36,7 @@ class PackedBatch:
     cu_seqlens: torch.Tensor  # (B + 1,) int32
     max_seqlen: int
     rope_deltas: list[int]
+    prompt_mask: torch.Tensor | None = None  # (T,) True on prompt tokens; None when every token is prompt
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
     pixel_values_videos: torch.Tensor | None = None
@@ -48,21 +50,28 @@ class PackedBatch:
 def pack_sequences(args: ModelArgs, seqs: list[SequenceInputs]) -> PackedBatch:
     if not seqs:
         raise ValueError("cannot pack an empty list of sequences")
-    positions, deltas = [], []
-    for s in seqs:
-        pos, delta = mrope_for(args, s.input_ids, s.image_grid_thw, s.video_grid_thw, s.second_per_grid_ts)
-        positions.append(pos)
-        deltas.append(delta)
     lengths = [len(s.input_ids) for s in seqs]
     if min(lengths) == 0:
         raise ValueError("cannot pack an empty sequence")
+    positions, deltas, prompt_masks = [], [], []
+    for s in seqs:
+        n_prompt = len(s.input_ids) if s.prompt_len is None else s.prompt_len
+        pos, delta = mrope_for(args, s.input_ids[:n_prompt], s.image_grid_thw, s.video_grid_thw,
+                               s.second_per_grid_ts)
+        # Response tokens are text: index + rope delta on all three axes.
+        response = torch.arange(n_prompt, len(s.input_ids), device=pos.device) + delta
+        positions.append(torch.cat([pos, response.expand(3, -1)], dim=1))
+        deltas.append(delta)
+        prompt_masks.append(torch.arange(len(s.input_ids), device=pos.device) < n_prompt)
     device = seqs[0].input_ids.device
+    all_prompt = all(s.prompt_len is None or s.prompt_len == len(s.input_ids) for s in seqs)
     return PackedBatch(
         input_ids=torch.cat([s.input_ids for s in seqs]),
         position_ids=torch.cat(positions, dim=1),
         cu_seqlens=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device),
         max_seqlen=max(lengths),
         rope_deltas=deltas,
+        prompt_mask=None if all_prompt else torch.cat(prompt_masks),
         pixel_values=_cat([s.pixel_values for s in seqs]),
         image_grid_thw=_cat([s.image_grid_thw for s in seqs]),
         pixel_values_videos=_cat([s.pixel_values_videos for s in seqs]),

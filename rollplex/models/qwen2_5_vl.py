@@ -348,12 +348,20 @@ class Qwen2_5_VL(nn.Module):
             embeds.video = self.visual(pixel_values_videos, video_grid_thw)
         return embeds
 
-    def embed(self, input_ids: torch.Tensor, vision: VisionEmbeds | None = None) -> torch.Tensor:
-        """Token embeddings with vision features written at their pad tokens."""
+    def embed(self, input_ids: torch.Tensor, vision: VisionEmbeds | None = None,
+              prompt_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings with vision features written at their pad tokens.
+
+        Only prompt tokens carry vision features: a pad token id that a policy
+        *generated* is embedded as plain text. `prompt_mask` (T,) marks the prompt
+        tokens; None means every token is part of a prompt.
+        """
         h = self.language_model.embed_tokens(input_ids)
-        for name, token_id, feats in (("image", self.args.image_token_id, vision and vision.image),
-                                      ("video", self.args.video_token_id, vision and vision.video)):
+        for name, token_id, feats in (("image", self.args.image_token_id, vision.image if vision else None),
+                                      ("video", self.args.video_token_id, vision.video if vision else None)):
             mask = input_ids == token_id
+            if prompt_mask is not None:
+                mask &= prompt_mask
             n_tokens = int(mask.sum())
             n_feats = 0 if feats is None else feats.shape[0]
             if n_tokens != n_feats:
@@ -367,9 +375,15 @@ class Qwen2_5_VL(nn.Module):
         return h
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn: AttentionBackend,
-                vision: VisionEmbeds | None = None) -> torch.Tensor:
+                vision: VisionEmbeds | None = None, prompt_mask: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (T,) packed, position_ids (3, T) -> final hidden states (T, hidden)."""
-        return self.language_model(self.embed(input_ids, vision), position_ids, attn)
+        return self.language_model(self.embed(input_ids, vision, prompt_mask), position_ids, attn)
+
+    def forward_generated(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                          attn: AttentionBackend) -> torch.Tensor:
+        """Forward of generated tokens only (decode): plain embeddings, no vision
+        bookkeeping and no host synchronisation, so it can run in a CUDA graph."""
+        return self.language_model(self.language_model.embed_tokens(input_ids), position_ids, attn)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.language_model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -381,7 +395,7 @@ class Qwen2_5_VL(nn.Module):
             vision = self.encode_vision(batch.pixel_values, batch.image_grid_thw, batch.pixel_values_videos,
                                         batch.video_grid_thw)
         attn = VarlenAttention(batch.cu_seqlens, batch.max_seqlen, causal=True, backend=self.attn_backend)
-        return self(batch.input_ids, batch.position_ids, attn, vision)
+        return self(batch.input_ids, batch.position_ids, attn, vision, batch.prompt_mask)
 
     @torch.no_grad()
     def hf_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

@@ -1,0 +1,623 @@
+"""Tiny offline Qwen2.5-VL checkpoint files: everything except the weights.
+
+Tests and the tiny default config need a checkpoint directory that loads with
+transformers exactly like a real Qwen2.5-VL one (config.json, tokenizer, chat
+template, image/video preprocessor configs) but is built offline in well under a
+second. The weights are written elsewhere (with rollplex's own model code); this
+module writes the rest and exposes the config dicts so the weight writer can
+produce a matching config.json.
+
+Two vocabularies:
+  - ``"words"``: a ~64-token word-level vocabulary (Qwen special tokens, the chat
+    template's words, colours / directions / shapes / digits for synthetic visual
+    tasks). Small enough that a 2-layer model can actually learn a task.
+  - ``"bytes"``: 256 byte tokens (GPT-2 byte-to-unicode alphabet, no merges) plus
+    the specials; it encodes any text, for larger benchmark models.
+
+Everything is loadable by ``AutoConfig`` / ``AutoTokenizer`` / ``AutoProcessor``
+of transformers 5 without torchvision (the PIL image processor is pinned).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# --------------------------------------------------------------------------------------
+# Special tokens, in Qwen's order (151643 ... 151656 in the real vocabulary).
+# --------------------------------------------------------------------------------------
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+VISION_START = "<|vision_start|>"
+VISION_END = "<|vision_end|>"
+VISION_PAD = "<|vision_pad|>"
+IMAGE_PAD = "<|image_pad|>"
+VIDEO_PAD = "<|video_pad|>"
+SPECIAL_TOKENS: tuple[str, ...] = (
+    ENDOFTEXT,
+    IM_START,
+    IM_END,
+    VISION_START,
+    VISION_END,
+    VISION_PAD,
+    IMAGE_PAD,
+    VIDEO_PAD,
+)
+UNK = "<unk>"
+# Reasoning-format tags. They are ordinary (non-special) added tokens: decode keeps
+# them with skip_special_tokens=True, so format rewards can see them.
+TAG_TOKENS: tuple[str, ...] = ("<think>", "</think>", "<answer>", "</answer>")
+
+# Words of the default system prompt and the role names of the chat template.
+TEMPLATE_WORDS: tuple[str, ...] = ("system", "user", "assistant", "you", "are", "a", "helpful")
+PUNCTUATION: tuple[str, ...] = (".", "?")
+QUESTION_WORDS: tuple[str, ...] = (
+    "what", "which", "is", "the", "colour", "color", "shape", "direction",
+    "does", "dot", "move", "answer", "how", "many",
+)  # fmt: skip
+COLOUR_WORDS: tuple[str, ...] = ("red", "green", "blue", "yellow", "purple", "orange", "white", "black")
+DIRECTION_WORDS: tuple[str, ...] = ("left", "right", "up", "down")
+SHAPE_WORDS: tuple[str, ...] = ("circle", "square", "triangle")
+DIGITS: tuple[str, ...] = tuple(str(i) for i in range(10))
+ANSWER_WORDS: tuple[str, ...] = ("yes", "no")
+
+# Qwen2.5-VL's chat template (as shipped in the hub's chat_template.json), verbatim.
+CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# CLIP normalisation, which Qwen2-VL's image processor uses.
+IMAGE_MEAN = [0.48145466, 0.4578275, 0.40821073]
+IMAGE_STD = [0.26862954, 0.26130258, 0.27577711]
+
+
+@dataclass
+class TinySpec:
+    """Shape of a tiny Qwen2.5-VL. Defaults give a ~0.2M-parameter model."""
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 128
+    vision_hidden_size: int = 32
+    vision_depth: int = 2
+    vision_num_heads: int = 2
+    vision_intermediate_size: int = 64
+    # In pixels, as in the HF config: 56 px / 14 px patches / merge 2 = 2x2 merged tokens.
+    vision_window_size: int = 56
+    fullatt_block_indexes: tuple[int, ...] = (1,)
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    tokens_per_second: int = 2
+    mrope_section: tuple[int, ...] = (2, 3, 3)
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    vocab: str = "words"  # "words" or "bytes"
+    extra_words: tuple[str, ...] = ()
+    rms_norm_eps: float = 1e-6
+    # Model vocab size: None pads the tokenizer length up to a multiple of
+    # `pad_vocab_multiple` (as real checkpoints pad their embeddings); an int pins it
+    # (must be >= the tokenizer length).
+    vocab_size: int | None = None
+    pad_vocab_multiple: int = 64
+    # Image processor pixel budget: a 56x56 image -> 4x4 patches -> 4 merged tokens.
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 16
+    # Video processor pixel budget (per frame).
+    video_min_pixels: int = 56 * 56
+    video_max_pixels: int = 28 * 28 * 16
+
+    def __post_init__(self) -> None:
+        self.fullatt_block_indexes = tuple(self.fullatt_block_indexes)
+        self.mrope_section = tuple(self.mrope_section)
+        self.extra_words = tuple(self.extra_words)
+        self.validate()
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def vision_head_dim(self) -> int:
+        return self.vision_hidden_size // self.vision_num_heads
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first inconsistent field."""
+        positive = (
+            "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+            "vision_hidden_size", "vision_depth", "vision_num_heads", "vision_intermediate_size",
+            "vision_window_size", "patch_size", "temporal_patch_size", "spatial_merge_size",
+            "tokens_per_second", "max_position_embeddings", "pad_vocab_multiple",
+        )  # fmt: skip
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"TinySpec.{name} must be positive, got {getattr(self, name)}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"TinySpec.hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"TinySpec.num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"TinySpec head_dim (hidden_size/num_heads = {self.head_dim}) must be even for RoPE")
+        if sum(self.mrope_section) * 2 != self.head_dim:
+            raise ValueError(
+                f"TinySpec.mrope_section {list(self.mrope_section)} must sum to head_dim/2 = {self.head_dim // 2} "
+                f"(head_dim = hidden_size/num_heads = {self.hidden_size}/{self.num_heads})"
+            )
+        if len(self.mrope_section) != 3:
+            raise ValueError(f"TinySpec.mrope_section must have 3 entries (t, h, w), got {list(self.mrope_section)}")
+        if self.vision_hidden_size % self.vision_num_heads:
+            raise ValueError(
+                f"TinySpec.vision_hidden_size ({self.vision_hidden_size}) must be divisible by "
+                f"vision_num_heads ({self.vision_num_heads})"
+            )
+        if self.vision_head_dim % 4:
+            # The vision 2D rope splits head_dim/2 frequencies between h and w.
+            raise ValueError(f"TinySpec vision head_dim ({self.vision_head_dim}) must be divisible by 4")
+        merged_patch = self.patch_size * self.spatial_merge_size
+        if self.vision_window_size % merged_patch:
+            raise ValueError(
+                f"TinySpec.vision_window_size ({self.vision_window_size} px) must be a multiple of "
+                f"patch_size*spatial_merge_size ({merged_patch})"
+            )
+        for i in self.fullatt_block_indexes:
+            if not 0 <= i < self.vision_depth:
+                raise ValueError(
+                    f"TinySpec.fullatt_block_indexes {list(self.fullatt_block_indexes)} out of range "
+                    f"for vision_depth {self.vision_depth}"
+                )
+        if self.vocab not in ("words", "bytes"):
+            raise ValueError(f"TinySpec.vocab must be 'words' or 'bytes', got {self.vocab!r}")
+        for pixels in ("min_pixels", "max_pixels", "video_min_pixels", "video_max_pixels"):
+            if getattr(self, pixels) < merged_patch * merged_patch:
+                raise ValueError(f"TinySpec.{pixels} must be >= {merged_patch}^2 (one merged token)")
+        if self.min_pixels > self.max_pixels or self.video_min_pixels > self.video_max_pixels:
+            raise ValueError("TinySpec min_pixels must not exceed max_pixels")
+        for word in self.extra_words:
+            if not word or any(c.isspace() for c in word):
+                raise ValueError(f"TinySpec.extra_words entries must be non-empty and contain no whitespace: {word!r}")
+
+
+# --------------------------------------------------------------------------------------
+# Vocabulary and tokenizer
+# --------------------------------------------------------------------------------------
+def word_vocabulary(extra_words: tuple[str, ...] = ()) -> list[str]:
+    """Tokens of the word-level vocabulary, in id order (specials first)."""
+    tokens = [
+        *SPECIAL_TOKENS, UNK, *TAG_TOKENS, "\n", *TEMPLATE_WORDS, *PUNCTUATION, *QUESTION_WORDS,
+        *COLOUR_WORDS, *DIRECTION_WORDS, *SHAPE_WORDS, *DIGITS, *ANSWER_WORDS,
+    ]  # fmt: skip
+    for word in extra_words:
+        # The normaliser lowercases input text, so plain words are stored lowercased;
+        # multi-piece words ("<box>", "10") become case-sensitive added tokens.
+        word = word.lower() if _is_single_piece(word) else word
+        if word not in tokens:
+            tokens.append(word)
+    return tokens
+
+
+# What the word pre-tokenizer keeps as one piece: a run of letters, one digit, or
+# one other non-space character.
+_WORD_PIECE = r"\n|[^\W\d_]+|\d|[^\w\s]|_"
+
+
+def _is_single_piece(word: str) -> bool:
+    return re.fullmatch(_WORD_PIECE, word.lower()) is not None
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode map (what ByteLevel uses)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _build_words_tokenizer(extra_words: tuple[str, ...]):
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import WordLevel
+
+    tokens = word_vocabulary(extra_words)
+    tok = Tokenizer(WordLevel({t: i for i, t in enumerate(tokens)}, unk_token=UNK))
+    # Lowercase so "You are a helpful assistant." (the default system prompt) and
+    # capitalised questions stay in the small vocabulary.
+    tok.normalizer = normalizers.Lowercase()
+    # Keep "\n" as its own token (the chat template puts one after every role name
+    # and <|im_end|>), split letters into words, digits one by one (as Qwen does) and
+    # every other non-space character on its own; drop the other whitespace.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(_WORD_PIECE), behavior="removed", invert=True)
+    # Decoding: join words with spaces, then glue punctuation and newlines back.
+    # (WordPiece with a prefix nothing uses == "join with spaces"; Fuse makes one
+    # string so the Replace steps can see across token boundaries.)
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.WordPiece(prefix="##", cleanup=False),
+            decoders.Fuse(),
+            decoders.Replace(" \n", "\n"),
+            decoders.Replace("\n ", "\n"),
+            decoders.Replace(" .", "."),
+            decoders.Replace(" ?", "?"),
+            decoders.Replace(" ,", ","),
+            decoders.Replace(" !", "!"),
+            # "<answer>left</answer>" round-trips (format rewards parse the tags).
+            *(decoders.Replace(f"{t} ", t) for t in TAG_TOKENS if not t.startswith("</")),
+            *(decoders.Replace(f" {t}", t) for t in TAG_TOKENS if t.startswith("</")),
+        ]
+    )
+    # Specials and tags are matched before normalisation/pre-tokenisation; they are
+    # already in the vocabulary, so they keep their ids.
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
+    # Extra words the pre-tokenizer would split must be matched whole, before it.
+    multi = [w for w in extra_words if not _is_single_piece(w)]
+    tok.add_tokens([AddedToken(w, special=False, normalized=False) for w in multi])
+    return tok
+
+
+def _build_bytes_tokenizer():
+    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
+    # Byte-level BPE with no merges: every byte is one token (ids 0-255, in byte
+    # order), any text round-trips; specials follow at 256+.
+    byte_to_char = _bytes_to_unicode()
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    tok = Tokenizer(BPE(vocab=vocab, merges=[], fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
+    return tok
+
+
+def build_tokenizer(spec: TinySpec):
+    """The raw `tokenizers.Tokenizer` for a spec (what tokenizer.json holds)."""
+    if spec.vocab == "words":
+        return _build_words_tokenizer(spec.extra_words)
+    tok = _build_bytes_tokenizer()
+    if spec.extra_words:
+        # Whole-word tokens on top of bytes (e.g. answer words the benchmark wants
+        # as single tokens).
+        from tokenizers import AddedToken
+
+        tok.add_tokens([AddedToken(w, special=False, normalized=False) for w in spec.extra_words])
+    return tok
+
+
+def model_vocab_size(spec: TinySpec, tokenizer_len: int) -> int:
+    """Embedding rows for a tokenizer of `tokenizer_len` tokens (padded, or spec.vocab_size)."""
+    if spec.vocab_size is not None:
+        if spec.vocab_size < tokenizer_len:
+            raise ValueError(
+                f"TinySpec.vocab_size ({spec.vocab_size}) is smaller than the tokenizer length ({tokenizer_len})"
+            )
+        return spec.vocab_size
+    m = spec.pad_vocab_multiple
+    return -(-tokenizer_len // m) * m
+
+
+def _special_token_ids(tok) -> dict[str, int]:
+    ids = {}
+    for t in (*SPECIAL_TOKENS, *TAG_TOKENS):
+        i = tok.token_to_id(t)
+        assert i is not None, t
+        ids[t] = i
+    return ids
+
+
+def write_tokenizer_and_processor(out_dir: str | os.PathLike, spec: TinySpec) -> dict[str, Any]:
+    """Write tokenizer, chat template and image/video preprocessor configs to `out_dir`.
+
+    Returns ``{"vocab_size": tokenizer length, "model_vocab_size": padded embedding rows,
+    "special_token_ids": {token: id}}``; pass it (or its parts) to `hf_config_dict`.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(spec)
+    tok.save(str(out / "tokenizer.json"))
+    ids = _special_token_ids(tok)
+    vocab_len = tok.get_vocab_size(with_added_tokens=True)
+
+    added_tokens_decoder = {
+        str(ids[t]): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": t in SPECIAL_TOKENS,
+        }
+        for t in (*SPECIAL_TOKENS, *TAG_TOKENS)
+    }
+    tokenizer_config = {
+        # The generic fast tokenizer loads tokenizer.json as is. Naming Qwen2Tokenizer
+        # here would make transformers 5 rebuild a BPE model from vocab/merges.
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "processor_class": "Qwen2_5_VLProcessor",
+        "model_max_length": spec.max_position_embeddings,
+        "bos_token": None,
+        "eos_token": IM_END,
+        "pad_token": ENDOFTEXT,
+        "unk_token": UNK if spec.vocab == "words" else None,
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "errors": "replace",
+        "added_tokens_decoder": added_tokens_decoder,
+        "additional_special_tokens": list(SPECIAL_TOKENS[1:]),
+        "extra_special_tokens": {},
+        "chat_template": CHAT_TEMPLATE,
+    }
+    _write_json(out / "tokenizer_config.json", tokenizer_config)
+    _write_json(out / "special_tokens_map.json", {"eos_token": IM_END, "pad_token": ENDOFTEXT})
+    # transformers 5 reads the template from this file for both tokenizer and processor.
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    _write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
+
+    _write_json(out / "preprocessor_config.json", preprocessor_config(spec))
+    _write_json(out / "video_preprocessor_config.json", video_preprocessor_config(spec))
+    return {
+        "vocab_size": vocab_len,
+        "model_vocab_size": model_vocab_size(spec, vocab_len),
+        "special_token_ids": ids,
+    }
+
+
+def preprocessor_config(spec: TinySpec) -> dict[str, Any]:
+    """preprocessor_config.json for the PIL (torchvision-free) Qwen2-VL image processor."""
+    return {
+        # Pinned to the PIL backend. "Qwen2VLImageProcessor" is transformers 5's
+        # torchvision backend (AutoImageProcessor falls back to PIL only when
+        # torchvision is missing); pinning keeps pixels identical on every machine.
+        "image_processor_type": "Qwen2VLImageProcessorPil",
+        "processor_class": "Qwen2_5_VLProcessor",
+        "do_resize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "image_mean": IMAGE_MEAN,
+        "image_std": IMAGE_STD,
+        "resample": 3,  # bicubic
+        "patch_size": spec.patch_size,
+        "temporal_patch_size": spec.temporal_patch_size,
+        "merge_size": spec.spatial_merge_size,
+        "min_pixels": spec.min_pixels,
+        "max_pixels": spec.max_pixels,
+        "size": {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels},
+    }
+
+
+def video_preprocessor_config(spec: TinySpec) -> dict[str, Any]:
+    """video_preprocessor_config.json for Qwen2VLVideoProcessor.
+
+    transformers' video processor needs torchvision; rollplex.data.processing reads
+    these numbers and does the video path itself when it is missing.
+    """
+    return {
+        "video_processor_type": "Qwen2VLVideoProcessor",
+        "processor_class": "Qwen2_5_VLProcessor",
+        "do_resize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "image_mean": IMAGE_MEAN,
+        "image_std": IMAGE_STD,
+        "resample": 3,
+        "patch_size": spec.patch_size,
+        "temporal_patch_size": spec.temporal_patch_size,
+        "merge_size": spec.spatial_merge_size,
+        "min_pixels": spec.video_min_pixels,
+        "max_pixels": spec.video_max_pixels,
+        "size": {"shortest_edge": spec.video_min_pixels, "longest_edge": spec.video_max_pixels},
+    }
+
+
+# --------------------------------------------------------------------------------------
+# config.json
+# --------------------------------------------------------------------------------------
+def _resolve_ids(special_token_ids: dict[str, Any]) -> dict[str, int]:
+    # Accept the whole dict write_tokenizer_and_processor returned, or its
+    # "special_token_ids" part.
+    ids = special_token_ids.get("special_token_ids", special_token_ids)
+    missing = [t for t in SPECIAL_TOKENS if t not in ids]
+    if missing:
+        raise ValueError(f"special_token_ids lacks {missing}")
+    return {t: int(ids[t]) for t in SPECIAL_TOKENS}
+
+
+def _vision_config(spec: TinySpec) -> dict[str, Any]:
+    return {
+        "depth": spec.vision_depth,
+        "hidden_act": "silu",
+        "hidden_size": spec.vision_hidden_size,
+        "intermediate_size": spec.vision_intermediate_size,
+        "num_heads": spec.vision_num_heads,
+        "in_channels": 3,
+        "out_hidden_size": spec.hidden_size,
+        "patch_size": spec.patch_size,
+        "spatial_merge_size": spec.spatial_merge_size,
+        "temporal_patch_size": spec.temporal_patch_size,
+        "tokens_per_second": spec.tokens_per_second,
+        "window_size": spec.vision_window_size,
+        "fullatt_block_indexes": list(spec.fullatt_block_indexes),
+        "initializer_range": 0.02,
+    }
+
+
+def _text_fields(spec: TinySpec, vocab_size: int, ids: dict[str, int]) -> dict[str, Any]:
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_position_embeddings,
+        "initializer_range": 0.02,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": spec.num_layers,
+        "attention_dropout": 0.0,
+        "bos_token_id": ids[ENDOFTEXT],
+        "eos_token_id": ids[IM_END],
+        "pad_token_id": ids[ENDOFTEXT],
+    }
+
+
+def hf_config_dict(
+    spec: TinySpec, vocab_size: int, special_token_ids: dict[str, Any], dtype: str = "float32"
+) -> dict[str, Any]:
+    """config.json in the nested style transformers 5 writes (text_config / vision_config).
+
+    `vocab_size` is the tokenizer length; the config gets `model_vocab_size(spec, vocab_size)`
+    rows (padded to spec.pad_vocab_multiple, or spec.vocab_size).
+    """
+    ids = _resolve_ids(special_token_ids)
+    text = _text_fields(spec, model_vocab_size(spec, vocab_size), ids)
+    text["model_type"] = "qwen2_5_vl_text"
+    text["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": spec.rope_theta,
+        "mrope_section": list(spec.mrope_section),
+    }
+    text["layer_types"] = ["full_attention"] * spec.num_layers
+    text["dtype"] = dtype
+    vision = _vision_config(spec)
+    vision["model_type"] = "qwen2_5_vl_vision"
+    return {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "model_type": "qwen2_5_vl",
+        "dtype": dtype,
+        "text_config": text,
+        "vision_config": vision,
+        "image_token_id": ids[IMAGE_PAD],
+        "video_token_id": ids[VIDEO_PAD],
+        "vision_start_token_id": ids[VISION_START],
+        "vision_end_token_id": ids[VISION_END],
+        "tie_word_embeddings": spec.tie_word_embeddings,
+    }
+
+
+def flat_hf_config_dict(
+    spec: TinySpec, vocab_size: int, special_token_ids: dict[str, Any], dtype: str = "float32"
+) -> dict[str, Any]:
+    """config.json in the flat style of the hub's Qwen2.5-VL checkpoints (transformers 4.x).
+
+    Text fields at top level, `rope_theta` + `rope_scaling: {"type": "mrope", ...}`,
+    vision_config nested without a model_type (as the hub files have it).
+    """
+    ids = _resolve_ids(special_token_ids)
+    cfg: dict[str, Any] = {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "model_type": "qwen2_5_vl",
+        "torch_dtype": dtype,
+        **_text_fields(spec, model_vocab_size(spec, vocab_size), ids),
+        "rope_theta": spec.rope_theta,
+        "rope_scaling": {"type": "mrope", "mrope_section": list(spec.mrope_section)},
+        "vision_start_token_id": ids[VISION_START],
+        "vision_end_token_id": ids[VISION_END],
+        "vision_token_id": ids[VISION_PAD],
+        "image_token_id": ids[IMAGE_PAD],
+        "video_token_id": ids[VIDEO_PAD],
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "vision_config": _vision_config(spec),
+    }
+    cfg["sliding_window"] = spec.max_position_embeddings  # the hub files carry a number here
+    return cfg
+
+
+def generation_config_dict(special_token_ids: dict[str, Any]) -> dict[str, Any]:
+    """generation_config.json as Qwen2.5-VL-Instruct ships it (ids remapped)."""
+    ids = _resolve_ids(special_token_ids)
+    return {
+        "bos_token_id": ids[ENDOFTEXT],
+        "eos_token_id": [ids[IM_END], ids[ENDOFTEXT]],
+        "pad_token_id": ids[ENDOFTEXT],
+        "do_sample": True,
+        "temperature": 1.0,
+        "top_p": 1.0,
+    }
+
+
+def write_config(
+    out_dir: str | os.PathLike, spec: TinySpec, info: dict[str, Any], style: str = "nested", dtype: str = "float32"
+) -> dict[str, Any]:
+    """Write config.json (style "nested" or "flat") and generation_config.json; return the config dict."""
+    if style == "nested":
+        cfg = hf_config_dict(spec, info["vocab_size"], info, dtype=dtype)
+    elif style == "flat":
+        cfg = flat_hf_config_dict(spec, info["vocab_size"], info, dtype=dtype)
+    else:
+        raise ValueError(f"config style must be 'nested' or 'flat', got {style!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(out / "config.json", cfg)
+    _write_json(out / "generation_config.json", generation_config_dict(info))
+    return cfg
+
+
+def write_tiny_files(
+    out_dir: str | os.PathLike, spec: TinySpec | None = None, style: str = "nested", dtype: str = "float32"
+) -> dict[str, Any]:
+    """Everything of a tiny checkpoint directory except the weights.
+
+    Returns the `write_tokenizer_and_processor` info plus "config" (the config dict).
+    """
+    spec = spec or TinySpec()
+    info = write_tokenizer_and_processor(out_dir, spec)
+    info["config"] = write_config(out_dir, spec, info, style=style, dtype=dtype)
+    return info
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def make_tiny_checkpoint(out_dir: str | os.PathLike, spec: TinySpec | None = None, seed: int = 0,
+                         style: str = "nested") -> Path:
+    """A complete tiny random Qwen2.5-VL directory, fully offline: config, random
+    fp32 weights (built by Rollplex's own model), tokenizer with the Qwen special
+    tokens and chat template, and the image/video preprocessor configs."""
+    from rollplex.models.loader import args_from_hf_config, build_model, save_pretrained
+
+    info = write_tiny_files(out_dir, spec, style=style)
+    model = build_model(args_from_hf_config(info["config"]), seed=seed)
+    save_pretrained(model, out_dir, hf_config=info["config"])
+    return Path(out_dir)

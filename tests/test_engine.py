@@ -1,0 +1,182 @@
+"""The decode engine on a tiny random Qwen2.5-VL: exact against transformers and
+against full recomputation, prefix sharing, preemption, sampling, bad input."""
+
+import pytest
+import torch
+from transformers import Qwen2_5_VLForConditionalGeneration
+
+from rollplex.engine import Engine, EngineConfig, Request, SamplingParams
+from rollplex.models import build_model, save_pretrained
+from test_model import IMG, VEND, VID, VSTART, image, tiny_args
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(tiny_args(), seed=3).eval()
+
+
+@pytest.fixture(scope="module")
+def hf(model, tmp_path_factory):
+    path = tmp_path_factory.mktemp("engine_ckpt")
+    save_pretrained(model, path)
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def mixed_requests(n: int = 1) -> list[Request]:
+    a, ga, na = image(1, 4, 6, seed=20)
+    b, gb, nb = image(1, 8, 4, seed=21)
+    v, gv, nv = image(2, 8, 8, seed=22)  # time span (1 step) shorter than the side: see test_model.test_video
+    return [
+        Request([1, 5, 9, 13, 2, 7], n=n),
+        Request([3, VSTART] + [IMG] * na + [VEND, 11, 12], pixel_values=a, image_grid_thw=ga, n=n),
+        Request([4, VSTART] + [IMG] * na + [VEND, VSTART] + [IMG] * nb + [VEND, 8], n=n,
+                pixel_values=torch.cat([a, b]), image_grid_thw=torch.cat([ga, gb])),
+        Request([6, 6, VSTART] + [VID] * nv + [VEND, 10], pixel_values_videos=v, video_grid_thw=gv,
+                second_per_grid_ts=torch.tensor([0.5]), n=n),
+    ]
+
+
+def hf_greedy(hf, r: Request, max_new: int) -> list[int]:
+    ids = torch.tensor([r.prompt_ids])
+    mm = (ids == IMG).long() + 2 * (ids == VID).long()
+    vision = {k: getattr(r, k) for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+                                         "second_per_grid_ts") if getattr(r, k) is not None}
+    out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=mm, do_sample=False,
+                      max_new_tokens=max_new, **vision)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def full_logprobs(model, r: Request, tokens: list[int]) -> torch.Tensor:
+    """log-softmax of a full-sequence forward at each generated token."""
+    ids = torch.tensor([r.prompt_ids + tokens])
+    logits = model.hf_forward(ids, pixel_values=r.pixel_values, image_grid_thw=r.image_grid_thw,
+                              pixel_values_videos=r.pixel_values_videos, video_grid_thw=r.video_grid_thw,
+                              second_per_grid_ts=r.second_per_grid_ts)[0]
+    lp = torch.log_softmax(logits.float(), -1)
+    start = len(r.prompt_ids) - 1
+    return lp[start:start + len(tokens)].gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def test_greedy_equals_transformers_generate(model, hf):
+    requests = mixed_requests(n=2)
+    outputs = Engine(model, EngineConfig(block_size=4, num_blocks=128)).generate(requests, GREEDY)
+    for r, out in zip(requests, outputs):
+        expected = hf_greedy(hf, r, GREEDY.max_tokens)
+        assert len(out.samples) == 2
+        for s in out.samples:
+            assert s.token_ids == expected
+
+
+def test_logprobs_equal_full_sequence_log_softmax(model):
+    requests = mixed_requests()
+    outputs = Engine(model, EngineConfig(block_size=4, num_blocks=128)).generate(
+        requests, SamplingParams(temperature=1.0, max_tokens=6, seed=1))
+    for r, out in zip(requests, outputs):
+        s = out.samples[0]
+        ref = full_logprobs(model, r, s.token_ids)
+        assert (torch.tensor(s.logprobs) - ref).abs().max() <= 1e-5
+
+
+def test_long_video_positions_follow_the_reference_rule(model):
+    """A video spanning more time steps than its side: the engine's decode positions
+    (prompt positions + rope delta) equal a full recompute at every step."""
+    v, gv, nv = image(4, 4, 4, seed=23)
+    r = Request([2, VSTART] + [VID] * nv + [VEND, 5], pixel_values_videos=v, video_grid_thw=gv,
+                second_per_grid_ts=torch.tensor([2.0]))
+    s = Engine(model, EngineConfig(block_size=4, num_blocks=64)).generate([r], GREEDY)[0].samples[0]
+    ids = list(r.prompt_ids)
+    for _ in range(GREEDY.max_tokens):
+        logits = model.hf_forward(torch.tensor([ids]), pixel_values_videos=v, video_grid_thw=gv,
+                                  second_per_grid_ts=r.second_per_grid_ts)
+        ids.append(int(logits[0, -1].argmax()))
+    assert s.token_ids == ids[len(r.prompt_ids):]
+
+
+def test_group_prefills_its_prompt_once(model):
+    engine = Engine(model, EngineConfig(block_size=4, num_blocks=128))
+    r = mixed_requests()[1]
+    r.n = 8
+    out = engine.generate([r], SamplingParams(temperature=1.0, max_tokens=5, seed=0, ignore_eos=True))[0]
+    assert engine.stats["prefill_tokens"] == len(r.prompt_ids)
+    assert engine.stats["decode_tokens"] == 8 * 4  # the first token of each sample comes from the prefill
+    assert len({tuple(s.token_ids) for s in out.samples}) > 1, "children must sample independently"
+
+
+def test_small_pool_preempts_and_still_completes_every_request(model):
+    requests = mixed_requests(n=3)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    roomy = Engine(model, EngineConfig(block_size=4, num_blocks=256)).generate(requests, params)
+    small = Engine(model, EngineConfig(block_size=4, num_blocks=14))
+    tight = small.generate(requests, params)  # generate() itself asserts that no block leaked
+    assert small.stats["preemptions"] > 0
+    for a, b in zip(roomy, tight):
+        assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]
+        assert all(s.finish_reason == "length" and len(s.token_ids) == 12 for s in b.samples)
+
+
+def test_seeded_sampling_is_reproducible_across_batch_composition(model):
+    engine = Engine(model, EngineConfig(block_size=4, num_blocks=256))
+    params = SamplingParams(temperature=1.0, max_tokens=6, seed=7, ignore_eos=True)
+    requests = mixed_requests(n=2)
+    together = engine.generate(requests, params)
+    again = engine.generate(requests, params)
+    assert [[s.token_ids for s in o.samples] for o in together] == [[s.token_ids for s in o.samples] for o in again]
+    other_seed = engine.generate(requests, SamplingParams(temperature=1.0, max_tokens=6, seed=8, ignore_eos=True))
+    assert [o.samples[0].token_ids for o in other_seed] != [o.samples[0].token_ids for o in together]
+    # The first request alone samples what it sampled in the batch: noise depends on seed and position only.
+    alone = engine.generate(requests[:1], params)[0]
+    assert [s.token_ids for s in alone.samples] == [s.token_ids for s in together[0].samples]
+
+
+def test_top_k_restricts_the_support(model):
+    r = Request([1, 2, 3], n=64)
+    out = Engine(model, EngineConfig(block_size=4, num_blocks=256)).generate(
+        [r], SamplingParams(temperature=2.0, top_k=3, max_tokens=1, seed=0, ignore_eos=True))[0]
+    logits = model.hf_forward(torch.tensor([r.prompt_ids]))[0, -1]
+    allowed = set(logits.topk(3).indices.tolist())
+    firsts = {s.token_ids[0] for s in out.samples}
+    assert firsts <= allowed and len(firsts) > 1
+
+
+def test_stop_tokens_and_eos(model):
+    engine = Engine(model, EngineConfig(block_size=4, num_blocks=64))
+    r = Request([1, 5, 9, 13, 2, 7])
+    greedy = engine.generate([r], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].samples[0]
+    stop_at = greedy.token_ids[3]
+    first = greedy.token_ids.index(stop_at)
+    stopped = engine.generate([r], SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[stop_at]))[0]
+    assert stopped.samples[0].token_ids == greedy.token_ids[:first + 1]
+    assert stopped.samples[0].finish_reason == "stop"
+
+
+def test_vision_features_of_a_finished_request_are_returned(model):
+    r = mixed_requests()[1]
+    out = Engine(model, EngineConfig(block_size=4, num_blocks=64)).generate([r], GREEDY)[0]
+    expected = model.encode_vision(r.pixel_values, r.image_grid_thw).image
+    assert torch.equal(out.vision.image, expected)
+
+
+def test_release_and_reallocate_the_pool(model):
+    engine = Engine(model, EngineConfig(block_size=4, num_blocks=64))
+    first = engine.generate(mixed_requests()[:1], GREEDY)
+    engine.release_kv()
+    assert engine.cache.nbytes == 0
+    assert engine.generate(mixed_requests()[:1], GREEDY)[0].samples == first[0].samples
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_input_is_a_clear_error(model):
+    engine = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_model_len=32))
+    with pytest.raises(ValueError, match="does not fit the model's maximum length 32"):
+        engine.generate([Request(list(range(1, 40)))])
+    pv, grid, n = image(1, 4, 4, seed=24)
+    with pytest.raises(ValueError, match="does not match its grids"):
+        engine.generate([Request([1, VSTART] + [IMG] * n + [VEND], pixel_values=pv[:-2], image_grid_thw=grid)])
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        engine.generate([Request([1, 2], n=0)])
+    with pytest.raises(ValueError, match="cannot hold one sequence"):
+        Engine(model, EngineConfig(block_size=4, num_blocks=2)).generate([Request([1, 2, 3, 4, 5, 6])], GREEDY)

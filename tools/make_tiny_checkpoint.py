@@ -1,0 +1,61 @@
+"""Write a tiny random Qwen2.5-VL checkpoint directory, offline.
+
+    python tools/make_tiny_checkpoint.py --out /tmp/tiny
+    python tools/make_tiny_checkpoint.py --out /tmp/wide --hidden 512 --layers 8 --heads 8 --kv-heads 2 --vocab bytes
+
+transformers loads the result with its own classes (AutoConfig, AutoTokenizer,
+Qwen2_5_VLForConditionalGeneration); Rollplex loads it with
+rollplex.models.from_pretrained and its processor with
+rollplex.data.processing.load_processor.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from rollplex.models.tiny import TinySpec, make_tiny_checkpoint  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--hidden", type=int, default=64, help="language model hidden size")
+    p.add_argument("--layers", type=int, default=2, help="language model layers")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads")
+    p.add_argument("--intermediate", type=int, default=None, help="MLP width (default: 2 x hidden)")
+    p.add_argument("--vision-hidden", type=int, default=32)
+    p.add_argument("--vision-depth", type=int, default=2)
+    p.add_argument("--vision-heads", type=int, default=2)
+    p.add_argument("--vocab", choices=["words", "bytes"], default="words",
+                   help="words: ~64-token word vocabulary (learnable from scratch); bytes: byte-level")
+    p.add_argument("--vocab-size", type=int, default=None, help="embedding rows (default: tokenizer length padded)")
+    p.add_argument("--mrope-section", type=int, nargs=3, default=None,
+                   help="M-RoPE split of head_dim/2 (default: proportional to 2:3:3)")
+    p.add_argument("--tie", action="store_true", help="tie the LM head to the embeddings")
+    p.add_argument("--style", choices=["nested", "flat"], default="nested", help="config.json style")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    head_dim = a.hidden // a.heads
+    spec = TinySpec(hidden_size=a.hidden, num_layers=a.layers, num_heads=a.heads, num_kv_heads=a.kv_heads,
+                    intermediate_size=a.intermediate or 2 * a.hidden, vision_hidden_size=a.vision_hidden,
+                    vision_depth=a.vision_depth, vision_num_heads=a.vision_heads,
+                    vision_intermediate_size=2 * a.vision_hidden, vocab=a.vocab, vocab_size=a.vocab_size,
+                    mrope_section=tuple(a.mrope_section or default_mrope_section(head_dim)),
+                    tie_word_embeddings=a.tie)
+    out = make_tiny_checkpoint(a.out, spec, seed=a.seed, style=a.style)
+    print(f"wrote {out}")
+
+
+def default_mrope_section(head_dim: int) -> list[int]:
+    """Split head_dim/2 rotary frequencies 2:3:3 over (t, h, w), as Qwen2.5-VL's 16:24:24."""
+    half = head_dim // 2
+    t = half // 4
+    h = (half - t) // 2
+    return [t, h, half - t - h]
+
+
+if __name__ == "__main__":
+    main()
