@@ -22,7 +22,7 @@ from rollplex.config import Config, load_config
 from rollplex.data.processing import load_processor, prepare_prompt
 from rollplex.engine import Engine, EngineConfig, Request, SamplingParams
 from rollplex.models import from_pretrained
-from rollplex.models.tiny import TinySpec, make_tiny_checkpoint
+from rollplex.models.tiny import TinySpec, default_mrope_section, make_tiny_checkpoint
 
 
 def model_dir(cfg: Config) -> Path:
@@ -37,18 +37,10 @@ def model_dir(cfg: Config) -> Path:
                         num_kv_heads=t.num_kv_heads, intermediate_size=t.intermediate_size,
                         vision_hidden_size=t.vision_hidden_size, vision_depth=t.vision_depth,
                         vision_num_heads=t.vision_num_heads, vision_intermediate_size=2 * t.vision_hidden_size,
-                        vocab=t.vocab, mrope_section=_mrope_section(head_dim))
+                        vocab=t.vocab, mrope_section=default_mrope_section(head_dim))
         make_tiny_checkpoint(out, spec, seed=t.seed)
         print(f"built the tiny model into {out}")
     return out
-
-
-def _mrope_section(head_dim: int) -> tuple[int, int, int]:
-    """head_dim/2 rotary frequencies split 2:3:3 over (t, h, w), as Qwen2.5-VL's 16:24:24."""
-    half = head_dim // 2
-    t = half // 4
-    h = (half - t) // 2
-    return t, h, half - t - h
 
 
 def colour_image(seed: int) -> np.ndarray:

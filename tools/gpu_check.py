@@ -109,6 +109,56 @@ def check_forward_timing(device: str) -> dict:
             "tokens_per_s": tokens / dt, "note": "random weights; timing only"}
 
 
+def check_engine_cuda_graphs(device: str) -> dict:
+    """Greedy tokens with CUDA-graph decode equal eager decode (tiny model, mixed batch)."""
+    from rollplex.engine import Engine, EngineConfig, Request, SamplingParams
+
+    args = _tiny_args()
+    model = build_model(args, dtype=torch.bfloat16, device=device, seed=0)
+    model.set_attn_backend("auto")
+    seq = _multimodal_prompt(args, device, video_thw=(2, 16, 16))
+    requests = [Request(seq.input_ids.tolist(), pixel_values=seq.pixel_values, image_grid_thw=seq.image_grid_thw,
+                        pixel_values_videos=seq.pixel_values_videos, video_grid_thw=seq.video_grid_thw,
+                        second_per_grid_ts=seq.second_per_grid_ts, n=4),
+                Request(list(range(1, 40)), n=3)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    tokens = {}
+    for eager in (True, False):
+        engine = Engine(model, EngineConfig(enforce_eager=eager, max_num_seqs=16, max_model_len=1024))
+        tokens[eager] = [[s.token_ids for s in o.samples] for o in engine.generate(requests, params)]
+    return {"ok": tokens[True] == tokens[False], "attn_backend": model.attn_backend}
+
+
+def check_engine_throughput(device: str) -> dict:
+    """Decode throughput of a 3B-shaped model (random weights) at batch 64, graphs vs eager."""
+    from rollplex.engine import Engine, EngineConfig, Request, SamplingParams
+
+    args = ModelArgs(vision=VisionArgs(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                                       out_hidden_size=2048, fullatt_block_indexes=[7, 15, 23, 31]),
+                     text=TextArgs())
+    model = build_model(args, dtype=torch.bfloat16, device=device, seed=0)
+    model.set_attn_backend("auto")
+    requests = [Request(list(range(100, 612)), n=1) for _ in range(64)]
+    result = {"ok": True, "attn_backend": model.attn_backend, "batch": 64, "prompt_tokens": 512, "note":
+              "random weights; timing only"}
+    for eager in (True, False):
+        engine = Engine(model, EngineConfig(enforce_eager=eager, max_num_seqs=64, max_model_len=1024))
+        timings = {}
+        for max_tokens in (1, 129):
+            engine.generate(requests[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm
+            _sync(device)
+            t0 = time.perf_counter()
+            engine.generate(requests, SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True,
+                                                     seed=0))
+            _sync(device)
+            timings[max_tokens] = time.perf_counter() - t0
+        step = (timings[129] - timings[1]) / 128
+        key = "eager" if eager else "cuda_graphs"
+        result[f"{key}_decode_step_ms"] = step * 1e3
+        result[f"{key}_decode_tokens_per_s"] = 64 / step
+    return result
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -117,6 +167,8 @@ def _sync(device: str) -> None:
 CHECKS = {
     "model_parity_bf16": check_model_parity_bf16,
     "forward_timing_3b": check_forward_timing,
+    "engine_cuda_graphs_equal_eager": check_engine_cuda_graphs,
+    "engine_throughput_3b": check_engine_throughput,
 }
 
 

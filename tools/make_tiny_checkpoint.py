@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rollplex.models.tiny import TinySpec, make_tiny_checkpoint  # noqa: E402
+from rollplex.models.tiny import TinySpec, default_mrope_section, make_tiny_checkpoint  # noqa: E402
 
 
 def main() -> None:
@@ -47,14 +47,6 @@ def main() -> None:
                     tie_word_embeddings=a.tie)
     out = make_tiny_checkpoint(a.out, spec, seed=a.seed, style=a.style)
     print(f"wrote {out}")
-
-
-def default_mrope_section(head_dim: int) -> list[int]:
-    """Split head_dim/2 rotary frequencies 2:3:3 over (t, h, w), as Qwen2.5-VL's 16:24:24."""
-    half = head_dim // 2
-    t = half // 4
-    h = (half - t) // 2
-    return [t, h, half - t - h]
 
 
 if __name__ == "__main__":

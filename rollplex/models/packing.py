@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from rollplex.models.qwen2_5_vl import ModelArgs, mrope_for
+from rollplex.ops.attention import GroupLayout
 
 
 @dataclass
@@ -37,6 +38,7 @@ class PackedBatch:
     max_seqlen: int
     rope_deltas: list[int]
     prompt_mask: torch.Tensor | None = None  # (T,) True on prompt tokens; None when every token is prompt
+    groups: list[GroupLayout] | None = None  # set when GRPO groups share their prompt (see pack_groups)
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
     pixel_values_videos: torch.Tensor | None = None
@@ -135,3 +137,108 @@ def pack_padded(args: ModelArgs, input_ids: torch.Tensor, attention_mask: torch.
                 second_per_grid_ts: torch.Tensor | None = None) -> PackedBatch:
     return pack_sequences(args, split_padded(args, input_ids, attention_mask, pixel_values, image_grid_thw,
                                              pixel_values_videos, video_grid_thw, second_per_grid_ts))
+
+
+# ----------------------------------------------------------------------------- GRPO groups for training
+
+
+@dataclass
+class GroupInputs:
+    """One prompt and the n responses sampled for it."""
+
+    prompt: SequenceInputs
+    responses: list[list[int]]
+
+
+@dataclass
+class TrainBatch:
+    """A packed batch of groups plus where each response token is predicted.
+
+    The hidden state at `target_index[i]` predicts token `target_ids[i]`; targets
+    run response by response in group order, `response_lens` long each.
+    """
+
+    packed: PackedBatch
+    target_index: torch.Tensor
+    target_ids: torch.Tensor
+    response_lens: list[int]
+
+
+def pack_groups(args: ModelArgs, groups: list[GroupInputs], share_prefix: bool) -> TrainBatch:
+    """Pack GRPO groups for a training or logprob pass.
+
+    share_prefix=True: each group is [prompt | response_1 | ... | response_n]; the
+    prompt (and its images) is computed once and every response attends to it
+    (SharedPrefixAttention). share_prefix=False: every response is its own
+    full sequence prompt + response, images included, as a plain colocated
+    trainer computes it; the reference the shared path is tested against.
+    """
+    if share_prefix:
+        return _pack_shared(args, groups)
+    seqs, target_index, offset = [], [], 0
+    for g in groups:
+        n_prompt = len(g.prompt.input_ids)
+        for r in g.responses:
+            _check_response(r)
+            p = g.prompt
+            seqs.append(SequenceInputs(torch.cat([p.input_ids, torch.tensor(r, dtype=torch.long)]), n_prompt,
+                                       p.pixel_values, p.image_grid_thw, p.pixel_values_videos, p.video_grid_thw,
+                                       p.second_per_grid_ts))
+            target_index.append(torch.arange(offset + n_prompt - 1, offset + n_prompt - 1 + len(r)))
+            offset += n_prompt + len(r)
+    return _train_batch(pack_sequences(args, seqs), target_index, groups)
+
+
+def _pack_shared(args: ModelArgs, groups: list[GroupInputs]) -> TrainBatch:
+    seqs, layouts, target_index, offset = [], [], [], 0
+    for g in groups:
+        p = g.prompt
+        n_prompt = len(p.input_ids)
+        for r in g.responses:
+            _check_response(r)
+        layouts.append(GroupLayout(offset, n_prompt, tuple(len(r) for r in g.responses)))
+        seqs.append(p)
+        start = offset + n_prompt
+        for r in g.responses:
+            # First token predicted by the prompt's last token, the rest by their predecessor.
+            target_index.append(torch.cat([torch.tensor([offset + n_prompt - 1]),
+                                           torch.arange(start, start + len(r) - 1)]))
+            start += len(r)
+        offset = start
+    prompts = pack_sequences(args, seqs)
+    # Insert each group's responses after its prompt: ids, and positions continuing the prompt's (text: + delta).
+    ids, positions, prompt_mask = [], [], []
+    for i, (g, layout) in enumerate(zip(groups, layouts)):
+        a, b = int(prompts.cu_seqlens[i]), int(prompts.cu_seqlens[i + 1])
+        ids.append(prompts.input_ids[a:b])
+        positions.append(prompts.position_ids[:, a:b])
+        prompt_mask.append(torch.ones(b - a, dtype=torch.bool))
+        for r in g.responses:
+            ids.append(torch.tensor(r, dtype=torch.long))
+            positions.append((torch.arange(b - a, b - a + len(r)) + prompts.rope_deltas[i]).expand(3, -1))
+            prompt_mask.append(torch.zeros(len(r), dtype=torch.bool))
+    device = prompts.input_ids.device
+    packed = PackedBatch(
+        input_ids=torch.cat(ids).to(device),
+        position_ids=torch.cat(positions, dim=1).to(device),
+        cu_seqlens=torch.tensor([0] + [lay.end for lay in layouts], dtype=torch.int32, device=device),
+        max_seqlen=max(lay.end - lay.start for lay in layouts),
+        rope_deltas=prompts.rope_deltas,
+        prompt_mask=torch.cat(prompt_mask).to(device),
+        groups=layouts,
+        pixel_values=prompts.pixel_values, image_grid_thw=prompts.image_grid_thw,
+        pixel_values_videos=prompts.pixel_values_videos, video_grid_thw=prompts.video_grid_thw,
+    )
+    return _train_batch(packed, target_index, groups)
+
+
+def _train_batch(packed: PackedBatch, target_index: list[torch.Tensor], groups: list[GroupInputs]) -> TrainBatch:
+    device = packed.input_ids.device
+    return TrainBatch(packed, torch.cat(target_index).to(device),
+                      torch.tensor([t for g in groups for r in g.responses for t in r], device=device),
+                      [len(r) for g in groups for r in g.responses])
+
+
+def _check_response(tokens: list[int]) -> None:
+    if not tokens:
+        raise ValueError("a response must hold at least one token")

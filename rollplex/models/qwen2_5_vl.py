@@ -21,7 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from rollplex.models.rope import MRotaryEmbedding, RopeIndexSpec, apply_rotary, mrope_positions, vision_rotary
-from rollplex.ops.attention import AttentionBackend, VarlenAttention, resolve_backend, varlen_attention
+from rollplex.ops.attention import (AttentionBackend, SharedPrefixAttention, VarlenAttention, resolve_backend,
+                                    varlen_attention)
 
 
 @dataclass
@@ -386,15 +387,19 @@ class Qwen2_5_VL(nn.Module):
         return self.language_model(self.language_model.embed_tokens(input_ids), position_ids, attn)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.language_model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if self.lm_head is None:
+            return F.linear(hidden, self.language_model.embed_tokens.weight)
+        return self.lm_head(hidden)  # through the module, so a parallel plan's hooks apply
 
     def forward_packed(self, batch: "PackedBatch", vision: VisionEmbeds | None = None) -> torch.Tensor:
         """Hidden states of a packed batch; encodes its images/videos unless `vision` is given."""
         if vision is None:
             vision = self.encode_vision(batch.pixel_values, batch.image_grid_thw, batch.pixel_values_videos,
                                         batch.video_grid_thw)
-        attn = VarlenAttention(batch.cu_seqlens, batch.max_seqlen, causal=True, backend=self.attn_backend)
+        if batch.groups is not None:
+            attn = SharedPrefixAttention(batch.groups, self.attn_backend)
+        else:
+            attn = VarlenAttention(batch.cu_seqlens, batch.max_seqlen, causal=True, backend=self.attn_backend)
         return self(batch.input_ids, batch.position_ids, attn, vision, batch.prompt_mask)
 
     @torch.no_grad()

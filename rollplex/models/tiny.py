@@ -610,6 +610,14 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
 
+def default_mrope_section(head_dim: int) -> tuple[int, int, int]:
+    """head_dim/2 rotary frequencies split 2:3:3 over (t, h, w), as Qwen2.5-VL's 16:24:24."""
+    half = head_dim // 2
+    t = half // 4
+    h = (half - t) // 2
+    return t, h, half - t - h
+
+
 def make_tiny_checkpoint(out_dir: str | os.PathLike, spec: TinySpec | None = None, seed: int = 0,
                          style: str = "nested") -> Path:
     """A complete tiny random Qwen2.5-VL directory, fully offline: config, random

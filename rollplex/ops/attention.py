@@ -170,3 +170,84 @@ def paged_decode_attention(
     out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=visible[:, None, None, :],
                                          enable_gqa=q.shape[1] != kv_heads)
     return out[:, :, 0]
+
+
+# ----------------------------------------------------------------------------- shared prefix (GRPO groups)
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Where one GRPO group sits in a packed batch: its prompt tokens at
+    [start, start + prompt_len), then its responses back to back."""
+
+    start: int
+    prompt_len: int
+    response_lens: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.prompt_len + sum(self.response_lens)
+
+
+@dataclass
+class SharedPrefixAttention:
+    """A group's prompt is computed once; each response attends to the prompt's
+    keys/values plus its own tokens (causally).
+
+    Per layer and group: causal attention within the prompt; one attention of
+    every response query of the group over the prompt (non-causal: the whole
+    prompt precedes every response); one causal attention within each response;
+    the last two merged by log-sum-exp. The prompt's K/V are never copied per
+    response, and gradients reach the prompt (and through it the vision tower)
+    from every response.
+    """
+
+    groups: list[GroupLayout]
+    backend: str = "torch"
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        parts = []
+        for g in self.groups:
+            p0, p1 = g.start, g.start + g.prompt_len
+            parts.append(attention_with_lse(q[p0:p1], k[p0:p1], v[p0:p1], causal=True)[0])
+            resp_q = q[p1:g.end]
+            prefix_out, prefix_lse = attention_with_lse(resp_q, k[p0:p1], v[p0:p1], causal=False)
+            own_out, own_lse = [], []
+            offset = p1
+            for n in g.response_lens:
+                o, lse = attention_with_lse(q[offset:offset + n], k[offset:offset + n], v[offset:offset + n],
+                                            causal=True)
+                own_out.append(o)
+                own_lse.append(lse)
+                offset += n
+            parts.append(merge_attention(prefix_out, prefix_lse, torch.cat(own_out), torch.cat(own_lse, dim=1)))
+        return torch.cat(parts)
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one segment that also returns the log-sum-exp of its scores.
+
+    q: (Lq, Hq, D), k/v: (Lk, Hkv, D) -> out (Lq, Hq, D), lse (Hq, Lq) in float32.
+    Computed in float32 with explicit scores (differentiable through both
+    outputs); causal masks are bottom-right aligned.
+    """
+    rep = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(rep, dim=1)
+    vf = v.float().repeat_interleave(rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * q.shape[-1] ** -0.5
+    if causal:
+        scores = scores.masked_fill(~causal_mask(q.shape[0], k.shape[0], q.device), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("hqk,khd->qhd", torch.exp(scores - lse[..., None]), vf)
+    return out.to(q.dtype), lse
+
+
+def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                    lse_b: torch.Tensor) -> torch.Tensor:
+    """Combine attention over two disjoint key sets: each part weighted by its
+    share of the total softmax mass, exp(lse_part - lse_total)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    wa = torch.exp(lse_a - lse).transpose(0, 1)[..., None]  # (L, H, 1)
+    wb = torch.exp(lse_b - lse).transpose(0, 1)[..., None]
+    return (out_a.float() * wa + out_b.float() * wb).to(out_a.dtype)

@@ -1,0 +1,97 @@
+"""Parallelism applied to the model from outside (as torchtitan does).
+
+`parallelize(model, mesh, ...)` applies, in this order: tensor parallelism on
+the "tp" mesh dimension, activation checkpointing, FSDP2 on "dp_shard".
+
+Tensor parallelism splits each decoder layer Megatron-style: q/k/v and
+gate/up are column-parallel (each rank holds whole heads / a slice of the MLP
+width), o_proj and down_proj are row-parallel (their partial outputs are
+all-reduced on the TP group). The embedding is vocab-parallel (row-parallel
+over the vocabulary), the LM head column-parallel over the vocabulary with its
+logits gathered. Model code is unchanged: it reshapes with the local head count
+(`view(T, -1, head_dim)`).
+
+The vision tower stays replicated across TP ranks: its fused qkv projection does
+not split by heads without reordering, and it is small next to the decoder.
+With tied embeddings the embedding stays replicated too, since the head reads
+the same weight.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from rollplex.models.qwen2_5_vl import Qwen2_5_VL
+
+
+def check_tp(model: Qwen2_5_VL, tp: int) -> None:
+    """Raise before any work starts when the model cannot be split `tp` ways."""
+    t = model.args.text
+    for name, value in (("num_attention_heads", t.num_attention_heads), ("num_key_value_heads",
+                        t.num_key_value_heads), ("intermediate_size", t.intermediate_size),
+                        ("vocab_size", t.vocab_size)):
+        if value % tp:
+            raise ValueError(f"tensor parallel size {tp} does not divide the model's {name} ({value})")
+
+
+def apply_tp(model: Qwen2_5_VL, tp_mesh: DeviceMesh) -> Qwen2_5_VL:
+    """Shard the language model over `tp_mesh` in place (parameters become DTensors)."""
+    check_tp(model, tp_mesh.size())
+    layer_plan = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    for layer in model.language_model.layers:
+        parallelize_module(layer, tp_mesh, layer_plan)
+    if model.lm_head is not None:
+        parallelize_module(model.language_model, tp_mesh,
+                           {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())})
+        parallelize_module(model, tp_mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+    return model
+
+
+
+def apply_fsdp(model: Qwen2_5_VL, dp_mesh: DeviceMesh, mixed_precision: bool) -> Qwen2_5_VL:
+    """FSDP2: every vision block and decoder layer is its own shard unit (gathered
+    just before it runs, freed after), the rest of the model the root unit.
+    Mixed precision (CUDA): bf16 parameters for compute, gradients reduced in fp32."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else \
+        MixedPrecisionPolicy()
+    for block in model.visual.blocks:
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp)
+    for layer in model.language_model.layers:
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+    # The model is also entered through these methods; each must gather the root's parameters.
+    for method in ("forward_packed", "encode_vision", "logits", "hf_forward"):
+        register_fsdp_forward_method(model, method)
+    return model
+
+
+def apply_activation_checkpointing(model: Qwen2_5_VL) -> None:
+    """Recompute each decoder layer's and vision block's activations in backward."""
+    for blocks in (model.language_model.layers, model.visual.blocks):
+        for i, block in enumerate(blocks):
+            blocks[i] = checkpoint_wrapper(block)
+
+
+def parallelize(model: Qwen2_5_VL, mesh: DeviceMesh, activation_checkpointing: bool = False,
+                freeze_vision: bool = False) -> Qwen2_5_VL:
+    """TP over mesh["tp"] (when > 1), activation checkpointing, then FSDP2 over mesh["dp_shard"]."""
+    if freeze_vision:
+        model.visual.requires_grad_(False)
+    if mesh["tp"].size() > 1:
+        apply_tp(model, mesh["tp"])
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    return apply_fsdp(model, mesh["dp_shard"], mixed_precision=mesh.device_type == "cuda")

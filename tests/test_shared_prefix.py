@@ -1,0 +1,62 @@
+"""Prompt computed once per GRPO group: logprobs and every parameter's gradient
+equal the plain per-sample full-sequence forward."""
+
+import pytest
+import torch
+
+from rollplex.models import build_model
+from rollplex.models.packing import GroupInputs, SequenceInputs, pack_groups
+from rollplex.train.actor import response_logprobs
+from test_model import IMG, VEND, VID, VSTART, image, tiny_args
+
+
+def groups() -> list[GroupInputs]:
+    a, ga, na = image(1, 4, 6, seed=30)
+    v, gv, nv = image(4, 4, 4, seed=31)
+    g = torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randint(1, 89, (n,), generator=g).tolist()  # noqa: E731
+    return [
+        GroupInputs(SequenceInputs(torch.tensor([1, VSTART] + [IMG] * na + [VEND, 5, 6]), pixel_values=a,
+                                   image_grid_thw=ga), [rand(3), rand(5), rand(1)]),
+        GroupInputs(SequenceInputs(torch.tensor([2, 3, VSTART] + [VID] * nv + [VEND, 7]), pixel_values_videos=v,
+                                   video_grid_thw=gv, second_per_grid_ts=torch.tensor([1.5])),
+                    [rand(4), rand(2)]),
+        # a response that samples a vision pad id is plain text, not an image slot
+        GroupInputs(SequenceInputs(torch.tensor([4, 8, 9])), [rand(2) + [IMG], rand(6), rand(3), rand(2)]),
+    ]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(tiny_args(), seed=5)
+
+
+def loss_and_grads(model, share_prefix: bool):
+    model.zero_grad()
+    batch = pack_groups(model.args, groups(), share_prefix=share_prefix)
+    logprobs, entropy = response_logprobs(model, batch, with_entropy=True)
+    weights = torch.linspace(-1.0, 1.0, logprobs.numel())  # stands in for advantages
+    loss = (logprobs * weights).sum() + 0.1 * entropy.sum()
+    loss.backward()
+    return logprobs.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_shared_prefix_equals_per_sample_forward(model):
+    lp_plain, loss_plain, grads_plain = loss_and_grads(model, share_prefix=False)
+    lp_shared, loss_shared, grads_shared = loss_and_grads(model, share_prefix=True)
+    assert torch.allclose(lp_shared, lp_plain, atol=1e-5)
+    assert abs(loss_shared - loss_plain) <= 1e-5 * abs(loss_plain)
+    for name, g in grads_plain.items():
+        err = (grads_shared[name] - g).norm() / g.norm().clamp_min(1e-12)
+        assert err <= 1e-5, f"{name}: relative gradient error {err:.2e}"
+    assert grads_plain["visual.patch_embed.proj.weight"].norm() > 0  # gradients reach the vision tower
+
+
+def test_shared_prefix_computes_the_prompt_once(model):
+    shared = pack_groups(model.args, groups(), share_prefix=True)
+    plain = pack_groups(model.args, groups(), share_prefix=False)
+    prompt_tokens = sum(len(g.prompt.input_ids) for g in groups())
+    response_tokens = sum(len(r) for g in groups() for r in g.responses)
+    assert shared.packed.input_ids.numel() == prompt_tokens + response_tokens
+    assert plain.packed.input_ids.numel() > shared.packed.input_ids.numel()
+    assert shared.packed.pixel_values.shape[0] * 3 == plain.packed.pixel_values.shape[0]  # 3 samples, 1 image
