@@ -1,12 +1,24 @@
-"""The actor side: per-token logprob passes over packed GRPO groups."""
+"""The actor side: per-token logprob passes and the policy update over packed GRPO groups.
+
+Micro-batches are cut by a token budget (`max_tokens_per_micro_batch`): a
+group's prompt plus its responses when prompts are shared, prompt + response per
+sample otherwise. A group too large for the budget is split into sub-groups of
+its responses (its prompt is then computed once per sub-group). Every dp rank
+runs the same number of micro-batches, because each one is a round of FSDP
+collectives; a rank with too little work runs a zero-weight repeat.
+"""
 
 from __future__ import annotations
 
-import torch
+import math
+from dataclasses import dataclass
 
-from rollplex.models.packing import TrainBatch
+import torch
+import torch.distributed as dist
+
+from rollplex.models.packing import GroupInputs, TrainBatch, pack_groups
 from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds
-from rollplex.train.loss import entropy_from_logits
+from rollplex.train.loss import agg_loss, entropy_from_logits, kl_penalty, policy_loss
 
 
 def response_logprobs(model: Qwen2_5_VL, batch: TrainBatch, vision: VisionEmbeds | None = None,
@@ -18,3 +30,223 @@ def response_logprobs(model: Qwen2_5_VL, batch: TrainBatch, vision: VisionEmbeds
     logits = model.logits(hidden[batch.target_index]).float()
     logprobs = torch.log_softmax(logits, dim=-1).gather(1, batch.target_ids[:, None])[:, 0]
     return logprobs, entropy_from_logits(logits) if with_entropy else None
+
+
+@dataclass
+class PolicyBatch:
+    """What one policy update needs, per response in group order."""
+
+    groups: list[GroupInputs]
+    advantages: list[float]
+    old_logprobs: list[torch.Tensor]
+    ref_logprobs: list[torch.Tensor] | None = None
+    rollout_logprobs: list[torch.Tensor] | None = None
+
+
+@dataclass
+class ActorConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # 0: no clipping (the norm is still reported)
+    max_tokens_per_micro_batch: int = 8192
+    share_prefix: bool = True
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    clip_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    kl_coef: float = 0.0
+    kl_kind: str = "k3"
+    entropy_coef: float = 0.0
+    tis_cap: float = 0.0
+    max_response_len: int = 256  # the generation limit, for seq-mean-token-sum-norm
+
+
+@dataclass
+class _Unit:
+    """A slice of a group (its prompt and some of its responses) with its response offsets."""
+
+    group: GroupInputs
+    first: int  # index of its first response in the batch's response order
+
+    @property
+    def tokens(self) -> int:
+        return len(self.group.prompt.input_ids) + sum(len(r) for r in self.group.responses)
+
+
+class Actor:
+    def __init__(self, model: Qwen2_5_VL, config: ActorConfig, dp_group: dist.ProcessGroup | None = None,
+                 lr_lambda=None):
+        self.model, self.config, self.dp_group = model, config, dp_group
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay,
+                                           fused=model.device.type == "cuda")
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda or (lambda step: 1.0))
+        self.skipped_steps = 0
+
+    @property
+    def dp_size(self) -> int:
+        return dist.get_world_size(self.dp_group) if dist.is_initialized() else 1
+
+    # ------------------------------------------------------------------ micro-batches
+
+    def micro_batches(self, groups: list[GroupInputs]) -> list[list[_Unit]]:
+        budget = self.config.max_tokens_per_micro_batch
+        units, first = [], 0
+        for g in groups:
+            units += self._split_group(g, first, budget)
+            first += len(g.responses)
+        batches: list[list[_Unit]] = []
+        tokens = budget + 1
+        for u in units:
+            if tokens + u.tokens > budget:
+                batches.append([])
+                tokens = 0
+            batches[-1].append(u)
+            tokens += u.tokens
+        return self._same_count_on_all_ranks(batches)
+
+    def _split_group(self, g: GroupInputs, first: int, budget: int) -> list[_Unit]:
+        prompt = len(g.prompt.input_ids)
+        per_sample = not self.config.share_prefix
+        units, current, tokens = [], [], prompt
+        for i, r in enumerate(g.responses):
+            need = len(r) + (prompt if per_sample else 0)
+            if prompt + len(r) > budget:
+                raise ValueError(f"max_tokens_per_micro_batch={budget} is smaller than one sequence: prompt "
+                                 f"{prompt} + response {len(r)} = {prompt + len(r)} tokens")
+            if current and tokens + need > budget:
+                units.append(_Unit(GroupInputs(g.prompt, current), first))
+                first += len(current)
+                current, tokens = [], prompt
+            current.append(r)
+            tokens += need
+        units.append(_Unit(GroupInputs(g.prompt, current), first))
+        return units
+
+    def _same_count_on_all_ranks(self, batches: list[list[_Unit]]) -> list[list[_Unit]]:
+        if self.dp_size == 1:
+            return batches
+        count = torch.tensor(len(batches))
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
+        # Split the largest micro-batches until the count matches; repeat one (at zero weight) if units run out.
+        while len(batches) < int(count):
+            batches.sort(key=lambda b: -sum(u.tokens for u in b))
+            if len(batches[0]) > 1:
+                big = batches.pop(0)
+                half = len(big) // 2
+                batches += [big[:half], big[half:]]
+            else:
+                batches.append([])  # an empty micro-batch: runs the first unit again with zero weight
+        return batches
+
+    # ------------------------------------------------------------------ passes
+
+    @torch.no_grad()
+    def logprobs(self, model: Qwen2_5_VL, groups: list[GroupInputs]) -> list[torch.Tensor]:
+        """Per-response logprobs under `model` (the actor, or the reference model)."""
+        out: list[torch.Tensor | None] = [None] * sum(len(g.responses) for g in groups)
+        for mb in self.micro_batches(groups):
+            units = mb or self._fallback_units(groups)
+            batch = pack_groups(model.args, [u.group for u in units], self.config.share_prefix)
+            lp, _ = response_logprobs(model, _to(batch, model.device))
+            if not mb:
+                continue
+            for i, piece in zip(_response_ids(units), lp.split(batch.response_lens)):
+                out[i] = piece.float().cpu()
+        return out
+
+    def update(self, batch: PolicyBatch) -> dict[str, float]:
+        """One optimizer step on the batch; returns verl-named metrics."""
+        cfg = self.config
+        self.model.train()
+        local_tokens = sum(len(r) for g in batch.groups for r in g.responses)
+        totals = torch.tensor([float(local_tokens), float(len(batch.advantages))])
+        if self.dp_size > 1:
+            dist.all_reduce(totals, group=self.dp_group)
+        norm = dict(global_tokens=totals[0].item(), global_seqs=totals[1].item(), max_response_len=cfg.max_response_len)
+        sums = {k: 0.0 for k in ("pg_loss", "kl_loss", "entropy", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}
+        for mb in self.micro_batches(batch.groups):
+            units = mb or self._fallback_units(batch.groups)
+            weight = 1.0 if mb else 0.0
+            packed = _to(pack_groups(self.model.args, [u.group for u in units], cfg.share_prefix), self.model.device)
+            ids = _response_ids(units)
+            lp, entropy = response_logprobs(self.model, packed, with_entropy=cfg.entropy_coef > 0)
+            mask = _padded_mask(packed.response_lens, lp.device)
+            pad = lambda xs: _pad([xs[i] for i in ids], mask)  # noqa: E731
+            lp2d = _pad(list(lp.split(packed.response_lens)), mask)
+            adv = torch.tensor([batch.advantages[i] for i in ids], device=lp.device)
+            loss, m = policy_loss(lp2d, pad(batch.old_logprobs), adv, mask, cfg.clip_low, cfg.clip_high, cfg.clip_c,
+                                  cfg.loss_agg_mode, **norm,
+                                  rollout_logprobs=pad(batch.rollout_logprobs) if batch.rollout_logprobs else None,
+                                  tis_cap=cfg.tis_cap)
+            sums["pg_loss"] += m.pg_loss.item() * weight
+            if cfg.kl_coef > 0:
+                kl = agg_loss(kl_penalty(lp2d, pad(batch.ref_logprobs), cfg.kl_kind), mask, cfg.loss_agg_mode, **norm)
+                loss = loss + cfg.kl_coef * kl
+                sums["kl_loss"] += kl.item() * weight
+            if entropy is not None:
+                ent = agg_loss(_pad(list(entropy.split(packed.response_lens)), mask), mask, cfg.loss_agg_mode, **norm)
+                loss = loss - cfg.entropy_coef * ent
+                sums["entropy"] += ent.item() * weight
+            share = mask.sum().item() / norm["global_tokens"] * weight
+            for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+                sums[k] += getattr(m, k).item() * share
+            # FSDP averages gradients over dp ranks; the losses are already globally normalised sums.
+            (loss * weight * self.dp_size).backward()
+        grad_norm = self._clip_and_step()
+        metrics = {f"actor/{k}": v for k, v in sums.items()}
+        metrics.update({"actor/grad_norm": grad_norm, "actor/lr": self.scheduler.get_last_lr()[0],
+                        "actor/skipped_steps": float(self.skipped_steps)})
+        return metrics
+
+    def _clip_and_step(self) -> float:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        grad_norm = float(global_grad_norm(grads))
+        if self.config.grad_clip > 0 and grad_norm > self.config.grad_clip:
+            torch._foreach_mul_(grads, self.config.grad_clip / (grad_norm + 1e-6))
+        if not math.isfinite(grad_norm):
+            # A NaN/inf loss or gradient: skip this step (the norm is global, so every rank skips).
+            self.skipped_steps += 1
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def _fallback_units(self, groups: list[GroupInputs]) -> list[_Unit]:
+        return [_Unit(GroupInputs(groups[0].prompt, groups[0].responses[:1]), 0)]
+
+
+def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm over all gradients, whatever mix of meshes their DTensors live on
+    (TP-sharded layers on the 2D mesh, the rest on the dp mesh alone): each
+    parameter's norm is made whole on its own mesh, then the norms combine."""
+    norms = [torch.linalg.vector_norm(g.detach(), 2, dtype=torch.float32) for g in grads]
+    norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+    return torch.linalg.vector_norm(torch.stack(norms), 2)
+
+
+def _response_ids(units: list[_Unit]) -> list[int]:
+    return [u.first + j for u in units for j in range(len(u.group.responses))]
+
+
+def _padded_mask(lens: list[int], device) -> torch.Tensor:
+    return torch.arange(max(lens), device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
+
+
+def _pad(rows: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    out[mask] = torch.cat([r.to(mask.device, torch.float32) for r in rows])
+    return out
+
+
+def _to(batch: TrainBatch, device: torch.device) -> TrainBatch:
+    """Move a packed batch's tensors to the model's device."""
+    p = batch.packed
+    for name in ("input_ids", "position_ids", "cu_seqlens", "prompt_mask", "pixel_values", "image_grid_thw",
+                 "pixel_values_videos", "video_grid_thw"):
+        t = getattr(p, name)
+        if t is not None:
+            setattr(p, name, t.to(device))
+    batch.target_index, batch.target_ids = batch.target_index.to(device), batch.target_ids.to(device)
+    return batch
