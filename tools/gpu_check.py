@@ -159,6 +159,40 @@ def check_engine_throughput(device: str) -> dict:
     return result
 
 
+def check_paged_decode_triton(device: str) -> dict:
+    """The Triton paged-decode kernel against the gather reference (bf16), and its speed."""
+    from rollplex.ops.paged_decode_triton import paged_decode_attention_triton
+    import torch.nn.functional as F
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    batch, heads, kv_heads, dim, block, blocks = 64, 16, 2, 128, 16, 64 * 64
+    q = torch.randn(batch, heads, dim, generator=g).to(device, torch.bfloat16)
+    k = torch.randn(blocks, block, kv_heads, dim, generator=g).to(device, torch.bfloat16)
+    v = torch.randn(blocks, block, kv_heads, dim, generator=g).to(device, torch.bfloat16)
+    tables = torch.randperm(blocks, generator=g)[: batch * 64].view(batch, 64).to(device, torch.int32)
+    lens = torch.randint(1, 64 * block, (batch,), generator=g).to(device, torch.int32)
+    out = paged_decode_attention_triton(q, k, v, tables, lens)
+    kk = k[tables.long()].view(batch, -1, kv_heads, dim).transpose(1, 2)
+    vv = v[tables.long()].view(batch, -1, kv_heads, dim).transpose(1, 2)
+    mask = torch.arange(kk.shape[2], device=device)[None] < lens[:, None]
+    ref = F.scaled_dot_product_attention(q[:, :, None], kk, vv, attn_mask=mask[:, None, None], enable_gqa=True)[:, :, 0]
+    err = (out.float() - ref.float()).abs().max().item()
+    timings = {}
+    for name, fn in (("triton", lambda: paged_decode_attention_triton(q, k, v, tables, lens)),
+                     ("gather", lambda: F.scaled_dot_product_attention(
+                         q[:, :, None], k[tables.long()].view(batch, -1, kv_heads, dim).transpose(1, 2),
+                         v[tables.long()].view(batch, -1, kv_heads, dim).transpose(1, 2),
+                         attn_mask=mask[:, None, None], enable_gqa=True))):
+        fn()
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            fn()
+        _sync(device)
+        timings[f"{name}_ms"] = (time.perf_counter() - t0) / 20 * 1e3
+    return {"ok": err < 2e-2, "max_abs_err_bf16": err, **timings}
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -167,6 +201,7 @@ def _sync(device: str) -> None:
 CHECKS = {
     "model_parity_bf16": check_model_parity_bf16,
     "forward_timing_3b": check_forward_timing,
+    "paged_decode_triton": check_paged_decode_triton,
     "engine_cuda_graphs_equal_eager": check_engine_cuda_graphs,
     "engine_throughput_3b": check_engine_throughput,
 }

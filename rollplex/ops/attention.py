@@ -23,6 +23,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from rollplex.ops.paged_decode_triton import paged_decode_attention_triton, triton_available
+
 _HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 
 
@@ -156,12 +158,16 @@ def paged_decode_attention(
     The torch path gathers each sequence's pages into a padded tensor: right on
     CPU and as the reference, but it copies the context on every step; flash-attn's
     kernel reads the pages in place (its paged KV needs block_size % 256 == 0).
+    On CUDA without flash-attn the torch backend runs Rollplex's Triton kernel
+    (rollplex/ops/paged_decode_triton.py), which also reads the pages in place.
     """
     if backend == "flash":
         from flash_attn import flash_attn_with_kvcache
 
         return flash_attn_with_kvcache(q[:, None], k_cache, v_cache, cache_seqlens=context_lens,
                                        block_table=block_tables, causal=True)[:, 0]
+    if q.is_cuda and triton_available(q.device):
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens)
     batch, max_blocks = block_tables.shape
     block_size, kv_heads, head_dim = k_cache.shape[1:]
     k = k_cache[block_tables].view(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
