@@ -1,0 +1,276 @@
+"""Training checkpoints (resume) and Hugging Face export.
+
+A training checkpoint is a torch.distributed.checkpoint (DCP) directory:
+
+    root/step_00000100/
+        .metadata, __0_0.distcp, ...   model + optimizer (each rank writes its own shards)
+                                       and the LR scheduler state
+        rng_rank0.pt, rng_rank1.pt     RNG states (python, numpy, torch CPU, CUDA), one file per rank
+        COMPLETE.json                  step, `extra`, world size; written last
+
+Every rank writes into `root/.tmp-step_00000100`; after all ranks are done,
+rank 0 writes COMPLETE.json and renames the folder. A crash mid-save leaves a
+`.tmp-` folder, which `latest_checkpoint` skips, never a `step_` folder that
+looks valid. `root` must be on a filesystem every rank sees, where renaming a
+directory is atomic (a local disk or a POSIX shared filesystem, not an object
+store).
+
+Resuming needs the model and optimizer built and parallelised the same way as
+when saving: the same model args, optimizer class and param groups, and the
+same `parallelize` options. The world size may differ: DCP stores each
+parameter and optimizer tensor with its global shape and reshards on load (a
+2-rank FSDP checkpoint loading into one plain process is tested). RNG states
+are per rank, restored only on ranks that saved one, so a resumed run of
+another world size does not replay the same random draws.
+
+`export_hf` writes a standalone Hugging Face directory (weights, config,
+tokenizer and processor files) that transformers and `from_pretrained` load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from rollplex.models import Qwen2_5_VL, save_pretrained
+
+MARKER = "COMPLETE.json"
+TMP_PREFIX = ".tmp-"
+STEP_DIR = re.compile(r"step_(\d+)")
+# What export_hf copies from the source checkpoint: everything a tokenizer,
+# processor or `generate` reads. Never config.json (save_pretrained writes one
+# that matches the model) nor the weights.
+HF_ASSET_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+    "special_tokens_map.json", "added_tokens.json", "chat_template.json", "chat_template.jinja",
+    "preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json",
+    "generation_config.json",
+)  # fmt: skip
+
+
+@dataclass
+class CheckpointState:
+    """What `load_checkpoint` hands back besides the restored objects."""
+
+    step: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@contextmanager
+def _single_process_is_intended():
+    """Outside a process group DCP warns on every call that it assumes a single
+    process: that is what a non-distributed run wants."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+# ----------------------------------------------------------------------------- RNG
+
+
+def _rng_state() -> dict[str, Any]:
+    # numpy's key array is stored as a tensor so the file loads with weights_only=True.
+    np_state = np.random.get_state(legacy=False)
+    state = {
+        "python": random.getstate(),
+        "numpy": {"key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)), "pos": np_state["state"]["pos"],
+                  "has_gauss": np_state["has_gauss"], "gauss": np_state["gauss"]},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()  # this rank's device
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def save_checkpoint(root: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+                    extra: dict[str, Any] | None = None, keep_last: int = 2) -> Path:
+    """Save model, optimizer, scheduler, RNG and `extra` (JSON-serialisable, e.g. the
+    data position; rank 0's copy is kept) as `root/step_{step:08d}`. Collective:
+    every rank calls it. Keeps the newest `keep_last` checkpoints (0: all).
+    Returns the checkpoint's path."""
+    root = Path(root)
+    tmp = root / f"{TMP_PREFIX}{step_dir_name(step)}"
+    final = root / step_dir_name(step)
+    # Serialise before any work, on every rank, so a bad `extra` fails everywhere
+    # at once instead of leaving the other ranks waiting in a barrier.
+    marker = json.dumps({"step": step, "world_size": _world_size(), "extra": extra or {}}, indent=2) + "\n"
+    if _rank() == 0 and tmp.exists():
+        shutil.rmtree(tmp)  # left by a crashed save of this step; may hold shards of another world size
+    _barrier()
+
+    had_state = bool(optimizer.state)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    if not had_state:
+        # Before the first step get_state_dict creates the state with a zero-lr
+        # step (Adam: step=1, zero moments), which would shift bias correction
+        # by one step in this run and in the checkpoint. Keep "no state yet".
+        optimizer.state.clear()
+        optim_state["state"] = {}
+    state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
+    if lr_scheduler is not None:
+        state["lr_scheduler"] = lr_scheduler.state_dict()
+    with _single_process_is_intended():
+        dcp.save(state, checkpoint_id=tmp)  # creates `tmp`; collective
+    torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
+    _barrier()  # every rank's files are on disk
+
+    if _rank() == 0:
+        with open(tmp / MARKER, "w") as f:
+            f.write(marker)
+            f.flush()
+            os.fsync(f.fileno())  # the marker must not reach the disk after the rename does
+        if final.exists():
+            # Saving a step twice (e.g. right after resuming from it): the new one wins.
+            shutil.rmtree(final)
+        tmp.rename(final)
+        _prune(root, step, keep_last)
+    _barrier()  # no rank returns (and, say, loads it) before the rename
+    return final
+
+
+def _scan(root: Path) -> tuple[dict[int, Path], list[tuple[int, Path]]]:
+    """(step -> complete checkpoint, [(step, half-written folder)]) under `root`."""
+    complete, partial = {}, []
+    for p in sorted(root.iterdir()) if root.is_dir() else []:
+        m = STEP_DIR.fullmatch(p.name.removeprefix(TMP_PREFIX))
+        if not (m and p.is_dir()):
+            continue
+        if p.name.startswith(TMP_PREFIX) or not (p / MARKER).is_file():
+            partial.append((int(m.group(1)), p))
+        else:
+            complete[int(m.group(1))] = p
+    return complete, partial
+
+
+def _prune(root: Path, step: int, keep_last: int) -> None:
+    """Rank 0, after saving `step`: delete complete checkpoints beyond the newest
+    `keep_last` (never `step` itself), and the temporary folders of crashed saves
+    of earlier steps, which no writer is left to finish."""
+    complete, partial = _scan(root)
+    if keep_last > 0:
+        for old in sorted(complete)[:-keep_last]:
+            if old != step:
+                shutil.rmtree(complete[old])
+    for old, p in partial:
+        if p.name.startswith(TMP_PREFIX) and old < step:
+            shutil.rmtree(p)
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step under `root`, or None.
+    Half-written folders are skipped with a warning naming them."""
+    complete, partial = _scan(Path(root))
+    for _, p in partial:
+        warnings.warn(f"ignoring incomplete checkpoint {p} (no {MARKER}: its save did not finish)", stacklevel=2)
+    return complete[max(complete)] if complete else None
+
+
+def _drop_unsaved_optimizer_state(optim_state: dict[str, Any], saved_keys: set[str]) -> None:
+    """A parameter that never had a gradient before the save (e.g. the vision tower
+    after text-only batches) has no optimizer state in the checkpoint, while the
+    freshly built optimizer got state for every parameter from get_state_dict's
+    zero-gradient init step. Drop those entries so DCP does not ask for missing
+    keys, and so the parameter ends up stateless, as it was when saved."""
+    state = optim_state["state"]
+    for fqn in list(state):
+        if not any(f"optimizer.state.{fqn}.{name}" in saved_keys for name in state[fqn]):
+            del state[fqn]
+
+
+def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> CheckpointState:
+    """Restore model, optimizer, scheduler and this rank's RNG from a checkpoint
+    written by `save_checkpoint`. Collective. The model and optimizer must be
+    built and parallelised as for saving (see the module docstring)."""
+    path = Path(path)
+    if not (path / MARKER).is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint: {MARKER} is missing")
+    meta = json.loads((path / MARKER).read_text())
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    saved_keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    _drop_unsaved_optimizer_state(optim_state, saved_keys)
+    state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
+    if lr_scheduler is not None:
+        state["lr_scheduler"] = lr_scheduler.state_dict()
+    with _single_process_is_intended():
+        dcp.load(state, checkpoint_id=path)  # in place, resharded to this layout
+    # strict=False only lets the parameters dropped above stay without optimizer
+    # state; a model key missing from the checkpoint already failed in dcp.load.
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=StateDictOptions(strict=False))
+    if lr_scheduler is not None:
+        lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+    rng_file = path / f"rng_rank{_rank()}.pt"
+    if rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, weights_only=True))
+    else:
+        warnings.warn(f"{path} was saved by {meta['world_size']} rank(s); rank {_rank()} keeps its current RNG state",
+                      stacklevel=2)
+    return CheckpointState(step=meta["step"], extra=meta["extra"])
+
+
+# ----------------------------------------------------------------------------- Hugging Face export
+
+
+def export_hf(model: Qwen2_5_VL, out_dir: str | Path, source_dir: str | Path | None = None) -> Path:
+    """Write `model` as a Hugging Face Qwen2.5-VL directory (config.json generated
+    from the model, safetensors in the parameters' dtype) plus the tokenizer,
+    processor, chat template and generation config files of `source_dir`.
+    Collective: every rank calls it (sharded parameters are gathered); rank 0 writes."""
+    out_dir = Path(out_dir)
+    save_pretrained(model, out_dir)
+    if _rank() == 0 and source_dir is not None:
+        for name in HF_ASSET_FILES:
+            if (Path(source_dir) / name).is_file():
+                shutil.copy2(Path(source_dir) / name, out_dir / name)
+    _barrier()
+    return out_dir
