@@ -1,0 +1,467 @@
+"""Output tokens/s of the Rollplex engine against transformers' generate, side by side.
+
+    python tools/bench_engine.py                                   # CPU default: batch 32, one image each
+    python tools/bench_engine.py --prompts 64 --n 4 --output-len 64 --json bench.json
+    python tools/bench_engine.py --prompt-source processor         # real chat-template + image-processor prompts
+    python tools/bench_engine.py --device cuda --hidden 1024 --layers 8 --prompts 128
+
+Both sides generate the same workload from the same random tiny checkpoint
+(built into a temp dir with rollplex.models.tiny.make_tiny_checkpoint, bytes
+vocabulary, so 320 embedding rows): `--prompts` prompts of `--prompt-len` text
+tokens and `--images` images each, `--n` samples per prompt, exactly
+`--output-len` new tokens per sample (EOS ignored), sampled at temperature 1
+with no top-k/top-p. The weights are random, so only the timings mean anything.
+
+- Rollplex: `Engine.generate` on all requests at once (continuous batching),
+  with at most `--batch-size` x `--n` sequences decoding together and a KV pool
+  sized to hold every sequence at full length (so nothing is preempted).
+- transformers: `Qwen2_5_VLForConditionalGeneration.generate`, one call per
+  `--batch-size` prompts, left-padded, `num_return_sequences=n`, as a user would.
+
+Each side runs the whole workload once to warm up (not timed), then `--repeats`
+timed runs, interleaved (Rollplex, transformers, Rollplex, ...) so that machine
+noise hits both alike; the median wall time is reported. Wall time covers the
+generate calls only (vision encoding, prefill, decode, sampling), not model
+loading, engine construction or input building.
+
+On CUDA the tool also measures the engine's decode step time, with CUDA graphs
+and with `enforce_eager`, against a memory-bandwidth floor (see
+`decode_step_report`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from rollplex.engine import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
+from rollplex.models import Qwen2_5_VL, from_pretrained  # noqa: E402
+from rollplex.models.tiny import TinySpec, default_mrope_section, make_tiny_checkpoint  # noqa: E402
+
+RANDOM_WEIGHTS_NOTE = "weights are random: the figures are timings only, the generated text means nothing"
+SEED = 0
+
+
+@dataclass
+class Workload:
+    prompts: int
+    prompt_len: int  # text tokens per prompt (random source) or characters of the question (processor source)
+    images: int  # per prompt
+    image_patches: int  # image side in 14-px patches (the merger turns 2x2 patches into one token)
+    output_len: int
+    n: int
+    batch_size: int  # prompts per transformers generate call; Rollplex decodes batch_size * n sequences at once
+    prompt_source: str  # "random" (token ids + random pixel rows) or "processor" (prepare_prompt output)
+
+
+@dataclass
+class RunResult:
+    wall_s: float  # median over the timed repeats
+    output_tokens: int
+    tokens_per_s: float
+    all_wall_s: list[float]
+
+
+# ------------------------------------------------------------------------------------------------ arguments
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    m = p.add_argument_group("model (random weights)")
+    m.add_argument("--hidden", type=int, default=256, help="language model hidden size")
+    m.add_argument("--layers", type=int, default=4, help="language model layers")
+    m.add_argument("--heads", type=int, default=4, help="attention heads")
+    m.add_argument("--kv-heads", type=int, default=2, help="key/value heads")
+    m.add_argument("--intermediate", type=int, default=None, help="MLP width (default: 2 x hidden)")
+    m.add_argument("--vision-hidden", type=int, default=32)
+    m.add_argument("--vision-depth", type=int, default=2)
+    m.add_argument("--vision-heads", type=int, default=2)
+    w = p.add_argument_group("workload")
+    w.add_argument("--prompts", type=int, default=32, help="number of prompts")
+    w.add_argument("--prompt-len", type=int, default=32, help="text tokens per prompt (besides image tokens)")
+    w.add_argument("--images", type=int, default=1, help="images per prompt")
+    w.add_argument("--image-patches", type=int, default=8,
+                   help="image side in 14-px patches (even); tokens per image = (patches / 2)^2")
+    w.add_argument("--output-len", type=int, default=32, help="new tokens per sample (EOS ignored)")
+    w.add_argument("--n", type=int, default=1, help="samples per prompt")
+    w.add_argument("--batch-size", type=int, default=32, help="prompts per transformers generate call")
+    w.add_argument("--prompt-source", choices=["random", "processor"], default="random",
+                   help="random: token ids + random pixel rows; processor: chat template + image processor")
+    r = p.add_argument_group("run")
+    r.add_argument("--device", default="cpu")
+    r.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="default: float32 on CPU, bfloat16 on CUDA")
+    r.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave torch's)")
+    r.add_argument("--repeats", type=int, default=1, help="timed runs per side after the warm-up (median reported)")
+    r.add_argument("--block-size", type=int, default=16, help="engine KV block size")
+    r.add_argument("--max-model-len", default="workload",
+                   help="engine max_model_len: 'workload' (its longest prompt + output), 'engine' (EngineConfig's "
+                        "default, capped by the model's 4096 positions) or a number. On CPU the decode attention "
+                        "reads max_model_len positions per sequence, so 'engine' is far slower there")
+    r.add_argument("--json", type=Path, default=None, help="also write the report here")
+    a = p.parse_args(argv)
+    for name in ("prompts", "prompt_len", "output_len", "n", "batch_size", "repeats", "image_patches"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.images < 0:
+        p.error("--images must be >= 0")
+    if a.max_model_len not in ("workload", "engine") and not a.max_model_len.isdigit():
+        p.error("--max-model-len must be 'workload', 'engine' or a number")
+    if a.image_patches % 2:
+        p.error("--image-patches must be even (2x2 patches merge into one token)")
+    return a
+
+
+def workload_of(a: argparse.Namespace) -> Workload:
+    return Workload(a.prompts, a.prompt_len, a.images, a.image_patches, a.output_len, a.n, a.batch_size,
+                    a.prompt_source)
+
+
+# ------------------------------------------------------------------------------------------------ model
+
+
+def build_checkpoint(out_dir: Path, a: argparse.Namespace) -> Path:
+    side_px = a.image_patches * 14
+    spec = TinySpec(hidden_size=a.hidden, num_layers=a.layers, num_heads=a.heads, num_kv_heads=a.kv_heads,
+                    intermediate_size=a.intermediate or 2 * a.hidden, vision_hidden_size=a.vision_hidden,
+                    vision_depth=a.vision_depth, vision_num_heads=a.vision_heads,
+                    vision_intermediate_size=2 * a.vision_hidden, vocab="bytes",
+                    mrope_section=default_mrope_section(a.hidden // a.heads),
+                    # Let the image processor keep the requested image size as it is.
+                    max_pixels=max(TinySpec.max_pixels, side_px * side_px))
+    return make_tiny_checkpoint(out_dir, spec, seed=SEED)
+
+
+def load_transformers(path: Path, dtype: torch.dtype, device: str):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+# ------------------------------------------------------------------------------------------------ prompts
+
+
+def random_requests(model: Qwen2_5_VL, wl: Workload) -> list[Request]:
+    """Prompts as token ids: each image as <vision_start> <image_pad> x tokens <vision_end>,
+    then `prompt_len` random byte tokens; pixel rows are random (as tests/test_model.py builds them)."""
+    args, g = model.args, torch.Generator().manual_seed(SEED)
+    vision = args.vision
+    row = 3 * vision.temporal_patch_size * vision.patch_size ** 2
+    side = wl.image_patches
+    tokens_per_image = side * side // vision.spatial_merge_size ** 2
+    requests = []
+    for _ in range(wl.prompts):
+        ids: list[int] = []
+        for _ in range(wl.images):
+            ids += [args.vision_start_token_id] + [args.image_token_id] * tokens_per_image + [args.vision_end_token_id]
+        ids += torch.randint(0, 256, (wl.prompt_len,), generator=g).tolist()  # byte tokens, no specials
+        pixels = grid = None
+        if wl.images:
+            pixels = torch.randn(wl.images * side * side, row, generator=g)
+            grid = torch.tensor([[1, side, side]] * wl.images)
+        requests.append(Request(ids, pixel_values=pixels, image_grid_thw=grid, n=wl.n))
+    return requests
+
+
+def processor_requests(path: Path, wl: Workload) -> list[Request]:
+    """Real preprocessing: chat template, image processor on random RGB images, tokenizer.
+    The question is `prompt_len` random letters (one byte token each); the template adds ~40 tokens."""
+    from rollplex.data.processing import load_processor, prepare_prompt
+
+    processor, rng = load_processor(path), np.random.default_rng(SEED)
+    side_px = wl.image_patches * 14
+    requests = []
+    for _ in range(wl.prompts):
+        question = "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz "), wl.prompt_len))
+        images = [rng.integers(0, 256, (side_px, side_px, 3), dtype=np.uint8) for _ in range(wl.images)]
+        out = prepare_prompt(processor, "<image>" * wl.images + question, images=images or None)
+        requests.append(Request(out.input_ids.tolist(), pixel_values=out.pixel_values,
+                                image_grid_thw=out.image_grid_thw, n=wl.n))
+    return requests
+
+
+def hf_batches(requests: list[Request], batch_size: int, model_args, pad_id: int, device: str) -> list[dict]:
+    """generate() kwargs per batch: left-padded ids, attention mask, mm_token_type_ids
+    (image 1, video 2, else 0, as transformers 5 wants them) and the batch's pixels."""
+    batches = []
+    for start in range(0, len(requests), batch_size):
+        chunk = requests[start:start + batch_size]
+        width = max(len(r.prompt_ids) for r in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(chunk):
+            ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+            mask[i, width - len(r.prompt_ids):] = 1
+        mm = (ids == model_args.image_token_id).long() + 2 * (ids == model_args.video_token_id).long()
+        kw = {"input_ids": ids, "attention_mask": mask, "mm_token_type_ids": mm}
+        if any(r.pixel_values is not None for r in chunk):
+            kw["pixel_values"] = torch.cat([r.pixel_values for r in chunk if r.pixel_values is not None])
+            kw["image_grid_thw"] = torch.cat([r.image_grid_thw for r in chunk if r.image_grid_thw is not None])
+        batches.append({k: v.to(device) for k, v in kw.items()})
+    return batches
+
+
+# ------------------------------------------------------------------------------------------------ running
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    _sync(device)
+    start = time.perf_counter()
+    out = fn()
+    _sync(device)  # the clock stops when the device is done, not when the last kernel was queued
+    return time.perf_counter() - start, out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_engine(model: Qwen2_5_VL, requests: list[Request], wl: Workload, a: argparse.Namespace,
+                enforce_eager: bool = False) -> Engine:
+    # A pool that holds every sequence at full length, without sharing: the benchmark
+    # measures throughput, not how the scheduler copes with a tight pool.
+    longest = max(len(r.prompt_ids) for r in requests) + wl.output_len
+    per_seq = -(-longest // a.block_size)
+    config = EngineConfig(block_size=a.block_size, num_blocks=len(requests) * wl.n * per_seq,
+                          max_num_seqs=wl.batch_size * wl.n, enforce_eager=enforce_eager, progress=False)
+    if a.max_model_len == "workload":
+        config.max_model_len = longest
+    elif a.max_model_len != "engine":
+        config.max_model_len = int(a.max_model_len)
+    return Engine(model, config)
+
+
+def rollplex_generate(engine: Engine, requests: list[Request], max_tokens: int) -> int:
+    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=max_tokens, ignore_eos=True, seed=SEED)
+    outputs = engine.generate(requests, params)
+    return sum(len(s.token_ids) for o in outputs for s in o.samples)
+
+
+@torch.no_grad()
+def transformers_generate(hf, batches: list[dict], wl: Workload) -> int:
+    torch.manual_seed(SEED)
+    tokens = 0
+    for kw in batches:
+        # min = max new tokens is transformers' ignore_eos; top_k=0 turns off its default top-50.
+        out = hf.generate(**kw, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, num_return_sequences=wl.n,
+                          min_new_tokens=wl.output_len, max_new_tokens=wl.output_len)
+        tokens += out.shape[0] * (out.shape[1] - kw["input_ids"].shape[1])
+    return tokens
+
+
+def result_of(times: list[float], tokens: int) -> RunResult:
+    wall = statistics.median(times)
+    return RunResult(wall, tokens, tokens / wall, times)
+
+
+def compare(engine: Engine, requests: list[Request], hf, batches: list[dict], wl: Workload, repeats: int,
+            device: torch.device) -> tuple[RunResult, RunResult]:
+    """Warm-up each side once, then alternate timed runs so drift in machine load hits both."""
+    run_r = functools.partial(rollplex_generate, engine, requests, wl.output_len)
+    run_t = functools.partial(transformers_generate, hf, batches, wl)
+    run_r()
+    run_t()
+    times_r, times_t = [], []
+    for _ in range(repeats):
+        t, tokens_r = timed(run_r, device)
+        times_r.append(t)
+        t, tokens_t = timed(run_t, device)
+        times_t.append(t)
+    return result_of(times_r, tokens_r), result_of(times_t, tokens_t)
+
+
+# ------------------------------------------------------------------------------------------------ CUDA: decode floor
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 10) -> float:
+    """Device memory bandwidth in bytes/s from a large copy_: each copy reads and writes nbytes."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1000
+    del src, dst
+    return 2 * nbytes * iters / seconds
+
+
+def decode_weight_bytes(model: Qwen2_5_VL) -> int:
+    """Bytes of the weights one decode step reads: the language model and its head.
+    The vision tower does not run in decode; of the input embedding only a few rows are
+    read, unless it is tied to the head, which reads all of it."""
+    lm = model.language_model
+    total = sum(p.numel() * p.element_size() for p in lm.parameters())
+    embed = lm.embed_tokens.weight
+    if model.lm_head is not None:
+        total += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
+def kv_bytes_per_decode_step(model: Qwen2_5_VL, requests: list[Request], wl: Workload, decode_steps: int) -> float:
+    """Mean KV bytes the decode attention must read per step: a sample's step that feeds
+    its k-th generated token attends to prompt + k tokens (k = 1 .. L-1). Each sample
+    reads its group's shared prompt KV for itself."""
+    text = model.args.text
+    itemsize = model.language_model.embed_tokens.weight.element_size()  # the engine's KV dtype is the model's
+    per_token = text.num_hidden_layers * 2 * text.num_key_value_heads * text.head_dim * itemsize
+    L = wl.output_len
+    tokens = sum(r.n * ((L - 1) * len(r.prompt_ids) + (L - 1) * L // 2) for r in requests)
+    return per_token * tokens / max(decode_steps, 1)
+
+
+def decode_step_report(model: Qwen2_5_VL, requests: list[Request], wl: Workload, a: argparse.Namespace,
+                       device: torch.device) -> dict:
+    """Decode step time of the engine against the memory-bandwidth floor, with and without CUDA graphs.
+
+    Measured: wall time of generate(max_tokens=L) minus generate(max_tokens=1) (same
+    requests: the same prefill and first tokens), divided by the number of decode steps
+    between them. So a "step" is the engine's whole decode step: scheduling, input
+    building, the forward, sampling and the host sync that reads the tokens back.
+    Floor: (decode weight bytes + mean KV bytes read per step) / measured copy bandwidth,
+    i.e. the time just to stream those bytes from device memory once.
+    """
+    if wl.output_len < 2:
+        raise ValueError("the decode step measurement needs --output-len >= 2")
+    bandwidth = copy_bandwidth(device)
+    weights = decode_weight_bytes(model)
+    report: dict[str, Any] = {"copy_bandwidth_GBps": bandwidth / 1e9, "decode_weight_bytes": weights}
+    for name, eager in (("cuda_graphs", False), ("eager", True)):
+        engine = make_engine(model, requests, wl, a, enforce_eager=eager)
+        rollplex_generate(engine, requests, wl.output_len)  # warm-up (and graph capture)
+        short, long_ = [], []
+        for _ in range(a.repeats):
+            short.append(timed(functools.partial(rollplex_generate, engine, requests, 1), device)[0])
+            steps_short = engine.stats["steps"]
+            long_.append(timed(functools.partial(rollplex_generate, engine, requests, wl.output_len), device)[0])
+            steps_long, decode_tokens = engine.stats["steps"], engine.stats["decode_tokens"]
+        # Prefill steps are the same in both runs when every sequence fits in one batch
+        # (prompts x n <= batch size x n, as in the defaults); otherwise this is approximate.
+        decode_steps = steps_long - steps_short
+        step_s = (statistics.median(long_) - statistics.median(short)) / decode_steps
+        kv = kv_bytes_per_decode_step(model, requests, wl, decode_steps)
+        floor_s = (weights + kv) / bandwidth
+        report[name] = {"decode_step_ms": step_s * 1e3, "decode_steps": decode_steps,
+                        "mean_decode_batch": decode_tokens / decode_steps, "kv_bytes_per_step": kv,
+                        "floor_ms": floor_s * 1e3, "step_over_floor": step_s / floor_s}
+        engine.release_kv()
+        del engine
+    return report
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def format_report(report: dict) -> str:
+    """The compact table printed at the end of a run."""
+    wl, r, t = report["workload"], report["rollplex"], report["transformers"]
+    lines = [
+        f"NOTE: {report['note']}",
+        f"model: {report['model']['summary']}; {report['device']} {report['dtype']}, {report['threads']} threads",
+        f"workload: {wl['prompts']} prompts x n={wl['n']} ({wl['prompt_source']}, mean prompt "
+        f"{report['mean_prompt_tokens']:.0f} tokens incl. {report['image_tokens_per_prompt']} image tokens), "
+        f"{wl['output_len']} new tokens each, batch {wl['batch_size']}, median of {report['repeats']} after warm-up",
+        "",
+        f"{'':<14}{'wall s':>9}{'out tokens':>12}{'tokens/s':>11}",
+    ]
+    for name, res in (("rollplex", r), ("transformers", t)):
+        lines.append(f"{name:<14}{res['wall_s']:>9.3f}{res['output_tokens']:>12d}{res['tokens_per_s']:>11.1f}")
+    lines.append(f"ratio rollplex / transformers: {report['ratio']:.2f}x")
+    s = report["engine_stats"]
+    lines.append(f"engine: prefill {s['prefill_tokens']} tokens, decode {s['decode_tokens']} tokens, "
+                 f"{s['steps']} steps, {s['preemptions']} preemptions; max_model_len {report['engine_max_model_len']} "
+                 f"(--max-model-len {report['max_model_len_option']})")
+    if "cuda_decode" in report:
+        c = report["cuda_decode"]
+        lines += ["", f"decode step vs memory floor (copy bandwidth {c['copy_bandwidth_GBps']:.0f} GB/s, "
+                      f"decode weights {c['decode_weight_bytes'] / 1e6:.1f} MB):",
+                  "  step = (generate(max_tokens=L) - generate(max_tokens=1)) / decode steps, a whole engine step;",
+                  "  floor = (decode weight bytes + KV bytes read per step) / copy bandwidth"]
+        for name in ("cuda_graphs", "eager"):
+            d = c[name]
+            lines.append(f"  {name:<12} step {d['decode_step_ms']:.3f} ms, floor {d['floor_ms']:.3f} ms "
+                         f"({d['step_over_floor']:.1f}x floor), mean batch {d['mean_decode_batch']:.1f}, "
+                         f"KV {d['kv_bytes_per_step'] / 1e6:.2f} MB/step")
+    return "\n".join(lines)
+
+
+def model_summary(model: Qwen2_5_VL) -> dict:
+    text = model.args.text
+    params = sum(p.numel() for p in model.parameters())
+    return {"hidden": text.hidden_size, "layers": text.num_hidden_layers, "heads": text.num_attention_heads,
+            "kv_heads": text.num_key_value_heads, "vocab": text.vocab_size, "params": params,
+            "summary": f"hidden {text.hidden_size}, {text.num_hidden_layers} layers, {text.num_attention_heads}/"
+                       f"{text.num_key_value_heads} heads, vocab {text.vocab_size}, {params / 1e6:.2f}M params"}
+
+
+def side_by_side(model: Qwen2_5_VL, hf, requests: list[Request], wl: Workload, a: argparse.Namespace,
+                 device: torch.device) -> dict:
+    """The throughput comparison: both sides' results, their ratio and the engine's stats."""
+    engine = make_engine(model, requests, wl, a)
+    batches = hf_batches(requests, wl.batch_size, model.args, hf.generation_config.pad_token_id, a.device)
+    rollplex, transformers = compare(engine, requests, hf, batches, wl, a.repeats, device)
+    expected = wl.prompts * wl.n * wl.output_len
+    if rollplex.output_tokens != expected or transformers.output_tokens != expected:
+        raise RuntimeError(f"output tokens differ from the workload's {expected}: rollplex "
+                           f"{rollplex.output_tokens}, transformers {transformers.output_tokens}")
+    result = {"engine_max_model_len": engine.max_model_len, "max_model_len_option": a.max_model_len,
+              "rollplex": asdict(rollplex), "transformers": asdict(transformers),
+              "ratio": rollplex.tokens_per_s / transformers.tokens_per_s, "engine_stats": dict(engine.stats)}
+    engine.release_kv()  # (on CUDA its graphs go with the engine when this returns)
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark, print the table, write --json; return the report."""
+    a = parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    device = torch.device(a.device)
+    dtype = getattr(torch, a.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    wl = workload_of(a)
+    with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
+        path = build_checkpoint(Path(tmp), a)
+        model = from_pretrained(path, dtype=dtype, device=device)
+        hf = load_transformers(path, dtype, a.device)
+        requests = processor_requests(path, wl) if wl.prompt_source == "processor" else random_requests(model, wl)
+    report: dict[str, Any] = {
+        "note": RANDOM_WEIGHTS_NOTE,
+        "device": str(device), "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+        "model": model_summary(model), "workload": asdict(wl), "repeats": a.repeats,
+        "mean_prompt_tokens": statistics.mean(len(r.prompt_ids) for r in requests),
+        "image_tokens_per_prompt": sum(t == model.args.image_token_id for t in requests[0].prompt_ids),
+        **side_by_side(model, hf, requests, wl, a, device),
+    }
+    del hf  # free its memory before the decode measurement
+    if device.type == "cuda":
+        report["cuda_decode"] = decode_step_report(model, requests, wl, a, device)
+    print(format_report(report))
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {a.json}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
