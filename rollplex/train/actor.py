@@ -217,6 +217,20 @@ class Actor:
         return [_Unit(GroupInputs(groups[0].prompt, groups[0].responses[:1]), 0)]
 
 
+def lr_schedule(kind: str, warmup_steps: int, total_steps: int):
+    """LR multiplier per optimizer step: linear warmup, then constant or cosine to 0."""
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    if kind not in ("constant", "cosine"):
+        raise ValueError(f"unknown lr schedule {kind!r}: expected constant or cosine")
+    return factor
+
+
 def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """L2 norm over all gradients, whatever mix of meshes their DTensors live on
     (TP-sharded layers on the 2D mesh, the rest on the dp mesh alone): each

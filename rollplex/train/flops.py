@@ -1,0 +1,69 @@
+"""FLOP counts for MFU (`perf/mfu/actor`).
+
+Matmul FLOPs only (the rest is negligible): 2 per multiply-add in the forward,
+twice that in the backward, so a training pass is 3x the forward.
+- Linear layers: 2 * (weights of the layer) per token.
+- Attention: 4 * head_dim * heads per (query, key) pair (scores and weighted
+  sum), counted from the pairs each backend actually visits.
+The vision tower counts per patch the same way (its windows and full-attention
+frames give its pairs); the LM head counts only where logits are computed.
+"""
+
+from __future__ import annotations
+
+from rollplex.models.packing import TrainBatch
+from rollplex.models.qwen2_5_vl import ModelArgs
+
+# Dense bf16 peak per device (FLOP/s), for MFU. Unknown devices report no MFU.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "B200": 2250e12}
+
+
+def peak_flops(device_name: str) -> float | None:
+    for key, value in PEAK_FLOPS.items():
+        if key in device_name:
+            return value
+    return None
+
+
+def lm_linear_params(args: ModelArgs) -> int:
+    t = args.text
+    attn = t.hidden_size * (t.num_attention_heads + 2 * t.num_key_value_heads) * t.head_dim \
+        + t.num_attention_heads * t.head_dim * t.hidden_size
+    return t.num_hidden_layers * (attn + 3 * t.hidden_size * t.intermediate_size)
+
+
+def vision_linear_params(args: ModelArgs) -> int:
+    v = args.vision
+    block = 4 * v.hidden_size**2 + 3 * v.hidden_size * v.intermediate_size
+    merged = v.hidden_size * v.spatial_merge_size**2
+    return v.depth * block + merged * merged + merged * v.out_hidden_size + \
+        v.in_channels * v.temporal_patch_size * v.patch_size**2 * v.hidden_size
+
+
+def forward_flops(args: ModelArgs, batch: TrainBatch) -> float:
+    """Forward matmul FLOPs of one pass over a packed training batch."""
+    t, v = args.text, args.vision
+    p = batch.packed
+    tokens = p.input_ids.numel()
+    flops = 2 * lm_linear_params(args) * tokens + 2 * t.hidden_size * t.vocab_size * batch.target_ids.numel()
+    flops += 4 * t.head_dim * t.num_attention_heads * t.num_hidden_layers * _lm_pairs(batch)
+    for grid in (p.image_grid_thw, p.video_grid_thw):
+        if grid is None:
+            continue
+        patches = int(grid.prod(-1).sum())
+        flops += 2 * vision_linear_params(args) * patches
+        # Upper bound of the windowed blocks: full attention within each frame for every block.
+        frame_pairs = sum(int(ti) * (int(h) * int(w)) ** 2 for ti, h, w in grid.tolist())
+        flops += 4 * v.hidden_size * v.depth * frame_pairs
+    return float(flops)
+
+
+def _lm_pairs(batch: TrainBatch) -> int:
+    p = batch.packed
+    if p.groups is None:
+        return sum(n * (n + 1) // 2 for n in p.lengths)
+    pairs = 0
+    for g in p.groups:
+        pairs += g.prompt_len * (g.prompt_len + 1) // 2
+        pairs += sum(r * g.prompt_len + r * (r + 1) // 2 for r in g.response_lens)
+    return pairs
