@@ -109,10 +109,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     r.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave torch's)")
     r.add_argument("--repeats", type=int, default=1, help="timed runs per side after the warm-up (median reported)")
     r.add_argument("--block-size", type=int, default=16, help="engine KV block size")
-    r.add_argument("--max-model-len", default="workload",
-                   help="engine max_model_len: 'workload' (its longest prompt + output), 'engine' (EngineConfig's "
-                        "default, capped by the model's 4096 positions) or a number. On CPU the decode attention "
-                        "reads max_model_len positions per sequence, so 'engine' is far slower there")
+    r.add_argument("--max-model-len", default="engine",
+                   help="engine max_model_len: 'engine' (EngineConfig's default, capped by the model's positions), "
+                        "'workload' (its longest prompt + output) or a number")
     r.add_argument("--json", type=Path, default=None, help="also write the report here")
     a = p.parse_args(argv)
     for name in ("prompts", "prompt_len", "output_len", "n", "batch_size", "repeats", "image_patches"):

@@ -180,6 +180,7 @@ class Engine:
             torch.full((n,), params.top_k, dtype=torch.long, device=dev),
             torch.tensor([s.prompt.seeds[s.sample_index] for s in seqs], dtype=torch.long, device=dev),
             torch.tensor([len(s) for s in seqs], dtype=torch.long, device=dev),
+            truncate=params.top_p < 1 or params.top_k > 0,
         )
         return tokens.tolist(), logprobs.tolist()
 

@@ -75,22 +75,33 @@ class ModelRunner:
             self.capture()
         bucket = next(b for b in sorted(self.graphs) if b >= batch)
         static = self.static
+        self._pad_rows(batch, bucket)
         for name, value in zip(("ids", "positions", "slots", "tables", "lens"), inputs):
             buf = static[name]
-            (buf[:, :batch] if name == "positions" else buf[:batch]).copy_(value)
-        self._pad_rows(batch, bucket)
+            if name == "positions":
+                buf[:, :batch].copy_(value)
+            elif name == "tables":
+                buf[:batch, :value.shape[1]].copy_(value)
+                buf[:batch, value.shape[1]:] = self.cache.sink_block
+            else:
+                buf[:batch].copy_(value)
         self.graphs[bucket].replay()
         return self.graph_logits[bucket][:batch].float()
 
     def _decode_inputs(self, seqs: list[Sequence], slots: list[int]):
+        """Host-built decode inputs, one tensor each. Block tables are as wide as the
+        longest table of the batch (the torch path gathers that many blocks); a
+        CUDA graph copies them into its full-width static buffer."""
         dev = self.device
-        tables = torch.full((len(seqs), self.max_blocks), self.cache.sink_block, dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        width = max(len(s.block_table) for s in seqs)
+        sink = self.cache.sink_block
+        tables = [s.block_table + [sink] * (width - len(s.block_table)) for s in seqs]
+        # A generated token's position is its index + the prompt's rope delta, on all three axes.
+        positions = [len(s) - 1 + s.prompt.rope_delta for s in seqs]
         return (torch.tensor([s.token_ids[-1] for s in seqs], device=dev),
-                torch.cat([s.positions(len(s) - 1, len(s)) for s in seqs], dim=1),
+                torch.tensor(positions, device=dev).expand(3, -1),
                 torch.tensor(slots, device=dev),
-                tables.to(dev),
+                torch.tensor(tables, dtype=torch.int32, device=dev),
                 torch.tensor([len(s) for s in seqs], dtype=torch.int32, device=dev))
 
     def _decode_eager(self, ids, positions, slots, tables, lens) -> torch.Tensor:

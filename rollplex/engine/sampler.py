@@ -94,31 +94,9 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
     return _to_unit(_mix64(state[:, None] + v * _GAMMA))
 
 
-def sample(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_p: torch.Tensor,
-    top_k: torch.Tensor,
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row, and its logprob under the raw logits.
-
-    logits (B, V) of any float dtype; temperature, top_p float (B,); top_k long
-    (B,) with -1 or >= V meaning off; seeds, positions int64 (B,), positions
-    being the index in its sequence of the token sampled. Rows with temperature
-    0 take the argmax. Others: logits / temperature, keep the top_k, keep the
-    nucleus (the fewest most likely tokens whose probability sums to >= top_p),
-    sample. Returns tokens (B,) long and logprobs (B,) float32.
-
-    No host sync and no loop over rows: greedy and sampled results are both
-    computed and selected per row.
-    """
-    logits = logits.float()
-    B, V = logits.shape
-    greedy = temperature <= 0
-    z = logits / torch.where(greedy, 1.0, temperature.float())[:, None]
-
+def _truncate(z: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every logit outside each row's top-k and top-p nucleus."""
+    V = z.shape[-1]
     # Stable sort: among equal logits the lower vocab index ranks first, so the
     # truncation does not depend on the sort implementation.
     z_sorted, order = z.sort(dim=-1, descending=True, stable=True)
@@ -131,7 +109,38 @@ def sample(
     # the top token always is. top_p = 1 keeps everything, whatever the rounding.
     before = probs.cumsum(dim=-1) - probs
     drop |= (before >= top_p.float()[:, None]) & (top_p < 1)[:, None]
-    z = z.scatter(-1, order, z_sorted.masked_fill(drop, float("-inf")))
+    return z.scatter(-1, order, z_sorted.masked_fill(drop, float("-inf")))
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    truncate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row, and its logprob under the raw logits.
+
+    logits (B, V) of any float dtype; temperature, top_p float (B,); top_k long
+    (B,) with -1 or >= V meaning off; seeds, positions int64 (B,), positions
+    being the index in its sequence of the token sampled. Rows with temperature
+    0 take the argmax. Others: logits / temperature, keep the top_k, keep the
+    nucleus (the fewest most likely tokens whose probability sums to >= top_p),
+    sample. Returns tokens (B,) long and logprobs (B,) float32.
+
+    No host sync and no loop over rows: greedy and sampled results are both
+    computed and selected per row. `truncate=False` tells that no row uses
+    top-k or top-p (the caller knows it from its parameters), which skips the sort.
+    """
+    logits = logits.float()
+    B, V = logits.shape
+    greedy = temperature <= 0
+    z = logits / torch.where(greedy, 1.0, temperature.float())[:, None]
+
+    if truncate:
+        z = _truncate(z, top_p, top_k)
 
     # argmax(log p - log E) with E = -log U ~ Exp(1); log p = z up to a per-row constant.
     noise = uniform_noise(seeds, positions, V)
