@@ -142,8 +142,11 @@ class Engine:
             raise ValueError(f"the KV pool ({self.cache.num_blocks} blocks of {self.cache.block_size} tokens) cannot "
                              f"hold one sequence of request {index} ({longest} tokens, {needed} blocks); raise "
                              "kv_cache_memory / num_blocks or lower max_tokens")
-        base = params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
-        seeds = [_mix_seed(base, index, j) for j in range(r.n)]
+        if r.seed is not None:  # e.g. the RL loop: a prompt samples the same on any rank
+            seeds = [mix_seed(r.seed, j) for j in range(r.n)]
+        else:
+            base = params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
+            seeds = [mix_seed(base, index, j) for j in range(r.n)]
         return PromptState(index, r, positions, delta, seeds, samples=[None] * r.n)
 
     def _after_prefill(self, seqs, logits, blocks, scheduler, params, stop_ids) -> list[Sequence]:
@@ -198,7 +201,7 @@ class Engine:
         return True
 
 
-def _mix_seed(*values: int) -> int:
+def mix_seed(*values: int) -> int:
     """A 63-bit seed from several integers (splitmix64 steps), so each child of each
     request gets its own stream from one user seed."""
     x = 0x9E3779B97F4A7C15

@@ -26,6 +26,7 @@ class Request:
     video_grid_thw: torch.Tensor | None = None
     second_per_grid_ts: torch.Tensor | None = None
     n: int = 1
+    seed: int | None = None  # this request's own sampling seed; default: from SamplingParams.seed and its index
 
 
 @dataclass

@@ -156,7 +156,12 @@ class Actor:
         return out
 
     def update(self, batch: PolicyBatch) -> dict[str, float]:
-        """One optimizer step on the batch; returns verl-named metrics."""
+        """One optimizer step on the batch; returns verl-named metrics.
+
+        Loss-like metrics (and the mean engine/trainer probability difference) are
+        this rank's share of the global value: summed over dp ranks they give the
+        batch's value. grad_norm, lr and skipped_steps are global already, and
+        rollout_probs_diff_max is this rank's maximum."""
         cfg = self.config
         self.model.train()
         local_tokens = sum(len(r) for g in batch.groups for r in g.responses)
@@ -165,6 +170,7 @@ class Actor:
             dist.all_reduce(totals, group=self.dp_group)
         norm = dict(global_tokens=totals[0].item(), global_seqs=totals[1].item(), max_response_len=cfg.max_response_len)
         sums = {k: 0.0 for k in ("pg_loss", "kl_loss", "entropy", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}
+        probs_diff_sum, probs_diff_max = 0.0, 0.0
         for mb in self.micro_batches(batch.groups):
             units = mb or self._fallback_units(batch.groups)
             weight = 1.0 if mb else 0.0
@@ -191,10 +197,18 @@ class Actor:
             share = mask.sum().item() / norm["global_tokens"] * weight
             for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
                 sums[k] += getattr(m, k).item() * share
+            if batch.rollout_logprobs is not None and weight:
+                # Engine vs trainer on the same tokens and weights (before this update's step).
+                diff = (lp2d.detach().exp() - pad(batch.rollout_logprobs).exp()).abs()[mask]
+                probs_diff_sum += diff.sum().item() / norm["global_tokens"]
+                probs_diff_max = max(probs_diff_max, diff.max().item())
             # FSDP averages gradients over dp ranks; the losses are already globally normalised sums.
             (loss * weight * self.dp_size).backward()
         grad_norm = self._clip_and_step()
         metrics = {f"actor/{k}": v for k, v in sums.items()}
+        if batch.rollout_logprobs is not None:
+            metrics["training/rollout_probs_diff_mean"] = probs_diff_sum
+            metrics["training/rollout_probs_diff_max"] = probs_diff_max
         metrics.update({"actor/grad_norm": grad_norm, "actor/lr": self.scheduler.get_last_lr()[0],
                         "actor/skipped_steps": float(self.skipped_steps)})
         return metrics
