@@ -11,7 +11,6 @@ import re
 import subprocess
 import sys
 
-import pytest
 import torch
 
 from rollplex.ops import paged_decode_triton as pdt

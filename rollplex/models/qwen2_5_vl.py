@@ -15,12 +15,15 @@ loader maps both naming styles.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from rollplex.models.rope import MRotaryEmbedding, RopeIndexSpec, apply_rotary, mrope_positions, vision_rotary
+if TYPE_CHECKING:
+    from rollplex.models.packing import PackedBatch
 from rollplex.ops.attention import (AttentionBackend, SharedPrefixAttention, VarlenAttention, resolve_backend,
                                     varlen_attention)
 
