@@ -1,0 +1,331 @@
+"""Training metrics: a per-step logger, phase timers and a GPU utilisation sampler.
+
+One record per logged step goes to ``<output_dir>/metrics.jsonl`` (one JSON
+object a line, ``{"step": 12, "critic/score/mean": 0.51, ...}``), to a one-line
+console summary and, optionally, to TensorBoard (``<output_dir>/tb``). Only rank
+0 writes; every rank may call the logger. ``read_metrics`` reads the file back.
+
+Metric names follow verl where verl has the metric, so runs can be compared with
+verl's tooling and dashboards:
+
+    critic/score/mean, /max, /min  sequence-level reward over the step's responses
+    response_length/mean           response tokens per sample
+    response_length/clip_ratio     fraction of responses cut at the length limit
+    timing_s/step                  wall seconds of the whole step
+    timing_s/gen                   rollout (generation)
+    timing_s/reward                reward computation
+    timing_s/old_log_prob          recomputing old log-probs with the trainer
+    timing_s/ref                   reference-policy log-probs
+    timing_s/update_actor          the optimizer step(s)
+    timing_s/update_weights        making updated weights visible to the rollout engine
+    perf/throughput                tokens (prompt + response) per second per GPU
+    perf/mfu/actor                 model FLOPs utilisation of the actor update
+    perf/max_memory_allocated_gb   torch peak allocated memory, GiB
+    actor/pg_loss, actor/kl_loss, actor/entropy
+    actor/pg_clipfrac              fraction of tokens clipped by the upper ratio bound
+    actor/pg_clipfrac_lower        ... by the dual-clip lower bound
+    actor/ppo_kl                   approximate KL between the old and current policy
+    actor/grad_norm, actor/lr
+    training/rollout_probs_diff_mean, _max
+                                   |p_rollout - p_trainer| over response tokens
+
+Rollplex's own (no verl equivalent):
+
+    val/score                      mean validation reward
+    data/skipped                   samples dropped by the data pipeline this step
+    reward/errors                  reward-function calls that raised
+    weights/bytes_shared           weight bytes the engine reads in place (the trainer's own tensors)
+    weights/bytes_viewed           ... reads through a slice/stride view of them
+    weights/bytes_rebuilt          ... rebuilds into its own buffer after each optimizer step
+    perf/gpu_util_mean             mean NVML GPU utilisation during the step, percent (GpuSampler)
+    perf/gpu_mem_used_gb_max       peak NVML used memory during the step, GiB, all processes (GpuSampler)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+GiB = 1024**3
+
+# (metric, console label, unit suffix) for the console progress line, in print order.
+_CONSOLE_KEYS = (
+    ("critic/score/mean", "score", ""),
+    ("response_length/mean", "len", ""),
+    ("actor/pg_loss", "pg_loss", ""),
+    ("timing_s/step", "step time", "s"),
+    ("perf/throughput", "tok/s/gpu", ""),
+)
+
+
+def _clean(value: Any) -> int | float | None:
+    """A JSON-safe number: ints stay exact, floats keep 6 significant digits
+    (more is noise for a training curve and bloats the file), NaN/inf become None."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    value = float(value)  # also takes 0-dim tensors and numpy scalars
+    if not math.isfinite(value):
+        return None
+    return float(f"{value:.6g}")
+
+
+def _last_byte(path: Path) -> bytes:
+    with path.open("rb") as f:
+        f.seek(-1, 2)
+        return f.read(1)
+
+
+def _hms(seconds: float) -> str:
+    return str(timedelta(seconds=round(seconds)))
+
+
+class MetricsLogger:
+    """Writes one record per step to metrics.jsonl, the console and (optionally) TensorBoard.
+
+    Safe to construct and call on every rank: ranks other than 0 do nothing, so
+    the caller needs no rank checks. The JSONL file is opened in append mode so
+    a resumed run continues it (``read_metrics`` drops the steps it supersedes).
+    """
+
+    def __init__(self, output_dir: str | Path, rank: int = 0, console: bool = True, jsonl: bool = True,
+                 tensorboard: bool = False, total_steps: int | None = None):
+        self.output_dir = Path(output_dir)
+        self.total_steps = total_steps
+        self.active = rank == 0
+        self.console = console and self.active
+        self._start = time.monotonic()
+        self._first_logged: tuple[int, float] | None = None  # (step, time) of this session's first log
+        self._file = None
+        self._writer = None
+        if not self.active:
+            return
+        if jsonl:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            path = self.output_dir / "metrics.jsonl"
+            # A run killed mid-write can leave a line without its newline; start on a fresh line
+            # so the first record of the resumed run is not glued onto it.
+            self._file = path.open("a", encoding="utf-8")
+            if self._file.tell() > 0 and _last_byte(path) != b"\n":
+                self._file.write("\n")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                warnings.warn("logging.tensorboard is on but the tensorboard package is not installed "
+                              "(pip install tensorboard); TensorBoard logging is off", stacklevel=2)
+            else:
+                self._writer = SummaryWriter(log_dir=str(self.output_dir / "tb"))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.active:
+            return
+        record = {"step": int(step), **{k: _clean(v) for k, v in metrics.items()}}
+        if self._file is not None:
+            # allow_nan=False: _clean already mapped non-finite values to null, this guards the guarantee.
+            self._file.write(json.dumps(record, allow_nan=False) + "\n")
+            self._file.flush()  # a crash loses at most the step being logged
+        if self._writer is not None:
+            for key, value in record.items():
+                if key != "step" and value is not None:
+                    self._writer.add_scalar(key, value, global_step=record["step"])
+        if self.console:
+            print(self._progress_line(step, record), flush=True)
+
+    def _progress_line(self, step: int, record: dict[str, Any]) -> str:
+        now = time.monotonic()
+        if self._first_logged is None:
+            self._first_logged = (step, now)
+        first_step, first_time = self._first_logged
+        head = f"step {step}" if self.total_steps is None else f"step {step}/{self.total_steps}"
+        parts = [f"{head} | {_hms(now - self._start)} elapsed"]
+        if self.total_steps is not None:
+            # Time per step from this session's logs only: it excludes startup, and a resumed
+            # run's earlier steps, which this process never timed.
+            if step > first_step:
+                per_step = (now - first_time) / (step - first_step)
+            else:
+                per_step = record.get("timing_s/step")
+            if per_step is not None:
+                parts[0] += f", ETA {_hms(max(self.total_steps - step, 0) * per_step)}"
+        for key, label, unit in _CONSOLE_KEYS:
+            value = record.get(key)
+            if value is not None:
+                parts.append(f"{label} {value:.4g}{unit}")
+        return " | ".join(parts)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl file (or of the one in a run directory), in step order.
+
+    A resumed run restarts at its last checkpoint, so the records a crashed run
+    wrote after that checkpoint are superseded: a record with a step at or
+    below the previous one drops the earlier records from that step on. Lines
+    that are not valid JSON (a write cut short by a crash) are skipped with a warning.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    records: list[dict[str, Any]] = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            warnings.warn(f"{path}:{lineno}: skipping a line that is not valid JSON", stacklevel=2)
+            continue
+        while records and records[-1]["step"] >= record["step"]:
+            records.pop()
+        records.append(record)
+    return records
+
+
+def _cuda_sync() -> None:
+    # is_initialized, not is_available: a CPU run on a GPU machine must not create a CUDA context here.
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+class Timer:
+    """Accumulates wall seconds per phase: ``with timer("gen"): ...``.
+
+    On CUDA the device is synchronised before each clock read, so a phase is
+    charged for the kernels it queued and not for those queued before it.
+    Re-entering a name adds to its total; ``reset()`` starts the next step.
+    """
+
+    def __init__(self) -> None:
+        self._totals: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        _cuda_sync()
+        start = time.perf_counter()
+        yield
+        _cuda_sync()
+        self._totals[name] = self._totals.get(name, 0.0) + time.perf_counter() - start
+
+    def as_metrics(self) -> dict[str, float]:
+        return {f"timing_s/{name}": seconds for name, seconds in self._totals.items()}
+
+    def reset(self) -> None:
+        self._totals.clear()
+
+
+def _open_nvml_device(device: torch.device | int | None) -> Any | None:
+    """The NVML handle of the local CUDA device, or None when there is none or NVML fails.
+
+    The device is looked up by UUID because NVML numbers every GPU in the
+    machine, whatever CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER say.
+    """
+    if not torch.cuda.is_available():
+        return None
+    try:
+        import pynvml
+
+        props = torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else device)
+        uuid = str(props.uuid)
+        if not uuid.startswith(("GPU-", "MIG-")):
+            uuid = f"GPU-{uuid}"
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetHandleByUUID(uuid)
+    except Exception as e:  # pynvml missing, no driver, MIG slice without NVML access, ...
+        log.debug("GPU sampling is off: %s", e)
+        return None
+
+
+class GpuSampler:
+    """Samples NVML utilisation and used memory of the local GPU on a background thread.
+
+    ``with sampler: <one step>`` then ``sampler.as_metrics()``. Each ``start()``
+    clears the previous samples. Without an NVIDIA GPU, or when NVML cannot be
+    initialised, it does nothing and ``as_metrics()`` is empty.
+    """
+
+    def __init__(self, interval_s: float = 1.0, device: torch.device | int | None = None):
+        self.interval_s = interval_s
+        self._handle = _open_nvml_device(device)
+        self._util: list[float] = []
+        self._mem: list[float] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self._handle is not None
+
+    def start(self) -> None:
+        if not self.enabled or self._thread is not None:
+            return
+        self._util, self._mem = [], []
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="GpuSampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        import pynvml
+
+        # Sample at once, so a step shorter than the interval still gets one sample.
+        while True:
+            try:
+                self._util.append(float(pynvml.nvmlDeviceGetUtilizationRates(self._handle).gpu))
+                self._mem.append(pynvml.nvmlDeviceGetMemoryInfo(self._handle).used / GiB)
+            except pynvml.NVMLError as e:
+                log.debug("GPU sampling stopped: %s", e)
+                return
+            if self._stop.wait(self.interval_s):
+                return
+
+    def as_metrics(self) -> dict[str, float]:
+        util, mem = list(self._util), list(self._mem)  # copies: the thread may still be appending
+        if not util or not mem:
+            return {}
+        return {"perf/gpu_util_mean": sum(util) / len(util), "perf/gpu_mem_used_gb_max": max(mem)}
+
+    def close(self) -> None:
+        self.stop()
+        if self._handle is not None:
+            import pynvml
+
+            self._handle = None
+            pynvml.nvmlShutdown()
+
+    def __enter__(self) -> GpuSampler:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,192 @@
+"""rollplex.metrics (logger, Timer, GpuSampler, read_metrics) and tools/plot_run.py."""
+
+import importlib.util
+import json
+import math
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollplex import metrics as M
+from rollplex.metrics import GpuSampler, MetricsLogger, Timer, read_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def lines(run_dir: Path) -> list[dict]:
+    """Each line parsed strictly: NaN or Infinity tokens would be invalid JSON."""
+    def reject(token):
+        raise ValueError(f"invalid JSON constant {token}")
+
+    text = (run_dir / "metrics.jsonl").read_text()
+    assert text.endswith("\n")
+    return [json.loads(line, parse_constant=reject) for line in text.splitlines()]
+
+
+def test_logger_writes_one_json_line_per_step(tmp_path, capsys):
+    with MetricsLogger(tmp_path, total_steps=10) as logger:
+        logger.log(1, {"critic/score/mean": 0.5, "timing_s/step": 2.0, "actor/lr": 1e-6})
+        logger.log(2, {"critic/score/mean": 0.123456789, "response_length/mean": torch.tensor(17.0),
+                       "weights/bytes_shared": 6_123_456_789})
+    first, second = lines(tmp_path)
+    assert first == {"step": 1, "critic/score/mean": 0.5, "timing_s/step": 2.0, "actor/lr": 1e-6}
+    assert second["critic/score/mean"] == 0.123457  # 6 significant digits
+    assert second["response_length/mean"] == 17.0  # tensors are converted
+    assert second["weights/bytes_shared"] == 6_123_456_789  # ints stay exact
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2
+    assert out[0].startswith("step 1/10 |") and "ETA" in out[0] and "score 0.5" in out[0]
+    assert out[1].startswith("step 2/10 |") and "len 17" in out[1]
+
+
+def test_non_finite_values_become_null(tmp_path):
+    with MetricsLogger(tmp_path, console=False) as logger:
+        logger.log(0, {"actor/pg_loss": float("nan"), "actor/grad_norm": float("inf"), "actor/lr": 1e-3})
+    (record,) = lines(tmp_path)
+    assert record == {"step": 0, "actor/pg_loss": None, "actor/grad_norm": None, "actor/lr": 1e-3}
+
+
+def test_second_logger_appends_and_read_metrics_drops_superseded_steps(tmp_path):
+    with MetricsLogger(tmp_path, console=False) as logger:
+        for step in (1, 2, 3):
+            logger.log(step, {"critic/score/mean": float(step)})
+    # A crash mid-write leaves a line without its newline.
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "critic/sc')
+    # The run resumes from its step-2 checkpoint, so the old step 3 is superseded.
+    with MetricsLogger(tmp_path, console=False) as logger:
+        for step in (3, 4):
+            logger.log(step, {"critic/score/mean": 10.0 * step})
+    raw = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(raw) == 6  # nothing overwritten, the torn line kept apart from the new records
+    with pytest.warns(UserWarning, match="not valid JSON"):
+        records = read_metrics(tmp_path)
+    assert [(r["step"], r["critic/score/mean"]) for r in records] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+    with pytest.warns(UserWarning):
+        assert read_metrics(tmp_path / "metrics.jsonl") == records
+
+
+def test_nonzero_rank_writes_nothing(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    with MetricsLogger(run_dir, rank=1, tensorboard=True, total_steps=5) as logger:
+        logger.log(1, {"critic/score/mean": 1.0})
+    assert not run_dir.exists()
+    assert capsys.readouterr().out == ""
+
+
+def test_missing_tensorboard_warns_and_logging_goes_on(tmp_path, monkeypatch):
+    # None in sys.modules makes the import fail, whether or not tensorboard is installed.
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.warns(UserWarning, match="pip install tensorboard"):
+        logger = MetricsLogger(tmp_path, console=False, tensorboard=True)
+    logger.log(1, {"actor/lr": 1.0})
+    logger.close()
+    assert lines(tmp_path) == [{"step": 1, "actor/lr": 1.0}]
+
+
+def test_timer_accumulates_per_name():
+    timer = Timer()
+    for _ in range(2):
+        with timer("gen"):
+            time.sleep(0.01)
+    with timer("update_actor"):
+        pass
+    got = timer.as_metrics()
+    assert set(got) == {"timing_s/gen", "timing_s/update_actor"}
+    assert 0.02 <= got["timing_s/gen"] < 1.0 and got["timing_s/update_actor"] < got["timing_s/gen"]
+    timer.reset()
+    assert timer.as_metrics() == {}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_gpu_sampler_is_a_quiet_no_op_without_a_gpu(recwarn):
+    sampler = GpuSampler(interval_s=0.01)
+    with sampler:
+        pass
+    assert not sampler.enabled and sampler.as_metrics() == {}
+    sampler.close()
+    assert len(recwarn) == 0
+
+
+class FakeNvml:
+    """Stands in for pynvml: each utilisation query moves on to the next (util %, used GiB) reading,
+    and the last reading repeats."""
+
+    NVMLError = RuntimeError
+
+    def __init__(self, readings: list[tuple[int, float]]):
+        self.readings, self.i = readings, -1
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        self.i = min(self.i + 1, len(self.readings) - 1)
+        return types.SimpleNamespace(gpu=self.readings[self.i][0])
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        return types.SimpleNamespace(used=self.readings[self.i][1] * M.GiB)
+
+    def nvmlShutdown(self):
+        pass
+
+
+def test_gpu_sampler_thread_with_a_fake_nvml(monkeypatch):
+    """The sampling thread's logic, on CPU."""
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml([(10, 1.0), (30, 3.0), (20, 2.0)]))
+    monkeypatch.setattr(M, "_open_nvml_device", lambda device: object())
+    sampler = GpuSampler(interval_s=0.001)
+    assert sampler.enabled
+    with sampler:
+        deadline = time.monotonic() + 5
+        while len(sampler._util) < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+    # The first three readings average 20 and every later one is 20.
+    assert sampler.as_metrics() == {"perf/gpu_util_mean": 20.0, "perf/gpu_mem_used_gb_max": 3.0}
+    sampler.start()  # a new step starts from no samples, and samples at once
+    sampler.stop()
+    assert sampler.as_metrics() == {"perf/gpu_util_mean": 20.0, "perf/gpu_mem_used_gb_max": 2.0}
+    sampler.close()
+
+
+def _synthetic_run(run_dir: Path, steps: int = 20) -> None:
+    with MetricsLogger(run_dir, console=False) as logger:
+        for step in range(1, steps + 1):
+            metrics = {"critic/score/mean": step / steps, "critic/score/min": 0.0, "critic/score/max": 1.0,
+                       "response_length/mean": 100 + 3 * step, "timing_s/step": 3.0, "timing_s/gen": 2.0,
+                       "timing_s/update_actor": 0.8, "actor/pg_loss": math.nan}
+            if step % 5 == 0:
+                metrics["val/score"] = step / steps
+            logger.log(step, metrics)
+
+
+def _load_plot_tool():
+    """tools/plot_run.py as a module, run in this process: a subprocess would spend seconds importing torch."""
+    spec = importlib.util.spec_from_file_location("plot_run", ROOT / "tools" / "plot_run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _plot(monkeypatch, *args: str) -> int:
+    monkeypatch.setattr(sys, "argv", ["plot_run.py", *args])
+    return _load_plot_tool().main()
+
+
+def test_plot_run_writes_a_png(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    _synthetic_run(tmp_path)
+    assert _plot(monkeypatch, str(tmp_path)) == 0
+    png = tmp_path / "curves.png"
+    assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = tmp_path / "elsewhere.png"
+    assert _plot(monkeypatch, str(tmp_path), "--out", str(out)) == 0 and out.stat().st_size > 1000
+
+
+def test_plot_run_without_matplotlib_exits_2(tmp_path, monkeypatch, capsys):
+    _synthetic_run(tmp_path, steps=2)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # hidden, whether installed or not
+    assert _plot(monkeypatch, str(tmp_path)) == 2
+    assert "pip install matplotlib" in capsys.readouterr().err
+    assert not (tmp_path / "curves.png").exists()
