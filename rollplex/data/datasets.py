@@ -1,0 +1,383 @@
+"""Prompt datasets from files: JSONL (native) or parquet (needs the optional `pyarrow`).
+
+Two row layouts, as the common VLM-RL recipes store them:
+
+  EasyR1 / geometry3k:
+      {"problem": "<image> Find x.", "answer": "3", "images": ["img/1.png"]}
+  verl:
+      {"prompt": [{"role": "user", "content": "<image> Find x."}],
+       "images": [...], "reward_model": {"ground_truth": "3"}}
+
+`format="auto"` picks the layout per file from its first row. Images are file
+paths (relative ones resolve against the data file's folder), encoded bytes, or
+{"bytes": ..., "path": ...} dicts as HF datasets store them. Videos are a
+frame-folder path or a list of frame paths (see `_videos_of`).
+
+Rows are read when the dataset is built (so a bad file fails at once, naming the
+file and line) but rendered lazily: images are decoded and the chat template
+applied only when an example is asked for. A row whose prompt is longer than
+`max_prompt_length` tokens (after image expansion), or whose image does not
+decode, is skipped with a warning and counted in `dataset.skipped`; prompts are
+never truncated.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import json
+import os
+import warnings
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rollplex.data.processing import FRAME_EXTENSIONS, MediaLoadError, PromptInputs, prepare_prompt
+
+FORMATS = ("auto", "easyr1", "verl")
+# verl's own name for the chat-messages column, used when `prompt_key` (EasyR1's
+# "problem" by default) is not a column of a verl file.
+VERL_PROMPT_KEY = "prompt"
+# Dict keys of an image/video item that may hold a file path (HF datasets: "path";
+# verl / qwen-vl-utils: "image", "video"; rollplex videos: "frames").
+_PATH_KEYS = ("path", "image", "video", "frames")
+
+
+@dataclass
+class Example:
+    """One prompt, ready for rollout."""
+
+    prompt: PromptInputs  # input_ids + vision tensors + rendered text
+    answer: str  # ground truth, for the reward
+    index: int  # position in the dataset (for resume / logging)
+
+
+class RowSkipped(ValueError):
+    """`dataset[i]` of a row that cannot be used; `reason` is its key in `dataset.skipped`."""
+
+    def __init__(self, index: int, reason: str, message: str):
+        super().__init__(f"row {index} skipped ({reason}): {message}")
+        self.index = index
+        self.reason = reason
+
+
+class _BadRow(ValueError):
+    """A row that lacks a column or holds the wrong type."""
+
+
+class _TooLong(ValueError):
+    """The rendered prompt is over max_prompt_length tokens."""
+
+
+# --------------------------------------------------------------------------------------
+# Files
+# --------------------------------------------------------------------------------------
+class _JsonlRows:
+    """All rows of a JSONL file, parsed up front so a malformed line fails at load."""
+
+    def __init__(self, path: Path):
+        self.rows: list[dict[str, Any]] = []
+        self.lines: list[int] = []
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}, line {lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}, line {lineno}: expected a JSON object, got {type(row).__name__}")
+                self.rows.append(row)
+                self.lines.append(lineno)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.rows[i]
+
+    def where(self, i: int) -> str:
+        return f"line {self.lines[i]}"
+
+
+class _ParquetRows:
+    """Rows of a parquet file. The Arrow table stays columnar; a row becomes Python
+    objects only when asked for, so image bytes are not all copied at load."""
+
+    def __init__(self, path: Path):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ImportError(
+                f"reading the parquet file {path} needs pyarrow, an optional extra: pip install pyarrow"
+            ) from None
+        try:
+            self.table = pq.read_table(path)
+        except Exception as e:  # pyarrow raises several types for a broken file
+            raise ValueError(f"{path}: cannot read parquet ({type(e).__name__}: {e})") from e
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.table.slice(i, 1).to_pylist()[0]
+
+    def where(self, i: int) -> str:
+        return f"row {i}"
+
+
+def _read_rows(path: Path) -> _JsonlRows | _ParquetRows:
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file not found: {path}")
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        rows: _JsonlRows | _ParquetRows = _JsonlRows(path)
+    elif suffix == ".parquet":
+        rows = _ParquetRows(path)
+    else:
+        raise ValueError(f"{path}: unsupported dataset file type {suffix!r} (use .jsonl or .parquet)")
+    if len(rows) == 0:
+        raise ValueError(f"{path}: the file holds no rows")
+    return rows
+
+
+@dataclass
+class _Source:
+    """One data file: its rows, its layout and where its rows start in the dataset."""
+
+    path: Path
+    rows: _JsonlRows | _ParquetRows
+    layout: str  # "easyr1" or "verl"
+    start: int
+
+
+# --------------------------------------------------------------------------------------
+# Rows -> prepare_prompt arguments
+# --------------------------------------------------------------------------------------
+def _resolve_paths(item: Any, folder: Path) -> Any:
+    """Make the relative file paths of an image/video item absolute, against `folder`."""
+    if isinstance(item, str):
+        return item if os.path.isabs(item) else str(folder / item)
+    if isinstance(item, list):
+        return [_resolve_paths(x, folder) for x in item]
+    if isinstance(item, dict):
+        return {k: _resolve_paths(v, folder) if k in _PATH_KEYS and isinstance(v, (str, list)) else v
+                for k, v in item.items()}
+    return item  # bytes (parquet binary columns)
+
+
+def _images_of(value: Any) -> list[Any]:
+    """An image column value -> list of images (a lone image counts as a list of one)."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _videos_of(value: Any) -> list[Any]:
+    """A video column value -> list of videos.
+
+    A string or dict is one video (a frame folder / {"video"|"frames": ...}). A list
+    of strings that all name frame images (.png, .jpg, ...) is the frames of one
+    video; any other list holds one video per entry.
+    """
+    if value is None:
+        return []
+    if isinstance(value, (str, dict)):
+        return [value]
+    value = list(value)
+    if value and all(isinstance(v, str) and Path(v).suffix.lower() in FRAME_EXTENSIONS for v in value):
+        return [value]
+    return value
+
+
+def _detect_layout(row: dict[str, Any], prompt_key: str, path: Path) -> str:
+    prompt = row.get(prompt_key, row.get(VERL_PROMPT_KEY))
+    if "reward_model" in row or isinstance(prompt, list):
+        return "verl"
+    if prompt_key in row:
+        return "easyr1"
+    raise ValueError(
+        f"{path}: cannot tell the dataset layout from the first row's columns {sorted(row)}: expected "
+        f"{prompt_key!r} (EasyR1, prompt_key) or {VERL_PROMPT_KEY!r} chat messages + 'reward_model' (verl); "
+        f"set format= and prompt_key= / answer_key="
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Dataset
+# --------------------------------------------------------------------------------------
+class PromptDataset:
+    """Prompts from JSONL / parquet files, rendered lazily into `Example`s.
+
+    `len(dataset)` counts every row, usable or not. `dataset[i]` renders row i (an
+    Example whose index is i) or raises `RowSkipped`; iterating yields the usable
+    rows in file order; `batches` is the training stream. `skipped` counts the
+    skipped rows by reason ("too_long", "bad_image", "bad_video", "bad_row"), each
+    row once however often it comes round.
+    """
+
+    def __init__(
+        self,
+        files: str | os.PathLike | Sequence[str | os.PathLike],
+        processor: Any,
+        max_prompt_length: int,
+        format: str = "auto",
+        prompt_key: str = "problem",
+        answer_key: str = "answer",
+        image_key: str = "images",
+        video_key: str = "videos",
+        video_fps: float = 2.0,
+    ):
+        if format not in FORMATS:
+            raise ValueError(f"format must be one of {', '.join(FORMATS)}; got {format!r}")
+        if isinstance(files, (str, os.PathLike)):
+            files = [files]
+        if not files:
+            raise ValueError("PromptDataset needs at least one file")
+        self.processor = processor
+        self.max_prompt_length = max_prompt_length
+        self.prompt_key = prompt_key
+        self.answer_key = answer_key
+        self.image_key = image_key
+        self.video_key = video_key
+        self.video_fps = video_fps
+        self.sources: list[_Source] = []
+        start = 0
+        for f in files:
+            path = Path(f)
+            rows = _read_rows(path)
+            layout = _detect_layout(rows[0], prompt_key, path) if format == "auto" else format
+            self.sources.append(_Source(path, rows, layout, start))
+            start += len(rows)
+        self._starts = [s.start for s in self.sources]
+        self._length = start
+        # What each row turned out to be, learnt as rows are rendered: a bad row is
+        # never rendered (or warned about) twice, and resuming skips rows already known.
+        self._bad: dict[int, tuple[str, str]] = {}  # index -> (reason, warning message)
+        self._good: set[int] = set()
+        self.skipped: Counter[str] = Counter()
+
+    def __len__(self) -> int:
+        return self._length
+
+    def _locate(self, index: int) -> tuple[_Source, int]:
+        if not 0 <= index < self._length:
+            raise IndexError(f"row {index} out of range for a dataset of {self._length} rows")
+        source = self.sources[bisect.bisect_right(self._starts, index) - 1]
+        return source, index - source.start
+
+    def _prompt_and_answer(self, source: _Source, row: dict[str, Any]) -> tuple[Any, str]:
+        if source.layout == "verl":
+            key = self.prompt_key if self.prompt_key in row else VERL_PROMPT_KEY
+            reward_model = row.get("reward_model")
+            if isinstance(reward_model, dict) and "ground_truth" in reward_model:
+                answer = reward_model["ground_truth"]
+            else:
+                answer = row.get(self.answer_key)
+        else:
+            key = self.prompt_key
+            answer = row.get(self.answer_key)
+        prompt = row.get(key)
+        is_messages = isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
+        if not (isinstance(prompt, str) or is_messages):
+            raise _BadRow(f"column {key!r} must hold a prompt string or chat messages ({{role, content}} dicts)")
+        if answer is None:
+            raise _BadRow(f"no answer (column {self.answer_key!r} / reward_model.ground_truth)")
+        return prompt, str(answer)
+
+    def _render(self, index: int) -> Example:
+        """Row `index` -> Example. Raises MediaLoadError / ValueError for an unusable row."""
+        source, local = self._locate(index)
+        row = source.rows[local]
+        prompt, answer = self._prompt_and_answer(source, row)
+        folder = source.path.parent
+        images = [_resolve_paths(x, folder) for x in _images_of(row.get(self.image_key))]
+        videos = [_resolve_paths(x, folder) for x in _videos_of(row.get(self.video_key))]
+        inputs = prepare_prompt(self.processor, prompt, images=images, videos=videos, video_fps=self.video_fps)
+        if len(inputs.input_ids) > self.max_prompt_length:
+            raise _TooLong(f"{len(inputs.input_ids)} tokens > max_prompt_length {self.max_prompt_length}")
+        return Example(prompt=inputs, answer=answer, index=index)
+
+    def _skip(self, index: int, error: Exception) -> None:
+        if isinstance(error, _TooLong):
+            reason = "too_long"
+        elif isinstance(error, MediaLoadError):
+            # processing names a video frame "video i frame j"; anything else is an image.
+            reason = "bad_video" if error.name.startswith("video") else "bad_image"
+        else:
+            reason = "bad_row"
+        source, local = self._locate(index)
+        message = f"{source.path}, {source.rows.where(local)}: skipping row {index} ({reason}): {error}"
+        self._bad[index] = (reason, message)
+        self.skipped[reason] += 1
+        warnings.warn(message)
+
+    def _try(self, index: int) -> Example | None:
+        """Row `index` rendered, or None when it is (now known to be) unusable."""
+        if index in self._bad:
+            return None
+        try:
+            example = self._render(index)
+        except (ValueError, TypeError) as e:  # MediaLoadError, _TooLong and _BadRow are ValueErrors
+            self._skip(index, e)
+            return None
+        self._good.add(index)
+        return example
+
+    def __getitem__(self, index: int) -> Example:
+        example = self._try(index)
+        if example is None:
+            reason, message = self._bad[index]
+            raise RowSkipped(index, reason, message)
+        return example
+
+    def __iter__(self) -> Iterator[Example]:
+        for i in range(self._length):
+            example = self._try(i)
+            if example is not None:
+                yield example
+
+    def _order(self, seed: int) -> Iterator[int]:
+        """Row indices, epoch after epoch, each epoch in its own seeded shuffle."""
+        for epoch in itertools.count():
+            yield from np.random.default_rng([seed, epoch]).permutation(self._length).tolist()
+
+    def _advance(self, order: Iterator[int], render: bool) -> Example | None:
+        """Take rows from `order` up to and including the next usable one. Returns its
+        Example when `render`; otherwise None, and a row already known good is not
+        rendered again (fast-forwarding only needs to know which rows are usable)."""
+        for index in order:
+            if not render and index in self._good:
+                return None
+            example = self._try(index)
+            if example is not None:
+                return example if render else None
+            if len(self._bad) == self._length:
+                files = ", ".join(str(s.path) for s in self.sources)
+                raise ValueError(f"no usable rows in {files}: skipped {dict(self.skipped)}")
+        raise AssertionError("the row order is endless")
+
+    def batches(self, batch_size: int, seed: int, start_step: int = 0) -> Iterator[list[Example]]:
+        """Endless training stream: lists of `batch_size` Examples, epoch after epoch.
+
+        Each epoch visits the rows in a shuffle seeded by (seed, epoch). Skipped rows
+        are passed over and the next rows fill the batch, so every batch is full and a
+        batch may run into the next epoch. Batch k is the same whatever `start_step`
+        the stream began at, so resuming at step k continues a run exactly. To find
+        where step k starts, the rows of the earlier batches must be known good or
+        bad: in a fresh process that renders (and drops) up to one epoch of rows once.
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if start_step < 0:
+            raise ValueError(f"start_step must be >= 0, got {start_step}")
+        order = self._order(seed)
+        for _ in range(start_step * batch_size):
+            self._advance(order, render=False)
+        while True:
+            yield [self._advance(order, render=True) for _ in range(batch_size)]

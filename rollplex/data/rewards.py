@@ -1,0 +1,274 @@
+"""Reward functions: `fn(response: str, answer: str) -> float`.
+
+Built in: "exact_match" (one-word / short answers, the synthetic tasks), "math"
+(a final math answer, checked with math-verify when it is installed) and "format"
+(the <think>...</think> answer layout). `load_reward` also loads a user function
+from `module:function` or `path/to/file.py:function`; `score_all` runs one over a
+batch, so that a function that raises costs one sample, not the run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import re
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+from pathlib import Path
+
+RewardFn = Callable[[str, str], float]
+
+# Qwen's special tokens (<|im_end|>, <|endoftext|>, ...). Responses are decoded with
+# them kept, and the tiny word tokenizer joins words with spaces, so they can sit
+# anywhere with a space on either side.
+_SPECIAL_TOKEN = re.compile(r"<\|[^<>|]*\|>")
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_THINK_TAGS = ("<think>", "</think>")
+_ANSWER_TAGS = ("<answer>", "</answer>")
+_TRAILING_PUNCT = ".,;:!?"
+
+
+def _strip_special(text: str) -> str:
+    return _SPECIAL_TOKEN.sub(" ", text)
+
+
+def _final_part(response: str) -> str:
+    """What a response answers: the last <answer>...</answer>, else what follows the
+    last </think>, else all of it (special tokens removed)."""
+    text = _strip_special(response)
+    tagged = _ANSWER_TAG.findall(text)
+    if tagged:
+        return tagged[-1]
+    return text.rsplit("</think>", 1)[-1]
+
+
+def _normalise(text: str) -> str:
+    # Case, runs of whitespace and trailing punctuation ("Red ." / "red!") don't count.
+    return " ".join(text.lower().split()).rstrip(_TRAILING_PUNCT + " ")
+
+
+# ----------------------------------------------------------------------------- exact match
+
+
+def exact_match(response: str, answer: str) -> float:
+    """1.0 when the response's final answer equals `answer` up to case, whitespace
+    and trailing punctuation, else 0.0."""
+    predicted = _normalise(_final_part(response))
+    return float(predicted != "" and predicted == _normalise(answer))
+
+
+# ----------------------------------------------------------------------------- format
+
+
+def format_reward(response: str, answer: str = "") -> float:
+    """1.0 for `<think>...</think>` followed by a non-empty answer, either plain text or
+    `<answer>...</answer>`; 0.0 otherwise (tags missing, repeated or out of place).
+    Special tokens such as a final <|im_end|> are ignored. `answer` is unused: it is
+    there so that this has a reward function's signature."""
+    text = _strip_special(response).strip()
+    match = re.fullmatch(r"<think>(.*?)</think>(.*)", text, re.DOTALL)
+    if match is None:
+        return 0.0
+    thought, rest = match.group(1), match.group(2).strip()
+    if any(tag in thought for tag in _THINK_TAGS + _ANSWER_TAGS) or any(tag in rest for tag in _THINK_TAGS):
+        return 0.0
+    tagged = re.fullmatch(r"<answer>(.*)</answer>", rest, re.DOTALL)
+    body = tagged.group(1) if tagged else rest
+    if any(tag in body for tag in _ANSWER_TAGS):
+        return 0.0
+    return float(body.strip() != "")
+
+
+# ----------------------------------------------------------------------------- math
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (nested braces balanced), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i = start + len("\\boxed{")
+    depth = 1
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i:j]
+    return None  # unbalanced: the response was cut off inside the box
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?%?|-?\.\d+%?")
+_ANSWER_PREFIX = re.compile(r"answer\s*:", re.IGNORECASE)
+
+
+def extract_math_answer(response: str) -> str:
+    """The final answer of a math response: the last \\boxed{...}, else the last
+    <answer>...</answer>, else the rest of the line after the last "answer:", else the
+    last number; "" when there is none."""
+    text = _strip_special(response)
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed.strip()
+    tagged = _ANSWER_TAG.findall(text)
+    if tagged:
+        return tagged[-1].strip()
+    prefixes = list(_ANSWER_PREFIX.finditer(text))
+    if prefixes:
+        return text[prefixes[-1].end():].strip().split("\n", 1)[0].strip()
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else ""
+
+
+# LaTeX that does not change a value: spacing, sizing, text wrappers, degrees, $.
+_LATEX_NOISE = re.compile(r"\\left|\\right|\\[,;:! ]|\\displaystyle|\$|\^\{?\\circ\}?|°")
+_TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|mathrm|mathbf|mbox)\{([^{}]*)\}")
+_LATEX_FRAC = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
+
+
+def _normalise_math(text: str) -> str:
+    text = _TEXT_WRAPPER.sub(r"\1", text)
+    text = _LATEX_NOISE.sub("", text)
+    text = _LATEX_FRAC.sub(r"(\1)/(\2)", text).replace("\\%", "%")
+    return "".join(text.split()).lower().rstrip(_TRAILING_PUNCT)
+
+
+def _number_values(text: str) -> list[float]:
+    """The values a normalised answer may mean: one number, or for a percentage both
+    p and p/100 ("50%" matches 50 and 0.5). [] when it is not a plain number."""
+    percent = text.endswith("%")
+    text = text.removesuffix("%")
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", text):
+        text = text.replace(",", "")  # thousands separators
+    fraction = re.fullmatch(r"\(?(-?[\d.]+)\)?/\(?(-?[\d.]+)\)?", text)
+    try:
+        value = float(Fraction(fraction.group(1)) / Fraction(fraction.group(2))) if fraction else float(text)
+    except (ValueError, ZeroDivisionError):
+        return []
+    if not math.isfinite(value):
+        return []
+    return [value, value / 100] if percent else [value]
+
+
+def _plain_equal(predicted: str, answer: str) -> bool:
+    """Numeric comparison when both are numbers, else normalised string comparison."""
+    a, b = _normalise_math(predicted), _normalise_math(answer)
+    if not a:
+        return False
+    va, vb = _number_values(a), _number_values(b)
+    if va and vb:
+        return any(math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-9) for x in va for y in vb)
+    return a == b
+
+
+def _math_verify_equal(predicted: str, answer: str) -> bool:
+    """math-verify's verdict; False when it is not installed or parses nothing."""
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        return False
+    # math-verify's timeouts use SIGALRM, which only the main thread may set.
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    gold = parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout)
+    pred = parse(f"\\boxed{{{predicted}}}", parsing_timeout=timeout)
+    return bool(gold and pred and verify(gold, pred, timeout_seconds=timeout))
+
+
+def math_answer(response: str, answer: str) -> float:
+    """1.0 when the response's final math answer (see `extract_math_answer`) equals
+    `answer`: symbolically by math-verify when it is installed, or numerically (floats,
+    fractions such as 1/2 or \\frac{1}{2}, percentages), or as normalised strings."""
+    predicted = extract_math_answer(response)
+    if not predicted:
+        return 0.0
+    gold = last_boxed(answer) or answer
+    return float(_plain_equal(predicted, gold) or _math_verify_equal(predicted, gold))
+
+
+# ----------------------------------------------------------------------------- loading
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "math": math_answer,
+    "format": format_reward,
+}
+
+
+def _load_file(path: Path, spec: str):
+    if not path.is_file():
+        raise ImportError(f"reward {spec!r}: file {path} not found")
+    # A unique module name per file: two reward files both called reward.py must not clash.
+    name = f"rollplex_reward_{abs(hash(str(path.resolve())))}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ImportError(f"reward {spec!r}: cannot load {path} as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module  # dataclasses and pickling look modules up here
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[name]
+        raise ImportError(f"reward {spec!r}: importing {path} failed: {type(e).__name__}: {e}") from e
+    return module
+
+
+def load_reward(spec: str) -> RewardFn:
+    """A reward function by name ("exact_match", "math", "format") or a user function as
+    `package.module:function` or `path/to/file.py:function`."""
+    if ":" not in spec:
+        if spec not in BUILTIN_REWARDS:
+            raise ValueError(
+                f"unknown reward {spec!r}: use a built-in ({', '.join(BUILTIN_REWARDS)}) "
+                f"or a function as 'module:function' / 'path/to/file.py:function'"
+            )
+        return BUILTIN_REWARDS[spec]
+    where, _, func_name = spec.rpartition(":")
+    if not where or not func_name:
+        raise ValueError(f"reward {spec!r}: expected 'module:function' or 'path/to/file.py:function'")
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        module = _load_file(Path(where), spec)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except Exception as e:
+            raise ImportError(f"reward {spec!r}: cannot import module {where!r}: {type(e).__name__}: {e}") from e
+    fn = getattr(module, func_name, None)
+    if fn is None:
+        raise ImportError(f"reward {spec!r}: {where} has no function {func_name!r}")
+    if not callable(fn):
+        raise TypeError(f"reward {spec!r}: {where}.{func_name} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def score_all(fn: RewardFn, responses: Sequence[str], answers: Sequence[str]) -> tuple[list[float], int]:
+    """Score every (response, answer) pair. A call that raises, or returns something
+    that is not a finite number, scores 0.0 and counts as an error; the others go on.
+    Returns (scores, number of errors) and warns once, with the first error."""
+    if len(responses) != len(answers):
+        raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
+    scores: list[float] = []
+    errors = 0
+    first_error = ""
+    for response, answer in zip(responses, answers):
+        try:
+            score = float(fn(response, answer))
+            if not math.isfinite(score):
+                raise ValueError(f"non-finite reward {score}")
+        except Exception as e:  # noqa: BLE001 - a user function may raise anything; one sample pays
+            errors += 1
+            first_error = first_error or f"{type(e).__name__}: {e}"
+            score = 0.0
+        scores.append(score)
+    if errors:
+        name = getattr(fn, "__qualname__", repr(fn))
+        warnings.warn(
+            f"reward function {name} failed on {errors} of {len(responses)} responses (scored 0.0); "
+            f"first error: {first_error}",
+            stacklevel=2,
+        )
+    return scores, errors

@@ -1,0 +1,232 @@
+"""PromptDataset: both layouts, JSONL and parquet, skipped rows, resumable batches."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from rollplex.data.datasets import PromptDataset, RowSkipped
+from rollplex.data.processing import load_processor, prepare_prompt
+from rollplex.models.tiny import TinySpec, write_tiny_files
+
+
+@pytest.fixture(scope="module")
+def processor(tmp_path_factory):
+    d: Path = tmp_path_factory.mktemp("tiny_datasets")
+    write_tiny_files(d, TinySpec())
+    return load_processor(d)
+
+
+def _image(seed: int, size: int = 56) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+
+
+def _png(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _save_images(folder: Path, n: int) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(n):
+        paths.append(folder / f"img_{i}.png")
+        Image.fromarray(_image(i)).save(paths[-1])
+    return paths
+
+
+def test_easyr1_jsonl_relative_paths_and_video(processor, tmp_path):
+    images = _save_images(tmp_path / "img", 2)
+    frames = tmp_path / "clip"
+    frames.mkdir()
+    for i in range(4):
+        Image.fromarray(_image(10 + i)).save(frames / f"f{i}.png")
+    data = _write_jsonl(tmp_path / "train.jsonl", [
+        {"problem": "<image> what colour is the shape ?", "answer": "red", "images": ["img/img_0.png"]},
+        {"problem": "<image><image> how many ?", "answer": 2, "images": [str(images[0]), "img/img_1.png"]},
+        {"problem": "<video> which direction does the dot move ?", "answer": "left", "videos": "clip"},
+        {"problem": "<video> which direction ?", "answer": "up",
+         "videos": [f"clip/f{i}.png" for i in range(4)]},
+    ])  # fmt: skip
+    ds = PromptDataset(str(data), processor, max_prompt_length=256)
+    assert len(ds) == 4 and ds.sources[0].layout == "easyr1"
+    examples = list(ds)
+    assert [e.answer for e in examples] == ["red", "2", "left", "up"]
+    assert [e.index for e in examples] == [0, 1, 2, 3]
+    # Relative paths resolve against the data file's folder, not the working directory.
+    ref = prepare_prompt(processor, "<image> what colour is the shape ?", images=[_image(0)])
+    assert torch.equal(examples[0].prompt.input_ids, ref.input_ids)
+    assert torch.equal(examples[0].prompt.pixel_values, ref.pixel_values)
+    assert examples[1].prompt.image_grid_thw.shape == (2, 3)
+    # A frame folder and the list of its frames are the same video.
+    assert examples[2].prompt.video_grid_thw.tolist() == [[2, 4, 4]]
+    assert torch.equal(examples[2].prompt.pixel_values_videos, examples[3].prompt.pixel_values_videos)
+    assert ds.skipped == {}
+
+
+def test_verl_layout_and_custom_columns(processor, tmp_path):
+    _save_images(tmp_path / "img", 1)
+    verl = _write_jsonl(tmp_path / "verl.jsonl", [
+        {"prompt": [{"role": "system", "content": "you are a helpful assistant ."},
+                    {"role": "user", "content": "<image> what colour is the shape ?"}],
+         "images": [{"path": "img/img_0.png", "bytes": None}],
+         "reward_model": {"style": "rule", "ground_truth": "blue"}, "data_source": "x"},
+    ])  # fmt: skip
+    ds = PromptDataset([verl], processor, max_prompt_length=256)
+    assert ds.sources[0].layout == "verl"
+    (example,) = list(ds)
+    assert example.answer == "blue" and example.prompt.image_grid_thw.tolist() == [[1, 4, 4]]
+    assert example.prompt.text.startswith("<|im_start|>system\nyou are a helpful assistant .")
+    custom = _write_jsonl(tmp_path / "custom.jsonl", [
+        {"question": "<image> what colour ?", "label": "green", "pics": ["img/img_0.png"]},
+    ])  # fmt: skip
+    ds = PromptDataset(custom, processor, 256, format="easyr1", prompt_key="question", answer_key="label",
+                       image_key="pics")
+    assert ds[0].answer == "green" and ds[0].prompt.pixel_values is not None
+    with pytest.raises(ValueError, match=r"custom.jsonl.*cannot tell the dataset layout.*'label'"):
+        PromptDataset(custom, processor, 256)
+
+
+def test_parquet_with_hf_image_dicts(processor, tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    rows = [
+        {"problem": "<image> what colour ?", "answer": "red", "images": [{"bytes": _png(_image(0)), "path": "a.png"}]},
+        {"problem": "<image> what colour ?", "answer": "blue", "images": [{"bytes": None, "path": "img/img_0.png"}]},
+    ]
+    _save_images(tmp_path / "img", 1)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    ds = PromptDataset(tmp_path / "train.parquet", processor, max_prompt_length=256)
+    a, b = list(ds)
+    assert (a.answer, b.answer) == ("red", "blue")
+    assert torch.equal(a.prompt.pixel_values, b.prompt.pixel_values)  # same picture, bytes vs path
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet")
+    with pytest.raises(ValueError, match="junk.parquet: cannot read parquet"):
+        PromptDataset(tmp_path / "junk.parquet", processor, 256)
+
+
+def test_parquet_without_pyarrow_names_the_extra(processor, tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_pyarrow(name, *args, **kwargs):
+        if name.startswith("pyarrow"):
+            raise ImportError("No module named 'pyarrow'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_pyarrow)
+    (tmp_path / "x.parquet").write_bytes(b"PAR1")
+    with pytest.raises(ImportError, match=r"x.parquet.*pip install pyarrow"):
+        PromptDataset(tmp_path / "x.parquet", processor, 256)
+
+
+def test_too_long_and_corrupt_rows_are_skipped_and_counted(processor, tmp_path):
+    _save_images(tmp_path / "img", 1)
+    good = _png(_image(1))
+    (tmp_path / "img" / "broken.png").write_bytes(good[: len(good) // 2])
+    data = _write_jsonl(tmp_path / "d.jsonl", [
+        {"problem": "<image> what colour ?", "answer": "red", "images": ["img/img_0.png"]},
+        {"problem": "<image> " + "the " * 300, "answer": "red", "images": ["img/img_0.png"]},
+        {"problem": "<image> what colour ?", "answer": "red", "images": ["img/broken.png"]},
+        {"problem": "<image> what colour ?", "answer": "red", "images": []},
+        {"problem": "what colour ?", "answer": "blue"},
+    ])  # fmt: skip
+    ds = PromptDataset(data, processor, max_prompt_length=64)
+    with pytest.warns(UserWarning) as caught:
+        examples = list(ds)
+    assert [e.index for e in examples] == [0, 4]
+    assert ds.skipped == {"too_long": 1, "bad_image": 1, "bad_row": 1}
+    messages = [str(w.message) for w in caught]
+    assert any("d.jsonl, line 2" in m and "max_prompt_length 64" in m for m in messages)
+    assert any("line 3" in m and "broken.png" in m for m in messages)
+    # Known-bad rows are neither rendered nor counted again.
+    assert len(list(ds)) == 2 and ds.skipped == {"too_long": 1, "bad_image": 1, "bad_row": 1}
+    with pytest.raises(RowSkipped, match="too_long") as e:
+        ds[1]
+    assert e.value.reason == "too_long"
+
+
+def test_bad_files_name_file_and_line(processor, tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        PromptDataset(tmp_path / "missing.jsonl", processor, 256)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"problem": "a", "answer": "b"}\n\n{"problem": "a", "answer": \n')
+    with pytest.raises(ValueError, match=r"bad.jsonl, line 3: malformed JSON"):
+        PromptDataset(bad, processor, 256)
+    (tmp_path / "list.jsonl").write_text("[1, 2]\n")
+    with pytest.raises(ValueError, match=r"list.jsonl, line 1: expected a JSON object"):
+        PromptDataset(tmp_path / "list.jsonl", processor, 256)
+    (tmp_path / "d.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match=r"d.csv.*\.jsonl or \.parquet"):
+        PromptDataset(tmp_path / "d.csv", processor, 256)
+    with pytest.raises(ValueError, match="format must be one of"):
+        PromptDataset(bad, processor, 256, format="sharegpt")
+
+
+def _text_dataset(tmp_path: Path, processor, n: int, bad: set[int]) -> PromptDataset:
+    # Text-only rows keep these tests fast; the "bad" ones are too long.
+    rows = [{"problem": ("the " * 100 if i in bad else "") + f"row {i}", "answer": str(i)} for i in range(n)]
+    return PromptDataset(_write_jsonl(tmp_path / "rows.jsonl", rows), processor, max_prompt_length=64)
+
+
+def _indices(stream, k: int) -> list[list[int]]:
+    """The row indices of the next `k` batches of a stream."""
+    return [[e.index for e in next(stream)] for _ in range(k)]
+
+
+def test_batches_full_shuffled_resumable_and_cycling(processor, tmp_path):
+    n, bad = 10, {2, 7}
+    ds = _text_dataset(tmp_path, processor, n, bad)
+    with pytest.warns(UserWarning):
+        run = _indices(ds.batches(batch_size=3, seed=1), 8)
+    assert all(len(b) == 3 for b in run)
+    flat = [i for b in run for i in b]
+    assert not bad & set(flat)
+    # Each epoch holds every good row once, in its own order.
+    epoch1, epoch2 = flat[:8], flat[8:16]
+    assert sorted(epoch1) == sorted(epoch2) == sorted(set(range(n)) - bad)
+    assert epoch1 != epoch2 and epoch1 != sorted(epoch1)
+    assert ds.skipped == {"too_long": 2}
+    # Same seed, same stream; another seed, another order.
+    assert _indices(ds.batches(3, seed=1), 1) == run[:1]
+    assert _indices(ds.batches(3, seed=2), 1) != run[:1]
+    # Resuming at step 5 gives batches 5, 6, 7, also in a fresh dataset that has not
+    # yet seen the bad rows.
+    fresh = _text_dataset(tmp_path, processor, n, bad)
+    with pytest.warns(UserWarning):
+        resumed = _indices(fresh.batches(batch_size=3, seed=1, start_step=5), 3)
+    assert resumed == run[5:]
+    assert fresh.skipped == {"too_long": 2}
+    # Examples carry their row's answer.
+    assert all(e.answer == str(e.index) for e in next(ds.batches(3, seed=1)))
+
+
+def test_batches_error_when_no_row_is_usable(processor, tmp_path):
+    ds = _text_dataset(tmp_path, processor, 3, bad={0, 1, 2})
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"no usable rows.*too_long.: 3"):
+        next(ds.batches(2, seed=0))
+
+
+def test_multiple_files_index_in_order(processor, tmp_path):
+    a = _write_jsonl(tmp_path / "a.jsonl", [{"problem": "a", "answer": "1"}, {"problem": "b", "answer": "2"}])
+    b = _write_jsonl(tmp_path / "b.jsonl", [{"problem": "c", "answer": "3"}])
+    ds = PromptDataset([a, b], processor, 64)
+    assert len(ds) == 3 and [e.answer for e in ds] == ["1", "2", "3"] and ds[2].index == 2
+    assert Counter(i for batch in _indices(ds.batches(3, seed=0), 2) for i in batch) == {0: 2, 1: 2, 2: 2}
+    with pytest.raises(IndexError):
+        ds[3]
