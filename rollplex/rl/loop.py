@@ -1,0 +1,314 @@
+"""The synchronous on-policy GRPO loop.
+
+One step, with each phase a named method (the overlap schedule will rearrange
+them, not rewrite them):
+
+    rollout  -> the engine samples n responses per prompt on the trainer's own weights
+    reward   -> score each response against the prompt's answer
+    advantage-> group-normalised (GRPO) or mean-centred (Dr.GRPO)
+    logprobs -> reference model (when kl_coef > 0), old policy (when recomputed)
+    update   -> `updates_per_batch` optimizer steps on mini-batches of the groups
+
+Every dp rank rolls out and trains on its own share of the prompts; all n samples
+of a prompt stay on one rank, so advantages need no communication. Sampling
+seeds come from the prompt's global index, so a prompt gets the same samples
+whatever rank or world size handles it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rollplex.config import Config, save_config
+from rollplex.data.processing import load_processor
+from rollplex.data.rewards import load_reward, score_all
+from rollplex.dist import ParallelDims, build_mesh, init_distributed
+from rollplex.engine import Engine, EngineConfig, Request, SamplingParams
+from rollplex.engine.engine import mix_seed
+from rollplex.metrics import MetricsLogger, Timer
+from rollplex.models import SequenceInputs, from_pretrained
+from rollplex.models.packing import GroupInputs
+from rollplex.models.tiny import TinySpec, default_mrope_section, make_tiny_checkpoint
+from rollplex.rl.weights import SharedWeights
+from rollplex.train.actor import Actor, ActorConfig, PolicyBatch, lr_schedule
+from rollplex.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rollplex.train.loss import group_advantages
+from rollplex.train.parallelize import parallelize
+
+
+GLOBAL_ACTOR_METRICS = ("actor/grad_norm", "actor/lr", "actor/skipped_steps")
+
+
+@dataclass
+class Rollout:
+    """One step's samples on this rank, responses in group order."""
+
+    examples: list  # rollplex.data Example per prompt
+    groups: list[GroupInputs]
+    texts: list[str]
+    logprobs: list[torch.Tensor]
+    finish_reasons: list[str]
+
+
+class RLTrainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.rank, self.world, self.device = init_distributed()
+        if cfg.trainer.num_threads:
+            torch.set_num_threads(cfg.trainer.num_threads)
+        torch.manual_seed(cfg.trainer.seed)
+        self.out = Path(cfg.trainer.output_dir)
+        self.dims = ParallelDims.resolve(self.world, cfg.parallel.dp_shard, cfg.parallel.tp)
+        path = self._model_path()
+        dtype = getattr(torch, cfg.model.dtype)
+        self.processor = load_processor(path)
+        self.tokenizer = self.processor.tokenizer
+        self.model = from_pretrained(path, dtype=dtype, device=self.device, attn_backend=cfg.model.attn_backend)
+        self.ref_model = None
+        if cfg.algorithm.kl_coef > 0:
+            self.ref_model = from_pretrained(path, dtype=dtype, device=self.device,
+                                             attn_backend=cfg.model.attn_backend).requires_grad_(False)
+        self.dp_group = None
+        if self.world > 1:
+            mesh = build_mesh(self.dims, self.device.type)
+            self.dp_rank, self.dp_group = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].get_group()
+            parallelize(self.model, mesh, cfg.parallel.activation_checkpointing, cfg.parallel.freeze_vision)
+            if self.ref_model is not None:
+                parallelize(self.ref_model, mesh)
+        else:
+            self.dp_rank = 0
+            if cfg.parallel.freeze_vision:
+                self.model.visual.requires_grad_(False)
+        self.weights = SharedWeights(self.model, cfg.parallel.tp, cfg.rollout.tp)
+        r = cfg.rollout
+        self.engine = Engine(self.model, EngineConfig(block_size=r.block_size, kv_cache_memory=r.kv_cache_memory,
+                                                      max_num_seqs=r.max_num_seqs, enforce_eager=r.enforce_eager,
+                                                      progress=False))
+        a, t = cfg.algorithm, cfg.trainer
+        self.actor = Actor(self.model, ActorConfig(
+            lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+            max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, share_prefix=cfg.schedule.share_prefix,
+            clip_low=a.clip_low, clip_high=a.clip_high, clip_c=a.clip_c, loss_agg_mode=a.loss_agg_mode,
+            kl_coef=a.kl_coef, kl_kind=a.kl_kind, entropy_coef=a.entropy_coef, tis_cap=a.tis_cap,
+            max_response_len=r.max_tokens), self.dp_group,
+            lr_lambda=lr_schedule(t.lr_schedule, t.warmup_steps, t.total_steps * a.updates_per_batch))
+        self.reward_fn = load_reward(cfg.data.reward)
+        self._load_data()
+        self.logger = MetricsLogger(self.out, rank=self.rank, console=cfg.logging.console, jsonl=cfg.logging.jsonl,
+                                    tensorboard=cfg.logging.tensorboard, total_steps=t.total_steps)
+        self.step = 0
+
+    # ------------------------------------------------------------------ set-up
+
+    def _model_path(self) -> Path:
+        if self.cfg.model.path:
+            return Path(self.cfg.model.path)
+        out = self.out / "tiny_model"
+        if self.rank == 0 and not (out / "config.json").exists():
+            t = self.cfg.model.tiny
+            make_tiny_checkpoint(out, TinySpec(
+                hidden_size=t.hidden_size, num_layers=t.num_layers, num_heads=t.num_heads,
+                num_kv_heads=t.num_kv_heads, intermediate_size=t.intermediate_size,
+                vision_hidden_size=t.vision_hidden_size, vision_depth=t.vision_depth,
+                vision_num_heads=t.vision_num_heads, vision_intermediate_size=2 * t.vision_hidden_size,
+                vocab=t.vocab, mrope_section=default_mrope_section(t.hidden_size // t.num_heads)), seed=t.seed)
+        if self.world > 1:
+            dist.barrier()
+        return out
+
+    def _load_data(self) -> None:
+        """Training batches (resumable by step) and validation examples: from files,
+        or from the built-in synthetic task."""
+        from rollplex.data.datasets import PromptDataset
+        from rollplex.data.tasks import make_task, validation_examples
+
+        d = self.cfg.data
+        if d.train_files:
+            kw = dict(processor=self.processor, max_prompt_length=d.max_prompt_length, format=d.format,
+                      prompt_key=d.prompt_key, answer_key=d.answer_key, image_key=d.image_key,
+                      video_key=d.video_key, video_fps=d.video_fps)
+            self.train_data = PromptDataset(d.train_files, **kw)
+            self.val_examples = list(PromptDataset(d.val_files, **kw)) if d.val_files else []
+        else:
+            self.task = make_task(d.task)
+            self.train_data = None
+            self.val_examples = validation_examples(self.task, self.processor, d.val_size, d.seed)
+
+    def _batches(self, start_step: int):
+        d = self.cfg.data
+        if self.train_data is not None:
+            return self.train_data.batches(d.batch_size, seed=d.seed, start_step=start_step)
+        from rollplex.data.tasks import task_batches
+
+        return task_batches(self.task, self.processor, d.batch_size, d.seed, start_step)
+
+    def _skipped(self) -> float:
+        return float(sum(self.train_data.skipped.values())) if self.train_data is not None else 0.0
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> None:
+        cfg = self.cfg
+        self._resume()
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.out / "config.yaml")
+        batches = self._batches(self.step)
+        while self.step < cfg.trainer.total_steps:
+            examples = next(batches)
+            self.step += 1
+            metrics = self.train_step(examples)
+            last = self.step == cfg.trainer.total_steps
+            if cfg.trainer.eval_every and (self.step % cfg.trainer.eval_every == 0 or last):
+                metrics.update(self.evaluate())
+            self.logger.log(self.step, metrics)
+            if cfg.trainer.save_every and self.step % cfg.trainer.save_every == 0:
+                self._save()
+        self.logger.close()
+
+    def train_step(self, examples: list) -> dict[str, float]:
+        cfg, timer = self.cfg, Timer()
+        start = time.perf_counter()
+        mine = examples[self.dp_rank::self.dims.dp_shard]  # this rank's prompts (global order kept)
+        with timer("gen"):
+            rollout = self.rollout(mine, self.step)
+        with timer("reward"):
+            rewards, errors = score_all(self.reward_fn, rollout.texts,
+                                        [e.answer for e in rollout.examples for _ in range(cfg.rollout.n)])
+        group_index = torch.arange(len(mine)).repeat_interleave(cfg.rollout.n)
+        advantages = group_advantages(torch.tensor(rewards), group_index,
+                                      norm_by_std=cfg.algorithm.adv_estimator == "grpo"
+                                      and cfg.algorithm.norm_adv_by_std)
+        old = rollout.logprobs
+        if cfg.algorithm.recompute_old_logprobs:
+            with timer("old_log_prob"):
+                old = self.actor.logprobs(self.model, rollout.groups)
+        ref = None
+        if self.ref_model is not None:
+            with timer("ref"):
+                ref = self.actor.logprobs(self.ref_model, rollout.groups)
+        with timer("update_actor"):
+            actor_metrics = self.update(rollout, advantages.tolist(), old, ref)
+        metrics = self._gather_metrics(rollout, rewards, errors, actor_metrics)
+        metrics.update(timer.as_metrics())
+        metrics.update(self.weights.report.as_metrics())
+        metrics["timing_s/step"] = time.perf_counter() - start
+        tokens = self._sum([sum(len(g.prompt.input_ids) * len(g.responses) + sum(map(len, g.responses))
+                                for g in rollout.groups)])[0]
+        metrics["perf/throughput"] = tokens / metrics["timing_s/step"] / self.world
+        if self.device.type == "cuda":
+            metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        return metrics
+
+    def rollout(self, examples: list, step: int) -> Rollout:
+        cfg = self.cfg
+        requests = [Request(e.prompt.input_ids.tolist(), e.prompt.pixel_values, e.prompt.image_grid_thw,
+                            e.prompt.pixel_values_videos, e.prompt.video_grid_thw, e.prompt.second_per_grid_ts,
+                            n=cfg.rollout.n, seed=mix_seed(cfg.trainer.seed, step, e.index)) for e in examples]
+        params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_tokens)
+        self.model.eval()
+        with self.weights.for_rollout():
+            outputs = self.engine.generate(requests, params)
+        self.engine.release_kv()  # the KV pool lives only during rollout
+        groups, texts, logprobs, reasons = [], [], [], []
+        for e, out in zip(examples, outputs):
+            p = e.prompt
+            prompt = SequenceInputs(p.input_ids, None, p.pixel_values, p.image_grid_thw, p.pixel_values_videos,
+                                    p.video_grid_thw, p.second_per_grid_ts)
+            groups.append(GroupInputs(prompt, [s.token_ids for s in out.samples]))
+            for s in out.samples:
+                texts.append(self.tokenizer.decode(s.token_ids, skip_special_tokens=True))
+                logprobs.append(torch.tensor(s.logprobs))
+                reasons.append(s.finish_reason)
+        return Rollout(examples, groups, texts, logprobs, reasons)
+
+    def update(self, rollout: Rollout, advantages: list[float], old: list[torch.Tensor],
+               ref: list[torch.Tensor] | None) -> dict[str, float]:
+        """`updates_per_batch` optimizer steps, each on a contiguous share of the groups."""
+        k = self.cfg.algorithm.updates_per_batch
+        n_groups = len(rollout.groups)
+        sums: dict[str, float] = {}
+        first = 0
+        for i in range(k):
+            lo, hi = i * n_groups // k, (i + 1) * n_groups // k
+            count = sum(len(g.responses) for g in rollout.groups[lo:hi])
+            sl = slice(first, first + count)
+            first += count
+            metrics = self.actor.update(PolicyBatch(rollout.groups[lo:hi], advantages[sl], old[sl],
+                                                    ref[sl] if ref else None, rollout.logprobs[sl]))
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + value / k
+        return sums
+
+    # ------------------------------------------------------------------ evaluation, metrics, checkpoints
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Greedy score on the validation prompts (split across dp ranks)."""
+        if not self.val_examples:
+            return {}
+        examples = self.val_examples[self.dp_rank::self.dims.dp_shard]
+        requests = [Request(e.prompt.input_ids.tolist(), e.prompt.pixel_values, e.prompt.image_grid_thw,
+                            e.prompt.pixel_values_videos, e.prompt.video_grid_thw, e.prompt.second_per_grid_ts)
+                    for e in examples]
+        self.model.eval()
+        with self.weights.for_rollout():
+            outputs = self.engine.generate(requests, SamplingParams(temperature=0.0,
+                                                                    max_tokens=self.cfg.rollout.max_tokens))
+        self.engine.release_kv()
+        texts = [self.tokenizer.decode(o.samples[0].token_ids, skip_special_tokens=True) for o in outputs]
+        scores, _ = score_all(self.reward_fn, texts, [e.answer for e in examples])
+        total, count = self._sum([sum(scores), len(scores)])
+        return {"val/score": total / max(count, 1)}
+
+    def _gather_metrics(self, rollout: Rollout, rewards: list[float], errors: int,
+                        actor: dict[str, float]) -> dict[str, float]:
+        lengths = [len(r) for g in rollout.groups for r in g.responses]
+        clipped = sum(reason == "length" for reason in rollout.finish_reasons)
+        total, count, length_sum, clip_sum, error_sum = self._sum(
+            [sum(rewards), len(rewards), sum(lengths), clipped, errors])
+        hi, lo = self._max([max(rewards), -min(rewards)])
+        metrics = {"critic/score/mean": total / count, "critic/score/max": hi, "critic/score/min": -lo,
+                   "response_length/mean": length_sum / count, "response_length/clip_ratio": clip_sum / count,
+                   "reward/errors": error_sum, "data/skipped": self._skipped()}
+        # See Actor.update: most actor metrics are per-rank shares of a global sum.
+        shares = sorted(k for k in actor if k not in GLOBAL_ACTOR_METRICS and not k.endswith("_max"))
+        metrics.update(zip(shares, self._sum([actor[k] for k in shares])))
+        maxima = sorted(k for k in actor if k.endswith("_max"))
+        metrics.update(zip(maxima, self._max([actor[k] for k in maxima])))
+        metrics.update({k: actor[k] for k in GLOBAL_ACTOR_METRICS})
+        return metrics
+
+    def _sum(self, values: list[float]) -> list[float]:
+        if self.world == 1:
+            return [float(v) for v in values]
+        t = torch.tensor(values, dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(t, group=self.dp_group)
+        return t.tolist()
+
+    def _max(self, values: list[float]) -> list[float]:
+        if self.world == 1:
+            return [float(v) for v in values]
+        t = torch.tensor(values, dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return t.tolist()
+
+    def _save(self) -> None:
+        save_checkpoint(self.out / "checkpoints", self.step, self.model, self.actor.optimizer, self.actor.scheduler,
+                        extra={"step": self.step}, keep_last=self.cfg.trainer.keep_last)
+
+    def _resume(self) -> None:
+        if not self.cfg.trainer.resume:
+            return
+        path = latest_checkpoint(self.out / "checkpoints")
+        if path is not None:
+            state = load_checkpoint(path, self.model, self.actor.optimizer, self.actor.scheduler)
+            self.step = state.step
+            if self.rank == 0:
+                print(f"resumed from {path} at step {self.step}")
