@@ -1,8 +1,6 @@
 """The RL loop end to end on the tiny default: metrics, multi-rank, weight sharing, resume."""
 
-import json
 
-import torch
 
 from distributed import run_distributed
 from rollplex.config import load_config
