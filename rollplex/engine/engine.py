@@ -86,6 +86,7 @@ class Engine:
         params = params or SamplingParams()
         prompts = [self._prepare(i, r, params) for i, r in enumerate(requests)]
         self.cache.allocate()
+        self.runner.storage_may_have_moved = True
         blocks = BlockManager(self.cache.num_blocks, self.cache.block_size)
         scheduler = Scheduler(blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         for p in prompts:

@@ -25,10 +25,13 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.max_blocks = -(-max_model_len // cache.block_size)
         self.max_num_seqs = max_num_seqs
+        # On CPU the graph bookkeeping can still be exercised (tests set this True):
+        # _EagerGraph replays by re-running the decode on the same static buffers.
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, "torch.cuda.CUDAGraph | _EagerGraph"] = {}
         self.graph_logits: dict[int, torch.Tensor] = {}  # each graph's static output
-        self.graph_cache_ptr = 0  # the pool a capture refers to; a re-allocated pool needs new graphs
+        self.graph_key: tuple = ()  # storage the captured graphs read; new storage needs new graphs
+        self.storage_may_have_moved = True  # set by the engine at each generate()
 
     # ------------------------------------------------------------------ prefill
 
@@ -71,8 +74,10 @@ class ModelRunner:
         inputs = self._decode_inputs(seqs, slots)
         if not self.use_cuda_graphs or batch > self.max_num_seqs:
             return self._decode_eager(*inputs).float()
-        if self.cache.data.data_ptr() != self.graph_cache_ptr:
-            self.capture()
+        if self.storage_may_have_moved:
+            if self._storage_key() != self.graph_key:
+                self.capture()
+            self.storage_may_have_moved = False
         bucket = next(b for b in sorted(self.graphs) if b >= batch)
         static = self.static
         self._pad_rows(batch, bucket)
@@ -136,13 +141,38 @@ class ModelRunner:
         for b in buckets:
             args = (s["ids"][:b], s["positions"][:, :b], s["slots"][:b], s["tables"][:b], s["lens"][:b])
             self._decode_eager(*args)  # warm-up: lazy allocations happen outside the capture
+            if dev.type != "cuda":
+                self.graphs[b] = _EagerGraph(lambda args=args: self._decode_eager(*args))
+                self.graph_logits[b] = self.graphs[b].out
+                continue
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.graph_logits[b] = self._decode_eager(*args)
             pool = graph.pool()
             self.graphs[b] = graph
-        self.graph_cache_ptr = self.cache.data.data_ptr()
-        torch.cuda.synchronize()
+        self.graph_key = self._storage_key()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _storage_key(self) -> tuple:
+        """Addresses a graph has baked in: the KV pool's and every weight's. The pool
+        is re-allocated each rollout, and the trainer's gathered weights may land
+        elsewhere after each update (FSDP unshard), so both are checked once per generate()."""
+        weights = (p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters())
+        return (self.cache.data.data_ptr(), *(w.data_ptr() for w in weights))
+
+class _EagerGraph:
+    """A CUDA graph's stand-in on CPU: same static inputs, same static output
+    tensor, so the runner's buffer filling, padding and bucket choice run (and
+    are tested) unchanged."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.out = fn()
+
+    def replay(self) -> None:
+        self.out.copy_(self.fn())
+
 
 def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     return None if t is None else t.to(device)
