@@ -30,16 +30,20 @@ from rollplex.data.rewards import load_reward, score_all
 from rollplex.dist import ParallelDims, build_mesh, init_distributed
 from rollplex.engine import Engine, EngineConfig, Request, SamplingParams
 from rollplex.engine.engine import mix_seed
-from rollplex.metrics import MetricsLogger, Timer
+from rollplex.metrics import GpuSampler, MetricsLogger, Timer
 from rollplex.models import SequenceInputs, from_pretrained
 from rollplex.models.packing import GroupInputs
 from rollplex.models.tiny import TinySpec, default_mrope_section, make_tiny_checkpoint
 from rollplex.rl.weights import SharedWeights
 from rollplex.train.actor import Actor, ActorConfig, PolicyBatch, lr_schedule
-from rollplex.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rollplex.train.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from rollplex.train.flops import peak_flops
 from rollplex.train.loss import group_advantages
 from rollplex.train.parallelize import parallelize
-
 
 GLOBAL_ACTOR_METRICS = ("actor/grad_norm", "actor/lr", "actor/skipped_steps")
 
@@ -101,6 +105,7 @@ class RLTrainer:
         self._load_data()
         self.logger = MetricsLogger(self.out, rank=self.rank, console=cfg.logging.console, jsonl=cfg.logging.jsonl,
                                     tensorboard=cfg.logging.tensorboard, total_steps=t.total_steps)
+        self.gpu_sampler = GpuSampler(device=self.device.index if self.device.type == "cuda" else None)
         self.step = 0
 
     # ------------------------------------------------------------------ set-up
@@ -172,6 +177,12 @@ class RLTrainer:
         self.logger.close()
 
     def train_step(self, examples: list) -> dict[str, float]:
+        with self.gpu_sampler:  # GPU utilisation and memory over the step (no-op without an NVIDIA GPU)
+            metrics = self._train_step(examples)
+        metrics.update(self.gpu_sampler.as_metrics())
+        return metrics
+
+    def _train_step(self, examples: list) -> dict[str, float]:
         cfg, timer = self.cfg, Timer()
         start = time.perf_counter()
         mine = examples[self.dp_rank::self.dims.dp_shard]  # this rank's prompts (global order kept)
@@ -203,6 +214,10 @@ class RLTrainer:
         metrics["perf/throughput"] = tokens / metrics["timing_s/step"] / self.world
         if self.device.type == "cuda":
             metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            peak = peak_flops(torch.cuda.get_device_name(self.device))
+            if peak:  # model FLOPs of the update over its time, per GPU (see rollplex/train/flops.py)
+                metrics["perf/mfu/actor"] = metrics["perf/actor_flops"] / (
+                    metrics["timing_s/update_actor"] * peak * self.world)
         return metrics
 
     def rollout(self, examples: list, step: int) -> Rollout:

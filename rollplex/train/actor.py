@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from rollplex.models.packing import GroupInputs, TrainBatch, pack_groups
 from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds
+from rollplex.train.flops import forward_flops
 from rollplex.train.loss import agg_loss, entropy_from_logits, kl_penalty, policy_loss
 
 
@@ -170,13 +171,14 @@ class Actor:
             dist.all_reduce(totals, group=self.dp_group)
         norm = dict(global_tokens=totals[0].item(), global_seqs=totals[1].item(), max_response_len=cfg.max_response_len)
         sums = {k: 0.0 for k in ("pg_loss", "kl_loss", "entropy", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}
-        probs_diff_sum, probs_diff_max = 0.0, 0.0
+        probs_diff_sum, probs_diff_max, flops = 0.0, 0.0, 0.0
         for mb in self.micro_batches(batch.groups):
             units = mb or self._fallback_units(batch.groups)
             weight = 1.0 if mb else 0.0
             packed = _to(pack_groups(self.model.args, [u.group for u in units], cfg.share_prefix), self.model.device)
             ids = _response_ids(units)
             lp, entropy = response_logprobs(self.model, packed, with_entropy=cfg.entropy_coef > 0)
+            flops += 3 * forward_flops(self.model.args, packed)  # forward + backward (2x)
             mask = _padded_mask(packed.response_lens, lp.device)
             pad = lambda xs: _pad([xs[i] for i in ids], mask)  # noqa: E731
             lp2d = _pad(list(lp.split(packed.response_lens)), mask)
@@ -206,6 +208,7 @@ class Actor:
             (loss * weight * self.dp_size).backward()
         grad_norm = self._clip_and_step()
         metrics = {f"actor/{k}": v for k, v in sums.items()}
+        metrics["perf/actor_flops"] = flops
         if batch.rollout_logprobs is not None:
             metrics["training/rollout_probs_diff_mean"] = probs_diff_sum
             metrics["training/rollout_probs_diff_max"] = probs_diff_max
