@@ -34,7 +34,7 @@ def args() -> ModelArgs:
 
 
 def make_trainer(args: ModelArgs, seed: int, parallel: bool = False):
-    model = build_model(args, seed=seed)
+    model = build_model(args, seed=seed, init_std=None)
     if parallel:
         model = parallelize(model, build_mesh(ParallelDims.resolve(2, -1, 1), "cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -32,7 +32,7 @@ def tiny_args(tie: bool = False, window_size: int = 56) -> ModelArgs:
 
 def make_pair(tmp_path_factory, **kw):
     path = tmp_path_factory.mktemp("ckpt")
-    save_pretrained(build_model(tiny_args(**kw), seed=1), path)
+    save_pretrained(build_model(tiny_args(**kw), seed=1, init_std=None), path)
     hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     return path, hf, from_pretrained(path, dtype=torch.float32)
 

@@ -28,7 +28,7 @@ def groups() -> list[GroupInputs]:
 
 @pytest.fixture(scope="module")
 def model():
-    return build_model(tiny_args(), seed=5)
+    return build_model(tiny_args(), seed=5, init_std=None)
 
 
 def loss_and_grads(model, share_prefix: bool):

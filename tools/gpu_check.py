@@ -62,7 +62,7 @@ def check_model_parity_bf16(device: str) -> dict:
 
     args = _tiny_args()
     with tempfile.TemporaryDirectory() as d:
-        save_pretrained(build_model(args, seed=0), d)
+        save_pretrained(build_model(args, seed=0, init_std=None), d)
         hf32 = Qwen2_5_VLForConditionalGeneration.from_pretrained(d, dtype=torch.float32).to(device).eval()
         hf16 = Qwen2_5_VLForConditionalGeneration.from_pretrained(d, dtype=torch.bfloat16).to(device).eval()
         ours32 = from_pretrained(d, dtype=torch.float32, device=device)
@@ -91,7 +91,7 @@ def check_forward_timing(device: str) -> dict:
     args = ModelArgs(vision=VisionArgs(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
                                        out_hidden_size=2048, fullatt_block_indexes=[7, 15, 23, 31]),
                      text=TextArgs())  # Qwen2.5-VL-3B shapes
-    model = build_model(args, dtype=torch.bfloat16, device=device, seed=0)
+    model = build_model(args, dtype=torch.bfloat16, device=device, seed=0, init_std=None)
     model.set_attn_backend("auto")
     seqs = [_multimodal_prompt(args, device, image_hw=(28, 28), video_thw=(8, 28, 28), seed=i) for i in range(8)]
     batch = pack_sequences(args, seqs)

@@ -215,9 +215,15 @@ def load_weights(model: Qwen2_5_VL, path: str | os.PathLike, dtype: torch.dtype,
 
 
 def build_model(args: ModelArgs, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                seed: int | None = None) -> Qwen2_5_VL:
+                seed: int | None = None, init_std: float | None = 0.02) -> Qwen2_5_VL:
     """A randomly initialised model (for tests, tiny checkpoints and benchmarks),
-    built on the meta device and materialised once in `dtype` on `device`."""
+    built on the meta device and materialised once in `dtype` on `device`.
+
+    Default: as transformers initialises Qwen2.5-VL, weights ~ N(0, init_std),
+    biases 0, norm scales 1 (small weights give a near-uniform first policy,
+    which a model trained from scratch by RL needs in order to explore).
+    init_std=None: weights ~ N(0, 1/fan_in) and random biases, so every layer
+    moves the output: what parity tests need to catch a wrong layer."""
     with torch.device("meta"):
         model = Qwen2_5_VL(args)
     model = model.to(dtype=dtype).to_empty(device=device)
@@ -225,13 +231,14 @@ def build_model(args: ModelArgs, dtype: torch.dtype = torch.float32, device: tor
     gen.manual_seed(0 if seed is None else seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(("norm1.weight", "norm2.weight", "ln_q.weight")):
+            if name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight",
+                              "layernorm.weight")):
                 p.fill_(1.0)
             elif name.endswith("bias"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02 if init_std is None else torch.zeros(p.shape))
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02 if p.ndim == 1
-                        else torch.randn(p.shape, generator=gen) / p[0].numel() ** 0.5)
+                std = p[0].numel() ** -0.5 if init_std is None else init_std
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
     return model
 
 
