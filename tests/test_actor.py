@@ -123,3 +123,18 @@ def test_two_ranks_equal_one(tmp_path, tp):
     got = json.loads(out.read_text())
     for name, p in model.named_parameters():
         assert (torch.tensor(got[name]) - p.detach()).abs().max() <= 1e-5, name
+
+
+def test_optimizer_offload_gives_the_same_parameters(reference):
+    """Offloading AdamW's state between steps changes where it lives, not the update."""
+    assert_same(updated_params(max_tokens_per_micro_batch=4096, offload_optimizer=True), reference, tol=0)
+
+
+def test_offloaded_state_holds_no_device_storage_between_steps():
+    model = build_model(tiny_args(), seed=5, init_std=None)
+    actor = Actor(model, ActorConfig(lr=1e-3, offload_optimizer=True))
+    actor.update(policy_batch(model, actor.config))
+    moments = [v for s in actor.optimizer.state.values() for k, v in s.items() if k != "step"]
+    assert moments and all(t.untyped_storage().size() == 0 for t in moments)
+    actor.offload.load()
+    assert all(t.untyped_storage().size() == t.numel() * t.element_size() for t in moments)

@@ -99,7 +99,7 @@ class RLTrainer:
             max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, share_prefix=cfg.schedule.share_prefix,
             clip_low=a.clip_low, clip_high=a.clip_high, clip_c=a.clip_c, loss_agg_mode=a.loss_agg_mode,
             kl_coef=a.kl_coef, kl_kind=a.kl_kind, entropy_coef=a.entropy_coef, tis_cap=a.tis_cap,
-            max_response_len=r.max_tokens), self.dp_group,
+            max_response_len=r.max_tokens, offload_optimizer=cfg.parallel.offload_optimizer), self.dp_group,
             lr_lambda=lr_schedule(t.lr_schedule, t.warmup_steps, t.total_steps * a.updates_per_batch))
         self.reward_fn = load_reward(cfg.data.reward)
         self._load_data()

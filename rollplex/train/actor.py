@@ -60,6 +60,7 @@ class ActorConfig:
     entropy_coef: float = 0.0
     tis_cap: float = 0.0
     max_response_len: int = 256  # the generation limit, for seq-mean-token-sum-norm
+    offload_optimizer: bool = False  # keep AdamW's state in host memory except during the step
 
 
 @dataclass
@@ -83,6 +84,7 @@ class Actor:
                                            fused=model.device.type == "cuda")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda or (lambda step: 1.0))
         self.skipped_steps = 0
+        self.offload = OptimizerOffload(self.optimizer) if config.offload_optimizer else None
 
     @property
     def dp_size(self) -> int:
@@ -225,13 +227,57 @@ class Actor:
             # A NaN/inf loss or gradient: skip this step (the norm is global, so every rank skips).
             self.skipped_steps += 1
         else:
+            if self.offload:
+                self.offload.load()
             self.optimizer.step()
+            if self.offload:
+                self.offload.offload()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
     def _fallback_units(self, groups: list[GroupInputs]) -> list[_Unit]:
         return [_Unit(GroupInputs(groups[0].prompt, groups[0].responses[:1]), 0)]
+
+
+class OptimizerOffload:
+    """Optimizer state lives in host memory between steps.
+
+    Each state tensor keeps its identity (AdamW and checkpoints hold references
+    to it, FSDP2's are DTensors): its device storage is copied to a pinned host
+    buffer and shrunk to zero bytes, then regrown and refilled just before the
+    next step. On CPU the same code runs; the host buffer is then ordinary memory.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.host: dict[int, torch.Tensor] = {}
+
+    def _tensors(self) -> list[torch.Tensor]:
+        out = []
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if torch.is_tensor(value) and value.numel() > 1:  # AdamW's scalar step stays put
+                    out.append(value.to_local() if hasattr(value, "to_local") else value)
+        return out
+
+    def offload(self) -> None:
+        tensors = self._tensors()
+        for t in tensors:
+            if id(t) not in self.host:
+                self.host[id(t)] = torch.empty(t.shape, dtype=t.dtype, device="cpu",
+                                               pin_memory=t.is_cuda)
+            self.host[id(t)].copy_(t, non_blocking=True)
+        if tensors and tensors[0].is_cuda:
+            torch.cuda.current_stream().synchronize()  # the copies must land before the storage goes
+        for t in tensors:
+            t.untyped_storage().resize_(0)
+
+    def load(self) -> None:
+        for t in self._tensors():
+            if t.untyped_storage().size() == 0 and id(t) in self.host:
+                t.untyped_storage().resize_(t.numel() * t.element_size())
+                t.copy_(self.host[id(t)], non_blocking=True)
 
 
 def lr_schedule(kind: str, warmup_steps: int, total_steps: int):
