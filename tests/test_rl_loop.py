@@ -59,3 +59,17 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
     trainer, rows = run(tmp_path, "--trainer.save_every", "1", "--trainer.total_steps", "3")
     assert trainer.step == 3
     assert [r["step"] for r in rows if "actor/pg_loss" in r] == [1, 2, 3]
+
+
+def test_prompts_are_balanced_across_ranks_by_tokens():
+    from types import SimpleNamespace
+
+    from rollplex.rl.loop import balanced_share
+
+    lengths = [100, 10, 90, 10, 80, 10]  # rank::2 would give 270 tokens to one rank, 30 to the other
+    examples = [SimpleNamespace(prompt=SimpleNamespace(input_ids=[0] * n)) for n in lengths]
+    shares = [balanced_share(examples, 2, r) for r in range(2)]
+    assert sorted(id(e) for s in shares for e in s) == sorted(id(e) for e in examples)
+    assert [len(s) for s in shares] == [3, 3]
+    tokens = [sum(len(e.prompt.input_ids) for e in s) for s in shares]
+    assert max(tokens) - min(tokens) <= 80, tokens  # {100, 10, 10} vs {90, 80, 10}

@@ -185,7 +185,7 @@ class RLTrainer:
     def _train_step(self, examples: list) -> dict[str, float]:
         cfg, timer = self.cfg, Timer()
         start = time.perf_counter()
-        mine = examples[self.dp_rank::self.dims.dp_shard]  # this rank's prompts (global order kept)
+        mine = balanced_share(examples, self.dims.dp_shard, self.dp_rank)
         with timer("gen"):
             rollout = self.rollout(mine, self.step)
         with timer("reward"):
@@ -327,3 +327,17 @@ class RLTrainer:
             self.step = state.step
             if self.rank == 0:
                 print(f"resumed from {path} at step {self.step}")
+
+
+def balanced_share(examples: list, ranks: int, rank: int) -> list:
+    """This rank's prompts: as many per rank as possible, prompt tokens balanced
+    (longest first, each to the rank with the fewest tokens and room left), kept
+    in batch order. Every rank computes the same assignment."""
+    cap = -(-len(examples) // ranks)
+    load, count, owner = [0] * ranks, [0] * ranks, {}
+    for i in sorted(range(len(examples)), key=lambda i: -len(examples[i].prompt.input_ids)):
+        r = min((r for r in range(ranks) if count[r] < cap), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += len(examples[i].prompt.input_ids)
+        count[r] += 1
+    return [e for i, e in enumerate(examples) if owner[i] == rank]
