@@ -171,8 +171,9 @@ class RLTrainer:
             last = self.step == cfg.trainer.total_steps
             if cfg.trainer.eval_every and (self.step % cfg.trainer.eval_every == 0 or last):
                 metrics.update(self.evaluate())
-            self.logger.log(self.step, metrics)
-            if cfg.trainer.save_every and self.step % cfg.trainer.save_every == 0:
+            if self.step % cfg.logging.log_every == 0 or last or "val/score" in metrics:
+                self.logger.log(self.step, metrics)
+            if cfg.trainer.save_every and (self.step % cfg.trainer.save_every == 0 or last):
                 self._save()
         self.logger.close()
 
