@@ -18,6 +18,7 @@ whatever rank or world size handles it.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,11 +186,12 @@ class RLTrainer:
 
     def _train_step(self, examples: list) -> dict[str, float]:
         cfg, timer = self.cfg, Timer()
+        self.phase_memory: dict[str, float] = {}
         start = time.perf_counter()
         mine = balanced_share(examples, self.dims.dp_shard, self.dp_rank)
-        with timer("gen"):
+        with self._phase(timer, "gen"):
             rollout = self.rollout(mine, self.step)
-        with timer("reward"):
+        with self._phase(timer, "reward"):
             rewards, errors = score_all(self.reward_fn, rollout.texts,
                                         [e.answer for e in rollout.examples for _ in range(cfg.rollout.n)])
         group_index = torch.arange(len(mine)).repeat_interleave(cfg.rollout.n)
@@ -198,13 +200,13 @@ class RLTrainer:
                                       and cfg.algorithm.norm_adv_by_std)
         old = rollout.logprobs
         if cfg.algorithm.recompute_old_logprobs:
-            with timer("old_log_prob"):
+            with self._phase(timer, "old_log_prob"):
                 old = self.actor.logprobs(self.model, rollout.groups)
         ref = None
         if self.ref_model is not None:
-            with timer("ref"):
+            with self._phase(timer, "ref"):
                 ref = self.actor.logprobs(self.ref_model, rollout.groups)
-        with timer("update_actor"):
+        with self._phase(timer, "update_actor"):
             actor_metrics = self.update(rollout, advantages.tolist(), old, ref)
         metrics = self._gather_metrics(rollout, rewards, errors, actor_metrics)
         metrics.update(timer.as_metrics())
@@ -214,12 +216,25 @@ class RLTrainer:
                                 for g in rollout.groups)])[0]
         metrics["perf/throughput"] = tokens / metrics["timing_s/step"] / self.world
         if self.device.type == "cuda":
-            metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            metrics.update(self.phase_memory)
+            metrics["perf/max_memory_allocated_gb"] = max(self.phase_memory.values())
             peak = peak_flops(torch.cuda.get_device_name(self.device))
             if peak:  # model FLOPs of the update over its time, per GPU (see rollplex/train/flops.py)
                 metrics["perf/mfu/actor"] = metrics["perf/actor_flops"] / (
                     metrics["timing_s/update_actor"] * peak * self.world)
         return metrics
+
+    @contextmanager
+    def _phase(self, timer: Timer, name: str):
+        """Time a phase; on CUDA also record its peak allocated memory."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        with timer(name):
+            yield
+        if cuda:
+            self.phase_memory[f"perf/max_memory_allocated_gb/{name}"] = \
+                torch.cuda.max_memory_allocated(self.device) / 2**30
 
     def rollout(self, examples: list, step: int) -> Rollout:
         cfg = self.cfg
