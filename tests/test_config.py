@@ -38,13 +38,13 @@ def test_default_loads_tiny_yaml():
 
     cfg = load_config([])
     assert cfg.model.path == "" and cfg.model.dtype == "float32"
-    assert cfg.rollout.n == 8 and cfg.rollout.max_tokens == 8 and cfg.rollout.temperature == 1.0
+    assert cfg.rollout.n == 8 and cfg.rollout.max_tokens == 1 and cfg.rollout.temperature == 1.0
     assert cfg.algorithm.entropy_coef == 0.01 and cfg.algorithm.updates_per_batch == 2
     assert cfg.algorithm.kl_coef == 0.0
     assert cfg.data.task == "color" and cfg.data.batch_size == 16 and cfg.data.val_size == 64
     t = cfg.trainer
-    assert (t.total_steps, t.lr, t.output_dir) == (60, 1e-3, "runs/tiny")
-    assert (t.eval_every, t.save_every, t.num_threads, t.grad_clip) == (10, 20, 1, 1.0)
+    assert (t.total_steps, t.lr, t.output_dir) == (300, 1e-4, "runs/tiny")
+    assert (t.eval_every, t.save_every, t.num_threads, t.grad_clip) == (50, 50, 1, 1.0)
 
 
 def test_tiny_yaml_lists_every_field():
@@ -73,7 +73,7 @@ def test_dataclass_defaults():
 def test_cli_overrides_yaml():
     cfg = load_config(["--rollout.n", "4", "--trainer.lr", "0.5"])
     assert cfg.rollout.n == 4 and cfg.trainer.lr == 0.5
-    assert cfg.trainer.total_steps == 60  # untouched values still from YAML
+    assert cfg.trainer.total_steps == 300  # untouched values still from YAML
 
 
 def test_cli_syntax_variants():
