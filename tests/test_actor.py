@@ -1,5 +1,9 @@
 """The policy update: micro-batch splitting, shared prefix and data/tensor
-parallelism leave the updated weights unchanged; bad input is caught."""
+parallelism leave the update unchanged; bad input is caught.
+
+The comparisons are on the gradient the optimizer receives (first step), not
+only on the weights after AdamW: AdamW is invariant to the scale of the
+gradient, so a wrong loss normaliser would not show in the weights."""
 
 import json
 import math
@@ -14,6 +18,9 @@ from rollplex.train.loss import group_advantages
 from test_model import tiny_args
 from test_shared_prefix import groups
 
+# record_gradients wraps optimizer.step, which the LR scheduler notices and warns about.
+pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+
 
 def policy_batch(model, cfg: ActorConfig) -> PolicyBatch:
     gs = groups()
@@ -23,42 +30,67 @@ def policy_batch(model, cfg: ActorConfig) -> PolicyBatch:
     return PolicyBatch(gs, group_advantages(rewards, index).tolist(), old, ref_logprobs=[o - 0.1 for o in old])
 
 
-def updated_params(steps: int = 2, **overrides) -> dict[str, torch.Tensor]:
+def record_gradients(actor: Actor) -> list[dict[str, torch.Tensor]]:
+    """The (full) gradient of every parameter each time the optimizer steps."""
+    seen, step = [], actor.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        seen.append({n.replace("._checkpoint_wrapped_module", ""):
+                     (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+                     for n, p in actor.model.named_parameters() if p.grad is not None})
+        return step(*args, **kwargs)
+
+    actor.optimizer.step = recording_step
+    return seen
+
+
+def updated(steps: int = 2, **overrides) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(first step's gradients, weights after `steps` updates)."""
     torch.manual_seed(0)
     model = build_model(tiny_args(), seed=5, init_std=None)
-    cfg = ActorConfig(lr=1e-3, kl_coef=0.1, entropy_coef=0.01, **overrides)
+    cfg = ActorConfig(lr=1e-4, kl_coef=0.1, entropy_coef=0.01, grad_clip=0.0, **overrides)
     actor = Actor(model, cfg)
+    grads = record_gradients(actor)
     batch = policy_batch(model, cfg)
     for _ in range(steps):
         metrics = actor.update(batch)
     assert math.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return grads[0], {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_same_update(a, b, weight_tol=1e-5):
+    """Gradients equal to 1e-5 relative per tensor; weights within `weight_tol` (AdamW
+    divides by sqrt(v), so rounding noise in near-zero gradients, e.g. the vision key
+    bias whose true gradient is 0, moves weights by up to ~lr * 1e-3)."""
+    (grads_a, weights_a), (grads_b, weights_b) = a, b
+    for name, g in grads_b.items():
+        err = (grads_a[name] - g).norm() / g.norm().clamp_min(1e-12)
+        assert err <= 1e-5 or (grads_a[name] - g).abs().max() <= 1e-9, f"{name}: relative gradient error {err:.2e}"
+    assert_same(weights_a, weights_b, weight_tol)
 
 
 def assert_same(a, b, tol=1e-5):
-    """Adam divides by sqrt(v), so rounding noise in near-zero gradients (e.g. the vision
-    key bias, whose true gradient is 0) moves weights by up to ~lr * 1e-3."""
     for name in a:
         assert (a[name] - b[name]).abs().max() <= tol, name
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return updated_params(max_tokens_per_micro_batch=4096)
+    return updated(max_tokens_per_micro_batch=4096)
 
 
 def test_micro_batch_split_does_not_change_the_update(reference):
-    assert_same(updated_params(max_tokens_per_micro_batch=40), reference)  # splits groups too
+    assert_same_update(updated(max_tokens_per_micro_batch=40), reference)  # splits groups too
 
 
 def test_shared_prefix_update_equals_per_sample(reference):
-    assert_same(updated_params(max_tokens_per_micro_batch=4096, share_prefix=False), reference)
+    assert_same_update(updated(max_tokens_per_micro_batch=4096, share_prefix=False), reference)
 
 
 @pytest.mark.parametrize("agg", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_other_aggregations_are_split_invariant(agg):
-    assert_same(updated_params(max_tokens_per_micro_batch=40, loss_agg_mode=agg),
-                updated_params(max_tokens_per_micro_batch=4096, loss_agg_mode=agg))
+    assert_same_update(updated(max_tokens_per_micro_batch=40, loss_agg_mode=agg),
+                       updated(max_tokens_per_micro_batch=4096, loss_agg_mode=agg))
 
 
 def test_budget_smaller_than_one_sequence():
@@ -86,7 +118,7 @@ def parallel_update(rank: int, world: int, tp: int, out: str) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = build_model(tiny_args(), seed=5, init_std=None)
-    cfg = ActorConfig(lr=1e-4, kl_coef=0.1, entropy_coef=0.01, max_tokens_per_micro_batch=120)
+    cfg = ActorConfig(lr=1e-4, kl_coef=0.1, entropy_coef=0.01, grad_clip=0.0, max_tokens_per_micro_batch=120)
     full = policy_batch(model, cfg)  # computed before sharding: same numbers as the single process
     mesh = build_mesh(ParallelDims.resolve(world, -1, tp), "cpu")
     parallelize(model, mesh)
@@ -98,36 +130,40 @@ def parallel_update(rank: int, world: int, tp: int, out: str) -> None:
     batch = PolicyBatch([full.groups[g] for g in mine], [full.advantages[i] for i in ids],
                         [full.old_logprobs[i] for i in ids], [full.ref_logprobs[i] for i in ids])
     actor = Actor(model, cfg, dp_group=mesh["dp_shard"].get_group())
+    grads = record_gradients(actor)
     for _ in range(3):
         actor.update(batch)
     params = {n.replace("._checkpoint_wrapped_module", ""): p.full_tensor().tolist()
               for n, p in model.named_parameters()}
     if rank == 0:
         with open(out, "w") as f:
-            json.dump(params, f)
+            json.dump({"params": params, "grads": {n: g.tolist() for n, g in grads[0].items()}}, f)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_two_ranks_equal_one(tmp_path, tp):
-    """dp_shard=2 (each rank half the groups) or tp=2: same weights after 3 steps."""
+    """dp_shard=2 (each rank half the groups) or tp=2: the same first-step gradient
+    and the same weights after 3 steps as one process on the whole batch."""
     torch.manual_seed(0)
     model = build_model(tiny_args(), seed=5, init_std=None)
-    # lr 1e-4 keeps Adam's amplification of rounding noise (see assert_same) well under the tolerance.
-    cfg = ActorConfig(lr=1e-4, kl_coef=0.1, entropy_coef=0.01, max_tokens_per_micro_batch=120)
+    cfg = ActorConfig(lr=1e-4, kl_coef=0.1, entropy_coef=0.01, grad_clip=0.0, max_tokens_per_micro_batch=120)
     batch = policy_batch(model, cfg)
     actor = Actor(model, cfg)
+    grads = record_gradients(actor)
     for _ in range(3):
         actor.update(batch)
     out = tmp_path / "params.json"
     run_distributed(parallel_update, 2, tp, str(out))
     got = json.loads(out.read_text())
-    for name, p in model.named_parameters():
-        assert (torch.tensor(got[name]) - p.detach()).abs().max() <= 1e-5, name
+    theirs = ({n: torch.tensor(g) for n, g in got["grads"].items()},
+              {n: torch.tensor(p) for n, p in got["params"].items()})
+    assert_same_update(theirs, (grads[0], {n: p.detach() for n, p in model.named_parameters()}))
 
 
 def test_optimizer_offload_gives_the_same_parameters(reference):
     """Offloading AdamW's state between steps changes where it lives, not the update."""
-    assert_same(updated_params(max_tokens_per_micro_batch=4096, offload_optimizer=True), reference, tol=0)
+    grads, weights = updated(max_tokens_per_micro_batch=4096, offload_optimizer=True)
+    assert_same(weights, reference[1], tol=0)
 
 
 def test_offloaded_state_holds_no_device_storage_between_steps():
