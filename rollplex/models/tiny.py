@@ -395,13 +395,9 @@ def write_tokenizer_and_processor(out_dir: str | os.PathLike, spec: TinySpec) ->
     }
 
 
-def preprocessor_config(spec: TinySpec) -> dict[str, Any]:
-    """preprocessor_config.json for the PIL (torchvision-free) Qwen2-VL image processor."""
+def _pixel_pipeline(spec: TinySpec, min_pixels: int, max_pixels: int) -> dict[str, Any]:
+    """What the image and video processors share: resize, normalise, patchify."""
     return {
-        # Pinned to the PIL backend. "Qwen2VLImageProcessor" is transformers 5's
-        # torchvision backend (AutoImageProcessor falls back to PIL only when
-        # torchvision is missing); pinning keeps pixels identical on every machine.
-        "image_processor_type": "Qwen2VLImageProcessorPil",
         "processor_class": "Qwen2_5_VLProcessor",
         "do_resize": True,
         "do_rescale": True,
@@ -414,10 +410,21 @@ def preprocessor_config(spec: TinySpec) -> dict[str, Any]:
         "patch_size": spec.patch_size,
         "temporal_patch_size": spec.temporal_patch_size,
         "merge_size": spec.spatial_merge_size,
-        "min_pixels": spec.min_pixels,
-        "max_pixels": spec.max_pixels,
-        "size": {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels},
+        "min_pixels": min_pixels,
+        "max_pixels": max_pixels,
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
     }
+
+
+def preprocessor_config(spec: TinySpec) -> dict[str, Any]:
+    """preprocessor_config.json for the PIL (torchvision-free) Qwen2-VL image processor.
+
+    Pinned to the PIL backend: "Qwen2VLImageProcessor" is transformers 5's
+    torchvision backend (AutoImageProcessor falls back to PIL only when
+    torchvision is missing); pinning keeps pixels identical on every machine.
+    """
+    return {"image_processor_type": "Qwen2VLImageProcessorPil",
+            **_pixel_pipeline(spec, spec.min_pixels, spec.max_pixels)}
 
 
 def video_preprocessor_config(spec: TinySpec) -> dict[str, Any]:
@@ -426,24 +433,8 @@ def video_preprocessor_config(spec: TinySpec) -> dict[str, Any]:
     transformers' video processor needs torchvision; rollplex.data.processing reads
     these numbers and does the video path itself when it is missing.
     """
-    return {
-        "video_processor_type": "Qwen2VLVideoProcessor",
-        "processor_class": "Qwen2_5_VLProcessor",
-        "do_resize": True,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "do_convert_rgb": True,
-        "image_mean": IMAGE_MEAN,
-        "image_std": IMAGE_STD,
-        "resample": 3,
-        "patch_size": spec.patch_size,
-        "temporal_patch_size": spec.temporal_patch_size,
-        "merge_size": spec.spatial_merge_size,
-        "min_pixels": spec.video_min_pixels,
-        "max_pixels": spec.video_max_pixels,
-        "size": {"shortest_edge": spec.video_min_pixels, "longest_edge": spec.video_max_pixels},
-    }
+    return {"video_processor_type": "Qwen2VLVideoProcessor",
+            **_pixel_pipeline(spec, spec.video_min_pixels, spec.video_max_pixels)}
 
 
 # --------------------------------------------------------------------------------------
