@@ -43,7 +43,7 @@ def test_default_loads_tiny_yaml():
     assert cfg.algorithm.kl_coef == 0.0
     assert cfg.data.task == "color" and cfg.data.batch_size == 16 and cfg.data.val_size == 64
     t = cfg.trainer
-    assert (t.total_steps, t.lr, t.output_dir) == (300, 1e-4, "runs/tiny")
+    assert (t.total_steps, t.lr, t.output_dir) == (500, 1e-4, "runs/tiny")
     assert (t.eval_every, t.save_every, t.num_threads, t.grad_clip) == (50, 50, 1, 1.0)
 
 
@@ -73,7 +73,7 @@ def test_dataclass_defaults():
 def test_cli_overrides_yaml():
     cfg = load_config(["--rollout.n", "4", "--trainer.lr", "0.5"])
     assert cfg.rollout.n == 4 and cfg.trainer.lr == 0.5
-    assert cfg.trainer.total_steps == 300  # untouched values still from YAML
+    assert cfg.trainer.total_steps == 500  # untouched values still from YAML
 
 
 def test_cli_syntax_variants():
