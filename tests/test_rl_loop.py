@@ -73,3 +73,28 @@ def test_prompts_are_balanced_across_ranks_by_tokens():
     assert [len(s) for s in shares] == [3, 3]
     tokens = [sum(len(e.prompt.input_ids) for e in s) for s in shares]
     assert max(tokens) - min(tokens) <= 80, tokens  # {100, 10, 10} vs {90, 80, 10}
+
+
+def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, capsys):
+    """A run killed mid-way (SIGKILL, as a crash would) continues from its latest complete checkpoint."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, str(root / "train.py"), *FAST, "--trainer.output_dir", str(tmp_path),
+           "--trainer.total_steps", "50", "--trainer.save_every", "1", "--trainer.eval_every", "0"]
+    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (tmp_path / "checkpoints" / "step_00000002" / "COMPLETE.json").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its step-2 checkpoint"
+        time.sleep(0.2)
+    proc.kill()
+    proc.wait()
+    import re
+
+    trainer, rows = run(tmp_path, "--trainer.total_steps", "4", "--trainer.save_every", "1")
+    resumed = re.search(r"resumed from .*step_(\d+) at step (\d+)", capsys.readouterr().out)
+    assert resumed and int(resumed.group(2)) >= 2  # not from scratch
+    assert trainer.step == 4 and rows[-1]["step"] == 4
