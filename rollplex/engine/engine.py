@@ -93,7 +93,8 @@ class Engine:
             scheduler.add(Sequence(p, -1, list(p.request.prompt_ids)))
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
-        progress = _Progress(len(requests), enabled=self.config.progress and _is_rank0())
+        progress = _Progress(sum(r.n for r in requests), enabled=self.config.progress and _is_rank0())
+        samples_done = 0
         while scheduler.has_work():
             step = scheduler.schedule()
             self.stats["steps"] += 1
@@ -111,7 +112,8 @@ class Engine:
                             if self._append(s, t, lp, params, stop_ids)]
                 for s in finished:
                     scheduler.finish(s)
-            progress.update(sum(p.samples.count(None) == 0 for p in prompts), self.stats["decode_tokens"])
+            samples_done += len(finished)
+            progress.update(samples_done, self.stats["decode_tokens"])
         progress.close()
         self.stats["preemptions"] = scheduler.num_preemptions
         assert blocks.num_free == self.cache.num_blocks, "KV blocks leaked"
@@ -231,7 +233,7 @@ def _is_rank0() -> bool:
 
 
 class _Progress:
-    """A one-line progress display (requests done, output tokens/s) for generations
+    """A one-line progress display (samples done, output tokens/s) for generations
     that last more than a couple of seconds, on an interactive stderr."""
 
     def __init__(self, total: int, enabled: bool):
@@ -245,7 +247,7 @@ class _Progress:
             return
         self.last, self.shown = now, True
         rate = tokens / (now - self.start)
-        sys.stderr.write(f"\rgenerate: {done}/{self.total} requests, {rate:,.0f} tok/s ")
+        sys.stderr.write(f"\rgenerate: {done}/{self.total} samples, {rate:,.0f} tok/s ")
         sys.stderr.flush()
 
     def close(self) -> None:
