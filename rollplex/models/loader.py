@@ -8,11 +8,17 @@ transformers 5 saves). The model is built on the meta device and each tensor is
 read straight into the target dtype and device, so no full fp32 copy exists on
 the side. Saving writes the hub style, which every transformers version and
 other tools read.
+
+The hub fuses each vision block's q, k and v projections into one
+`attn.qkv` Linear (rows: q, then k, then v); the model keeps them apart so
+that tensor parallelism can split each by heads. Loading splits the fused
+tensor, saving concatenates the three back.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -134,21 +140,32 @@ def hf_config_from_args(args: ModelArgs) -> dict:
 # ----------------------------------------------------------------------------- weights
 
 
-def hf_key_to_param(key: str) -> str | None:
-    """Checkpoint key (either style) -> our parameter name; None for keys we do not keep."""
+FUSED_QKV = ".attn.qkv."
+SPLIT_QKV = (".attn.q.", ".attn.k.", ".attn.v.")
+
+
+def hf_key_to_params(key: str) -> list[str]:
+    """Checkpoint key (either style) -> the parameter names it holds, in row order:
+    none for keys we do not keep, three for a vision block's fused qkv."""
     if key.endswith("rotary_emb.inv_freq"):
-        return None
+        return []
     for prefix, ours in (("model.visual.", "visual."), ("model.language_model.", "language_model."),
                          ("visual.", "visual."), ("model.", "language_model.")):
         if key.startswith(prefix):
-            return ours + key[len(prefix):]
-    return key  # lm_head.weight
+            name = ours + key[len(prefix):]
+            if name.startswith("visual.blocks.") and FUSED_QKV in name:
+                return [name.replace(FUSED_QKV, part) for part in SPLIT_QKV]
+            return [name]
+    return [key]  # lm_head.weight
 
 
 def param_to_hf_key(name: str) -> str:
-    """Our parameter name -> hub-style checkpoint key."""
+    """Our parameter name -> hub-style checkpoint key (q, k and v of a vision block share one)."""
     if name.startswith("language_model."):
         return "model." + name[len("language_model."):]
+    if name.startswith("visual.blocks."):
+        for part in SPLIT_QKV:
+            name = name.replace(part, FUSED_QKV)
     return name
 
 
@@ -182,21 +199,22 @@ def load_weights(model: Qwen2_5_VL, path: str | os.PathLike, dtype: torch.dtype,
     path = Path(path)
     files = _weight_files(path)
     expected = dict(model.named_parameters())
-    by_file: dict[Path, list[tuple[str, str]]] = {}
+    by_file: dict[Path, list[tuple[str, list[str]]]] = {}
     unexpected = []
     for key, file in files.items():
-        name = hf_key_to_param(key)
-        if name is None:
+        names = hf_key_to_params(key)
+        if not names:
             continue
-        if name == "lm_head.weight" and model.lm_head is None:
+        if names == ["lm_head.weight"] and model.lm_head is None:
             continue  # tied embeddings: some checkpoints still store the head
-        if name not in expected:
+        if any(n not in expected for n in names):
             unexpected.append(key)
             continue
-        by_file.setdefault(file, []).append((key, name))
-    missing = sorted(set(expected) - {n for pairs in by_file.values() for _, n in pairs})
+        by_file.setdefault(file, []).append((key, names))
+    found = {n for pairs in by_file.values() for _, names in pairs for n in names}
+    missing = sorted({param_to_hf_key(n) for n in set(expected) - found})
     if missing:
-        shown = ", ".join(param_to_hf_key(m) for m in missing[:5])
+        shown = ", ".join(missing[:5])
         raise CheckpointError(f"checkpoint {path} is missing {len(missing)} tensor(s): {shown}"
                               + (" ..." if len(missing) > 5 else ""))
     if unexpected:
@@ -205,12 +223,16 @@ def load_weights(model: Qwen2_5_VL, path: str | os.PathLike, dtype: torch.dtype,
     state = {}
     for file, pairs in by_file.items():
         with safe_open(file, framework="pt", device="cpu") as f:
-            for key, name in pairs:
+            for key, names in pairs:
                 tensor = f.get_tensor(key)
-                if tuple(tensor.shape) != tuple(expected[name].shape):
+                rows = [expected[n].shape[0] for n in names]
+                shape = (sum(rows), *expected[names[0]].shape[1:])
+                if tuple(tensor.shape) != shape:
                     raise CheckpointError(f"{file.name}: tensor {key} has shape {tuple(tensor.shape)}, the model "
-                                          f"expects {tuple(expected[name].shape)} (from config.json)")
-                state[name] = tensor.to(device=device, dtype=dtype)
+                                          f"expects {shape} (from config.json)")
+                # Split parts are copied, so that no parameter is a view into another one's storage.
+                for name, part in zip(names, tensor.split(rows)):
+                    state[name] = part.to(device=device, dtype=dtype, copy=len(names) > 1)
     model.load_state_dict(state, strict=True, assign=True)
 
 
@@ -229,16 +251,21 @@ def build_model(args: ModelArgs, dtype: torch.dtype = torch.float32, device: tor
     model = model.to(dtype=dtype).to_empty(device=device)
     gen = torch.Generator(device="cpu")
     gen.manual_seed(0 if seed is None else seed)
+    params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight",
-                              "layernorm.weight")):
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02 if init_std is None else torch.zeros(p.shape))
+        # Drawn per hub tensor (a vision qkv as one), so a seed gives the weights it gave a fused model.
+        for key in dict.fromkeys(param_to_hf_key(name) for name in params):
+            parts = [params[name] for name in hf_key_to_params(key)]
+            shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+            if key.endswith(("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight", "layernorm.weight")):
+                value = torch.ones(shape)
+            elif key.endswith("bias"):
+                value = torch.randn(shape, generator=gen) * 0.02 if init_std is None else torch.zeros(shape)
             else:
-                std = p[0].numel() ** -0.5 if init_std is None else init_std
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+                std = math.prod(shape[1:]) ** -0.5 if init_std is None else init_std
+                value = torch.randn(shape, generator=gen) * std
+            for p, part in zip(parts, value.split([p.shape[0] for p in parts])):
+                p.copy_(part)
     return model
 
 
@@ -261,11 +288,15 @@ def save_pretrained(model: Qwen2_5_VL, path: str | os.PathLike, max_shard_bytes:
     gathered first, so every rank must call this; only rank 0 (or a
     non-distributed process) writes."""
     path = Path(path)
-    tensors = {}
+    ours = {}
     for name, p in model.state_dict().items():
         if hasattr(p, "full_tensor"):  # DTensor: gather the full parameter
             p = p.full_tensor()
-        tensors[param_to_hf_key(name)] = p.detach().to("cpu").contiguous()
+        ours[name] = p.detach().to("cpu").contiguous()
+    tensors = {}
+    for key in {param_to_hf_key(name) for name in ours}:
+        parts = [ours.pop(name) for name in hf_key_to_params(key)]
+        tensors[key] = torch.cat(parts) if len(parts) > 1 else parts[0]
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
     path.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ loader maps both naming styles.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.nn as nn
@@ -135,16 +135,21 @@ class PatchEmbed(nn.Module):
 
 
 class VisionAttention(nn.Module):
+    """The hub checkpoint fuses q, k and v into one `qkv` Linear; here they are three,
+    so that tensor parallelism can split each by heads (the loader splits and re-fuses)."""
+
     def __init__(self, args: VisionArgs):
         super().__init__()
         self.head_dim = args.hidden_size // args.num_heads
-        self.qkv = nn.Linear(args.hidden_size, 3 * args.hidden_size, bias=True)
+        self.q = nn.Linear(args.hidden_size, args.hidden_size, bias=True)
+        self.k = nn.Linear(args.hidden_size, args.hidden_size, bias=True)
+        self.v = nn.Linear(args.hidden_size, args.hidden_size, bias=True)
         self.proj = nn.Linear(args.hidden_size, args.hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
                 max_seqlen: int, backend: str) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv(x).view(T, 3, -1, self.head_dim).unbind(1)
+        q, k, v = (proj(x).view(T, -1, self.head_dim) for proj in (self.q, self.k, self.v))
         # Vision rotary is applied in float32 (as the reference does), then cast back.
         q = apply_rotary(q.float(), cos, sin).to(v.dtype)
         k = apply_rotary(k.float(), cos, sin).to(v.dtype)
@@ -295,10 +300,20 @@ class LanguageModel(nn.Module):
         self.rotary = MRotaryEmbedding(args.head_dim, args.rope_theta, args.mrope_section)
 
     def forward(self, h: torch.Tensor, position_ids: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        for h in self.layer_by_layer(h, position_ids, attn):
+            pass
+        return h
+
+    def layer_by_layer(self, h: torch.Tensor, position_ids: torch.Tensor,
+                       attn: AttentionBackend) -> Iterator[torch.Tensor]:
+        """The forward one decoder layer at a time: yields the hidden state after
+        each layer, then the final normed state. The prefix scheduler
+        (rollplex.rl.prefix) advances it between two decode steps of the engine."""
         cos, sin = self.rotary(position_ids, h.dtype)
         for layer in self.layers:
             h = layer(h, cos, sin, attn)
-        return self.norm(h)
+            yield h
+        yield self.norm(h)
 
 
 # ----------------------------------------------------------------------------- the whole model

@@ -11,8 +11,16 @@ over the vocabulary), the LM head column-parallel over the vocabulary with its
 logits gathered. Model code is unchanged: it reshapes with the local head count
 (`view(T, -1, head_dim)`).
 
-The vision tower stays replicated across TP ranks: its fused qkv projection does
-not split by heads without reordering, and it is small next to the decoder.
+Each vision block is split the same way: attn.q/k/v and mlp gate/up
+column-parallel, attn.proj and mlp down_proj row-parallel (the model keeps q,
+k and v as three Linears for this; the loader splits the hub's fused qkv). The
+patch merger's MLP is column- then row-parallel too: its first matrix,
+(hidden * merge^2)^2, is the largest of the tower, and the split costs one
+all-reduce over the merged tokens, a quarter of the patches. The patch
+embedding stays replicated: it is small, and every rank's first block needs
+its whole output. When the TP size does not divide the vision head count or
+MLP width (the 3B and 7B towers' width 3420 at tp=8), the tower stays
+replicated, as small next to the decoder, and the language model is still split.
 With tied embeddings the embedding stays replicated too, since the head reads
 the same weight.
 """
@@ -39,9 +47,29 @@ def check_tp(model: Qwen2_5_VL, tp: int) -> None:
             raise ValueError(f"tensor parallel size {tp} does not divide the model's {name} ({value})")
 
 
+def vision_splits(model: Qwen2_5_VL, tp: int) -> bool:
+    """Whether the vision tower can be split `tp` ways (else it stays replicated)."""
+    v = model.args.vision
+    return v.num_heads % tp == 0 and v.intermediate_size % tp == 0
+
+
 def apply_tp(model: Qwen2_5_VL, tp_mesh: DeviceMesh) -> Qwen2_5_VL:
-    """Shard the language model over `tp_mesh` in place (parameters become DTensors)."""
+    """Shard the language model and, when it divides, the vision tower (but its
+    patch embedding) over `tp_mesh` in place (parameters become DTensors)."""
     check_tp(model, tp_mesh.size())
+    vision_block_plan = {
+        "attn.q": ColwiseParallel(),
+        "attn.k": ColwiseParallel(),
+        "attn.v": ColwiseParallel(),
+        "attn.proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    if vision_splits(model, tp_mesh.size()):
+        for block in model.visual.blocks:
+            parallelize_module(block, tp_mesh, vision_block_plan)
+        parallelize_module(model.visual.merger, tp_mesh, {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
     layer_plan = {
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
@@ -60,7 +88,6 @@ def apply_tp(model: Qwen2_5_VL, tp_mesh: DeviceMesh) -> Qwen2_5_VL:
     return model
 
 
-
 def apply_fsdp(model: Qwen2_5_VL, dp_mesh: DeviceMesh, mixed_precision: bool) -> Qwen2_5_VL:
     """FSDP2: every vision block and decoder layer is its own shard unit (gathered
     just before it runs, freed after), the rest of the model the root unit.
@@ -73,7 +100,7 @@ def apply_fsdp(model: Qwen2_5_VL, dp_mesh: DeviceMesh, mixed_precision: bool) ->
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
     # The model is also entered through these methods; each must gather the root's parameters.
-    for method in ("forward_packed", "encode_vision", "logits", "hf_forward"):
+    for method in ("forward_packed", "forward_generated", "encode_vision", "logits", "hf_forward"):
         register_fsdp_forward_method(model, method)
     return model
 
