@@ -210,6 +210,11 @@ class RolloutConfig(_Section):
     """Top-k sampling; -1 = off."""
     max_tokens: int = 16
     """Maximum new tokens per response."""
+    min_tokens: int = 0
+    """0 = every prompt's limit is max_tokens; else each prompt's limit is drawn in [min_tokens, max_tokens] from
+    its seed (with ignore_eos: a spread of response lengths, for benchmarks)."""
+    ignore_eos: bool = False
+    """Generate to the limit even after an end-of-sequence token (benchmarks)."""
     tp: int = 1
     """Tensor-parallel degree of the rollout engine."""
     block_size: int = 16
@@ -227,6 +232,7 @@ class RolloutConfig(_Section):
         self._require(0 < self.top_p <= 1, "top_p", "in (0, 1]")
         self._require(self.top_k == -1 or self.top_k >= 1, "top_k", "-1 or >= 1")
         self._require(self.max_tokens >= 1, "max_tokens", ">= 1")
+        self._require(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "in [0, max_tokens]")
         self._require(self.tp >= 1, "tp", ">= 1")
         self._require(self.block_size >= 1, "block_size", ">= 1")
         self._require(self.kv_cache_memory > 0, "kv_cache_memory", "> 0")
@@ -281,6 +287,10 @@ class DataConfig(_Section):
 
     task: str = "color"
     """Built-in synthetic task, used when train_files is empty."""
+    image_size: int = 56
+    """Synthetic tasks: side of the image (color) or of each video frame (direction), in pixels."""
+    num_frames: int = 4
+    """Synthetic direction task: video frames per prompt."""
     train_files: list[str] = field(default_factory=list)
     """Training files (jsonl/parquet); empty = use data.task."""
     val_files: list[str] = field(default_factory=list)
@@ -368,13 +378,16 @@ class ScheduleConfig(_Section):
     _section: ClassVar[str] = "schedule"
 
     kind: Literal["serial", "overlap", "disagg"] = "serial"
-    """serial = generate then train; overlap = pipeline the two; disagg = separate rollout ranks."""
+    """serial = generate, then the training passes; overlap = prompt work in the decode window (side stream);
+    disagg = separate rollout ranks."""
     share_prefix: bool = True
-    """Compute the shared prompt prefix (image + prompt) once per group."""
+    """Prompt work (vision, reference/actor prompt forwards) once per prompt, not per sample (serial only:
+    false is the plain colocated baseline; overlap always shares)."""
     rollout_ranks: int = 0
     """Ranks dedicated to rollout (disagg only)."""
     prefix_memory_budget: float = 0.0
-    """Memory for cached prefix hidden states: fraction if <= 1, else bytes; 0 = automatic."""
+    """Memory for kept prompt state (K/V, graphs): bytes if > 1, else a fraction of the free memory left beside the
+    KV pool; 0 = automatic (half of it on CUDA, unlimited on CPU). Work that does not fit runs the serial path."""
 
     def _check_ranges(self) -> None:
         self._require(self.rollout_ranks >= 0, "rollout_ranks", ">= 0")

@@ -60,3 +60,41 @@ def test_shared_prefix_computes_the_prompt_once(model):
     assert shared.packed.input_ids.numel() == prompt_tokens + response_tokens
     assert plain.packed.input_ids.numel() > shared.packed.input_ids.numel()
     assert shared.packed.pixel_values.shape[0] * 3 == plain.packed.pixel_values.shape[0]  # 3 samples, 1 image
+
+
+def kept_loss_and_grads(model):
+    """The same loss with the prompts computed first (graph kept) and the
+    responses in a later suffix-only pass, split over two micro-batches."""
+    from rollplex.train.actor import token_logprobs
+    from rollplex.train.kept_prefix import SuffixUnit, run_prompt_forward, suffix_hidden
+
+    model.zero_grad()
+    gs = groups()
+    kept = run_prompt_forward(model, [g.prompt for g in gs]).boundary()
+    weights = torch.linspace(-1.0, 1.0, sum(len(r) for g in gs for r in g.responses))
+    micro_batches = [[SuffixUnit(0, gs[0]), SuffixUnit(2, GroupInputs(gs[2].prompt, gs[2].responses[:2]))],
+                     [SuffixUnit(1, gs[1]), SuffixUnit(2, GroupInputs(gs[2].prompt, gs[2].responses[2:]))]]
+    response_ids = [[0, 1, 2, 5, 6], [3, 4, 7, 8]]  # each micro-batch's responses, in the groups' order
+    lens = [len(r) for g in gs for r in g.responses]
+    per_response_weights = weights.split(lens)
+    lps, loss = [None] * len(lens), 0.0
+    for units, ids in zip(micro_batches, response_ids):
+        targets = torch.tensor([t for u in units for r in u.group.responses for t in r])
+        lp, entropy = token_logprobs(model, suffix_hidden(model, kept, units), targets, with_entropy=True)
+        for i, piece in zip(ids, lp.split([lens[i] for i in ids])):
+            lps[i] = piece
+        mb_loss = (lp * torch.cat([per_response_weights[i] for i in ids])).sum() + 0.1 * entropy.sum()
+        mb_loss.backward()
+        loss += mb_loss.detach()
+    kept.backward_into_prompt()
+    return torch.cat(lps).detach(), loss, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_kept_prompt_then_suffix_passes_equal_the_shared_forward(model):
+    lp_shared, loss_shared, grads_shared = loss_and_grads(model, share_prefix=True)
+    lp_kept, loss_kept, grads_kept = kept_loss_and_grads(model)
+    assert torch.allclose(lp_kept, lp_shared, atol=1e-6)
+    assert abs(loss_kept - loss_shared) <= 1e-5 * abs(loss_shared)
+    for name, g in grads_shared.items():
+        err = (grads_kept[name] - g).norm() / g.norm().clamp_min(1e-12)
+        assert err <= 1e-5, f"{name}: relative gradient error {err:.2e}"

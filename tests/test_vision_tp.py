@@ -2,7 +2,6 @@
 and fused again at save, and tp=2 (gloo, 2 processes) gives tp=1's vision
 features, logits and gradients."""
 
-import pytest
 import torch
 from safetensors.torch import load_file
 

@@ -15,6 +15,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -82,7 +83,11 @@ class Engine:
 
     # ------------------------------------------------------------------ generate
 
-    def generate(self, requests: list[Request], params: SamplingParams | None = None) -> list[RequestOutput]:
+    def generate(self, requests: list[Request], params: SamplingParams | None = None,
+                 between_steps: Callable[[int], None] | None = None) -> list[RequestOutput]:
+        """Sample every request's n responses. `between_steps(running)`, when
+        given, is called after each engine step with the number of sequences
+        still decoding: the RL loop's prefix scheduler runs its work there."""
         params = params or SamplingParams()
         prompts = [self._prepare(i, r, params) for i, r in enumerate(requests)]
         self.cache.allocate()
@@ -114,6 +119,8 @@ class Engine:
                     scheduler.finish(s)
             samples_done += len(finished)
             progress.update(samples_done, self.stats["decode_tokens"])
+            if between_steps is not None and scheduler.has_work():
+                between_steps(len(scheduler.running))
         progress.close()
         self.stats["preemptions"] = scheduler.num_preemptions
         assert blocks.num_free == self.cache.num_blocks, "KV blocks leaked"
@@ -139,7 +146,9 @@ class Engine:
                                          _on(r.video_grid_thw, self.device), r.second_per_grid_ts)
         except ValueError as e:
             raise ValueError(f"request {index}: {e}") from None
-        longest = min(len(r.prompt_ids) + params.max_tokens, self.max_model_len)
+        if r.max_tokens is not None and r.max_tokens < 1:
+            raise ValueError(f"request {index}: max_tokens must be >= 1, got {r.max_tokens}")
+        longest = min(len(r.prompt_ids) + (r.max_tokens or params.max_tokens), self.max_model_len)
         needed = -(-longest // self.cache.block_size)
         if needed > self.cache.num_blocks:
             raise ValueError(f"the KV pool ({self.cache.num_blocks} blocks of {self.cache.block_size} tokens) cannot "
@@ -150,7 +159,7 @@ class Engine:
         else:
             base = params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
             seeds = [mix_seed(base, index, j) for j in range(r.n)]
-        return PromptState(index, r, positions, delta, seeds, samples=[None] * r.n)
+        return PromptState(index, r, positions, delta, seeds, vision=r.vision, samples=[None] * r.n)
 
     def _after_prefill(self, seqs, logits, blocks, scheduler, params, stop_ids) -> list[Sequence]:
         """Sample the next token of every prefilled sequence. A group's prompt
@@ -196,7 +205,8 @@ class Engine:
         seq.logprobs.append(logprob)
         if token in stop_ids:
             reason = "stop"
-        elif seq.num_generated >= params.max_tokens or len(seq) >= self.max_model_len:
+        elif seq.num_generated >= (seq.prompt.request.max_tokens or params.max_tokens) or \
+                len(seq) >= self.max_model_len:
             reason = "length"
         else:
             return False

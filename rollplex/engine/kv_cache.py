@@ -52,6 +52,12 @@ class KVCache:
     def nbytes(self) -> int:
         return 0 if self.data is None else self.data.numel() * self.data.element_size()
 
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the pool once allocated (sink block included)."""
+        return (self.num_blocks + 1) * self.bytes_per_block(self.num_layers, self.block_size, self.kv_heads,
+                                                            self.head_dim, self.dtype)
+
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of layer i, each (blocks + 1, block_size, kv_heads, head_dim)."""
         assert self.data is not None, "the KV pool was released"

@@ -27,6 +27,8 @@ class Request:
     second_per_grid_ts: torch.Tensor | None = None
     n: int = 1
     seed: int | None = None  # this request's own sampling seed; default: from SamplingParams.seed and its index
+    vision: VisionEmbeds | None = None  # the prompt's vision features when already encoded (on these weights)
+    max_tokens: int | None = None  # this request's generation limit; default: SamplingParams.max_tokens
 
 
 @dataclass

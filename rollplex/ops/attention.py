@@ -216,18 +216,63 @@ class SharedPrefixAttention:
         for g in self.groups:
             p0, p1 = g.start, g.start + g.prompt_len
             parts.append(attention_with_lse(q[p0:p1], k[p0:p1], v[p0:p1], causal=True)[0])
-            resp_q = q[p1:g.end]
-            prefix_out, prefix_lse = attention_with_lse(resp_q, k[p0:p1], v[p0:p1], causal=False)
-            own_out, own_lse = [], []
-            offset = p1
-            for n in g.response_lens:
-                o, lse = attention_with_lse(q[offset:offset + n], k[offset:offset + n], v[offset:offset + n],
-                                            causal=True)
-                own_out.append(o)
-                own_lse.append(lse)
-                offset += n
-            parts.append(merge_attention(prefix_out, prefix_lse, torch.cat(own_out), torch.cat(own_lse, dim=1)))
+            parts.append(responses_over_prefix(q[p1:g.end], k[p1:g.end], v[p1:g.end], k[p0:p1], v[p0:p1],
+                                               g.response_lens))
         return torch.cat(parts)
+
+
+@dataclass(frozen=True)
+class SuffixGroup:
+    """Responses of one group in a suffix-only batch, and where their prompt's
+    kept K/V rows are: prompt rows [prompt_start, prompt_start + prompt_len) of
+    the kept tensors, response tokens from `start` in the batch."""
+
+    prompt_start: int
+    prompt_len: int
+    start: int
+    response_lens: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        return self.start + sum(self.response_lens)
+
+
+@dataclass
+class KeptPrefixAttention:
+    """Suffix-only passes: the batch holds response tokens only; their prompts
+    were computed earlier and left their per-layer K/V (`keys[layer]`,
+    `values[layer]`, rotary applied). Same math as SharedPrefixAttention's
+    response part, so the two paths agree; gradients flow into the kept K/V."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    groups: list[SuffixGroup]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kept_k, kept_v = self.keys[layer], self.values[layer]
+        parts = []
+        for g in self.groups:
+            p0, p1 = g.prompt_start, g.prompt_start + g.prompt_len
+            parts.append(responses_over_prefix(q[g.start:g.end], k[g.start:g.end], v[g.start:g.end],
+                                               kept_k[p0:p1], kept_v[p0:p1], g.response_lens))
+        return torch.cat(parts)
+
+
+def responses_over_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor,
+                          prefix_v: torch.Tensor, response_lens: tuple[int, ...]) -> torch.Tensor:
+    """Attention of a group's responses (packed back to back in q/k/v) over their
+    shared prefix plus, causally, their own tokens: one non-causal call of all
+    response queries over the prefix, one causal call per response, merged by
+    log-sum-exp."""
+    prefix_out, prefix_lse = attention_with_lse(q, prefix_k, prefix_v, causal=False)
+    own_out, own_lse = [], []
+    offset = 0
+    for n in response_lens:
+        o, lse = attention_with_lse(q[offset:offset + n], k[offset:offset + n], v[offset:offset + n], causal=True)
+        own_out.append(o)
+        own_lse.append(lse)
+        offset += n
+    return merge_attention(prefix_out, prefix_lse, torch.cat(own_out), torch.cat(own_lse, dim=1))
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -4,10 +4,18 @@ One step, with each phase a named method (the overlap schedule will rearrange
 them, not rewrite them):
 
     rollout  -> the engine samples n responses per prompt on the trainer's own weights
+                (overlap: prompt work runs in its decode window, rollplex.rl.prefix)
+    prefix   -> serial with share_prefix: the same prompt work, after rollout
     reward   -> score each response against the prompt's answer
     advantage-> group-normalised (GRPO) or mean-centred (Dr.GRPO)
     logprobs -> reference model (when kl_coef > 0), old policy (when recomputed)
     update   -> `updates_per_batch` optimizer steps on mini-batches of the groups
+
+Three schedules, the same samples and updates: serial with share_prefix false
+(every pass recomputes the vision tower and the whole sequence per sample, as
+a plain colocated trainer does), serial with share_prefix (prompt work once
+per prompt, then suffix-only passes), overlap (that prompt work hidden in the
+decode window).
 
 Every dp rank rolls out and trains on its own share of the prompts; all n samples
 of a prompt stay on one rank, so advantages need no communication. Sampling
@@ -34,7 +42,9 @@ from rollplex.engine.engine import mix_seed
 from rollplex.metrics import GpuSampler, MetricsLogger, Timer
 from rollplex.models import SequenceInputs, from_pretrained
 from rollplex.models.packing import GroupInputs
+from rollplex.models.qwen2_5_vl import VisionEmbeds
 from rollplex.models.tiny import TinySpec, default_mrope_section, make_tiny_checkpoint
+from rollplex.rl.prefix import PrefixScheduler, PrefixWork, prefix_work_bytes
 from rollplex.rl.weights import SharedWeights
 from rollplex.train.actor import Actor, ActorConfig, PolicyBatch, lr_schedule
 from rollplex.train.checkpoint import (
@@ -58,6 +68,7 @@ class Rollout:
     texts: list[str]
     logprobs: list[torch.Tensor]
     finish_reasons: list[str]
+    prefix: PrefixScheduler | None = None  # the step's prompt work (all schedules but serial without share_prefix)
 
 
 class RLTrainer:
@@ -141,7 +152,9 @@ class RLTrainer:
             self.train_data = PromptDataset(d.train_files, **kw)
             self.val_examples = list(PromptDataset(d.val_files, **kw)) if d.val_files else []
         else:
-            self.task = make_task(d.task)
+            options = {"color": dict(image_size=d.image_size),
+                       "direction": dict(num_frames=d.num_frames, frame_size=d.image_size)}.get(d.task, {})
+            self.task = make_task(d.task, **options)
             self.train_data = None
             self.val_examples = validation_examples(self.task, self.processor, d.val_size, d.seed)
 
@@ -190,7 +203,11 @@ class RLTrainer:
         start = time.perf_counter()
         mine = balanced_share(examples, self.dims.dp_shard, self.dp_rank)
         with self._phase(timer, "gen"):
-            rollout = self.rollout(mine, self.step)
+            rollout = self.rollout(mine, self.step, prefix_work=self.uses_prefix_work)
+        prefix = rollout.prefix
+        if prefix is not None and cfg.schedule.kind == "serial":
+            with self._phase(timer, "prefix"), self.weights.for_rollout():
+                prefix.drain()
         with self._phase(timer, "reward"):
             rewards, errors = score_all(self.reward_fn, rollout.texts,
                                         [e.answer for e in rollout.examples for _ in range(cfg.rollout.n)])
@@ -201,16 +218,20 @@ class RLTrainer:
         old = rollout.logprobs
         if cfg.algorithm.recompute_old_logprobs:
             with self._phase(timer, "old_log_prob"):
-                old = self.actor.logprobs(self.model, rollout.groups)
+                old = self._chunked_logprobs(self.model, rollout, ("actor", "old"))
         ref = None
         if self.ref_model is not None:
             with self._phase(timer, "ref"):
-                ref = self.actor.logprobs(self.ref_model, rollout.groups)
+                ref = self._chunked_logprobs(self.ref_model, rollout, ("ref",))
         with self._phase(timer, "update_actor"):
             actor_metrics = self.update(rollout, advantages.tolist(), old, ref)
         metrics = self._gather_metrics(rollout, rewards, errors, actor_metrics)
         metrics.update(timer.as_metrics())
         metrics.update(self.weights.report.as_metrics())
+        if prefix is not None:
+            metrics.update(prefix.timing.as_metrics())
+            metrics["prefix/deferred_items"] = len(prefix.deferred)
+            metrics["prefix/planned_bytes"] = prefix.planned_bytes
         metrics["timing_s/step"] = time.perf_counter() - start
         tokens = self._sum([sum(len(g.prompt.input_ids) * len(g.responses) + sum(map(len, g.responses))
                                 for g in rollout.groups)])[0]
@@ -224,6 +245,27 @@ class RLTrainer:
                     metrics["timing_s/update_actor"] * peak * self.world)
         return metrics
 
+    @property
+    def uses_prefix_work(self) -> bool:
+        s = self.cfg.schedule
+        return s.kind == "overlap" or (s.kind == "serial" and s.share_prefix)
+
+    def chunks(self, n_groups: int) -> list[slice]:
+        """The groups of each optimizer step of the batch (contiguous, as even as possible)."""
+        k = self.cfg.algorithm.updates_per_batch
+        return [slice(i * n_groups // k, (i + 1) * n_groups // k) for i in range(k)]
+
+    def _chunked_logprobs(self, model, rollout: Rollout, kinds: tuple[str, ...]) -> list[torch.Tensor]:
+        """Logprobs of every response, chunk by chunk: suffix-only passes where a
+        prefix item of one of `kinds` kept the chunk's prompts, full passes otherwise."""
+        out = []
+        for c, chunk in enumerate(self.chunks(len(rollout.groups))):
+            kept = None
+            if rollout.prefix is not None:
+                kept = next((k for k in (rollout.prefix.result(kind, c) for kind in kinds) if k is not None), None)
+            out += self.actor.logprobs(model, rollout.groups[chunk], kept)
+        return out
+
     @contextmanager
     def _phase(self, timer: Timer, name: str):
         """Time a phase; on CUDA also record its peak allocated memory."""
@@ -236,43 +278,103 @@ class RLTrainer:
             self.phase_memory[f"perf/max_memory_allocated_gb/{name}"] = \
                 torch.cuda.max_memory_allocated(self.device) / 2**30
 
-    def rollout(self, examples: list, step: int) -> Rollout:
+    def rollout(self, examples: list, step: int, prefix_work: bool = False) -> Rollout:
+        """Sample n responses per prompt. With `prefix_work`, the vision tower
+        runs once per prompt first (the engine's prefill reads it) and the step's
+        prompt work is planned; the overlap schedule runs it between decode steps."""
         cfg = self.cfg
-        requests = [Request(e.prompt.input_ids.tolist(), e.prompt.pixel_values, e.prompt.image_grid_thw,
-                            e.prompt.pixel_values_videos, e.prompt.video_grid_thw, e.prompt.second_per_grid_ts,
-                            n=cfg.rollout.n, seed=mix_seed(cfg.trainer.seed, step, e.index)) for e in examples]
-        params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_tokens)
+        prompts = [SequenceInputs(e.prompt.input_ids, None, e.prompt.pixel_values, e.prompt.image_grid_thw,
+                                  e.prompt.pixel_values_videos, e.prompt.video_grid_thw, e.prompt.second_per_grid_ts)
+                   for e in examples]
+        r = cfg.rollout
+        params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens,
+                                ignore_eos=r.ignore_eos)
+        seeds = [mix_seed(cfg.trainer.seed, step, e.index) for e in examples]
+        # With min_tokens, each prompt's own limit, drawn from its seed (the same on any rank and schedule).
+        limits = [r.min_tokens + s % (r.max_tokens - r.min_tokens + 1) if r.min_tokens else None for s in seeds]
         self.model.eval()
+        prefix = None
         with self.weights.for_rollout():
-            outputs = self.engine.generate(requests, params)
+            vision = [self._encode(p) for p in prompts] if prefix_work else [None] * len(prompts)
+            requests = [Request(e.prompt.input_ids.tolist(), e.prompt.pixel_values, e.prompt.image_grid_thw,
+                                e.prompt.pixel_values_videos, e.prompt.video_grid_thw, e.prompt.second_per_grid_ts,
+                                n=r.n, seed=seed, vision=v, max_tokens=limit)
+                       for e, v, seed, limit in zip(examples, vision, seeds, limits)]
+            if prefix_work:
+                prefix = PrefixScheduler(self._prefix_work(prompts, vision), self._prefix_budget(), self.device)
+            overlap = prefix is not None and cfg.schedule.kind == "overlap"
+            outputs = self.engine.generate(requests, params, prefix.between_steps if overlap else None)
+            if overlap:
+                prefix.drain()  # what the decode window did not hide, while the weights are still gathered
         self.engine.release_kv()  # the KV pool lives only during rollout
         groups, texts, logprobs, reasons = [], [], [], []
-        for e, out in zip(examples, outputs):
-            p = e.prompt
-            prompt = SequenceInputs(p.input_ids, None, p.pixel_values, p.image_grid_thw, p.pixel_values_videos,
-                                    p.video_grid_thw, p.second_per_grid_ts)
+        for prompt, out in zip(prompts, outputs):
             groups.append(GroupInputs(prompt, [s.token_ids for s in out.samples]))
             for s in out.samples:
                 texts.append(self.tokenizer.decode(s.token_ids, skip_special_tokens=True))
                 logprobs.append(torch.tensor(s.logprobs))
                 reasons.append(s.finish_reason)
-        return Rollout(examples, groups, texts, logprobs, reasons)
+        return Rollout(examples, groups, texts, logprobs, reasons, prefix)
+
+    @torch.no_grad()
+    def _encode(self, prompt: SequenceInputs) -> VisionEmbeds | None:
+        if prompt.pixel_values is None and prompt.pixel_values_videos is None:
+            return None
+        dev = self.device
+        return self.model.encode_vision(*(t.to(dev) if t is not None else None for t in (
+            prompt.pixel_values, prompt.image_grid_thw, prompt.pixel_values_videos, prompt.video_grid_thw)))
+
+    def _prefix_work(self, prompts: list[SequenceInputs], vision: list[VisionEmbeds | None]) -> list[PrefixWork]:
+        """The step's prompt work, per chunk (see rollplex.rl.prefix). The rollout's
+        vision features serve every item whose tower is the rollout's without
+        needing a gradient: the old policy always, the reference model and the
+        actor when the tower is frozen (the reference starts from the same one)."""
+        cfg = self.cfg
+        frozen = cfg.parallel.freeze_vision
+        dtype, tp = getattr(torch, cfg.model.dtype), cfg.parallel.tp
+        items = []
+        for c, chunk in enumerate(self.chunks(len(prompts))):
+            if chunk.start == chunk.stop:
+                continue
+            ps = prompts[chunk]
+            cached = _cat_vision(vision[chunk])
+            lens = [len(p.input_ids) for p in ps]
+
+            def item(kind, model, keep_graph, reuse_vision):
+                return PrefixWork(kind, c, model, ps, cached if reuse_vision else None, keep_graph,
+                                  prefix_work_bytes(self.model.args, lens, keep_graph, dtype, tp))
+
+            if self.ref_model is not None:
+                items.append(item("ref", self.ref_model, False, frozen))
+            if c == 0:
+                items.append(item("actor", self.model, True, frozen))
+            elif cfg.algorithm.recompute_old_logprobs:
+                items.append(item("old", self.model, False, True))
+        return items
+
+    def _prefix_budget(self) -> int | None:
+        value = self.cfg.schedule.prefix_memory_budget
+        if value > 1:
+            return int(value)
+        if self.device.type != "cuda":
+            return int(value * _free_memory_cpu()) if value else None
+        free = torch.cuda.mem_get_info(self.device)[0] - self.engine.cache.pool_bytes
+        return int((value or 0.5) * max(free, 0))
 
     def update(self, rollout: Rollout, advantages: list[float], old: list[torch.Tensor],
                ref: list[torch.Tensor] | None) -> dict[str, float]:
-        """`updates_per_batch` optimizer steps, each on a contiguous share of the groups."""
+        """`updates_per_batch` optimizer steps, each on a chunk of the groups; the
+        first reads the actor's kept prompt forward when prefix work made one."""
         k = self.cfg.algorithm.updates_per_batch
-        n_groups = len(rollout.groups)
         sums: dict[str, float] = {}
         first = 0
-        for i in range(k):
-            lo, hi = i * n_groups // k, (i + 1) * n_groups // k
-            count = sum(len(g.responses) for g in rollout.groups[lo:hi])
+        for i, chunk in enumerate(self.chunks(len(rollout.groups))):
+            count = sum(len(g.responses) for g in rollout.groups[chunk])
             sl = slice(first, first + count)
             first += count
-            metrics = self.actor.update(PolicyBatch(rollout.groups[lo:hi], advantages[sl], old[sl],
-                                                    ref[sl] if ref else None, rollout.logprobs[sl]))
+            kept = rollout.prefix.result("actor", i) if rollout.prefix is not None else None
+            metrics = self.actor.update(PolicyBatch(rollout.groups[chunk], advantages[sl], old[sl],
+                                                    ref[sl] if ref else None, rollout.logprobs[sl], kept))
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value / k
         return sums
@@ -357,3 +459,19 @@ def balanced_share(examples: list, ranks: int, rank: int) -> list:
         load[r] += len(examples[i].prompt.input_ids)
         count[r] += 1
     return [e for i, e in enumerate(examples) if owner[i] == rank]
+
+
+def _cat_vision(parts: list[VisionEmbeds | None]) -> VisionEmbeds | None:
+    """One chunk's vision features, prompt after prompt (the order of its pad tokens)."""
+    present = [p for p in parts if p is not None]
+    if not present:
+        return None
+    images = [p.image for p in present if p.image is not None]
+    videos = [p.video for p in present if p.video is not None]
+    return VisionEmbeds(torch.cat(images) if images else None, torch.cat(videos) if videos else None)
+
+
+def _free_memory_cpu() -> int:
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

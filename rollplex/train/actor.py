@@ -15,10 +15,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from rollplex.models.packing import GroupInputs, TrainBatch, pack_groups
 from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds
-from rollplex.train.flops import forward_flops
+from rollplex.train.flops import forward_flops, suffix_flops
+from rollplex.train.kept_prefix import KeptPrefix, SuffixUnit, suffix_hidden
 from rollplex.train.loss import agg_loss, entropy_from_logits, kl_penalty, policy_loss
 
 
@@ -28,8 +30,14 @@ def response_logprobs(model: Qwen2_5_VL, batch: TrainBatch, vision: VisionEmbeds
     order, and optionally the entropy of each predicting distribution. Logits
     are computed only at the positions that predict a response token."""
     hidden = model.forward_packed(batch.packed, vision)
-    logits = model.logits(hidden[batch.target_index]).float()
-    logprobs = torch.log_softmax(logits, dim=-1).gather(1, batch.target_ids[:, None])[:, 0]
+    return token_logprobs(model, hidden[batch.target_index], batch.target_ids, with_entropy)
+
+
+def token_logprobs(model: Qwen2_5_VL, hidden: torch.Tensor, targets: torch.Tensor,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprob (float32) of `targets[i]` under the logits of `hidden[i]`, and optionally the entropy."""
+    logits = model.logits(hidden).float()
+    logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
     return logprobs, entropy_from_logits(logits) if with_entropy else None
 
 
@@ -42,6 +50,7 @@ class PolicyBatch:
     old_logprobs: list[torch.Tensor]
     ref_logprobs: list[torch.Tensor] | None = None
     rollout_logprobs: list[torch.Tensor] | None = None
+    kept: KeptPrefix | None = None  # the groups' prompts, computed earlier with their graph (KeptPrefix.boundary)
 
 
 @dataclass
@@ -69,6 +78,7 @@ class _Unit:
 
     group: GroupInputs
     first: int  # index of its first response in the batch's response order
+    index: int  # index of its group in the batch
 
     @property
     def tokens(self) -> int:
@@ -95,8 +105,8 @@ class Actor:
     def micro_batches(self, groups: list[GroupInputs]) -> list[list[_Unit]]:
         budget = self.config.max_tokens_per_micro_batch
         units, first = [], 0
-        for g in groups:
-            units += self._split_group(g, first, budget)
+        for index, g in enumerate(groups):
+            units += self._split_group(g, first, index, budget)
             first += len(g.responses)
         batches: list[list[_Unit]] = []
         tokens = budget + 1
@@ -108,7 +118,7 @@ class Actor:
             tokens += u.tokens
         return self._same_count_on_all_ranks(batches)
 
-    def _split_group(self, g: GroupInputs, first: int, budget: int) -> list[_Unit]:
+    def _split_group(self, g: GroupInputs, first: int, index: int, budget: int) -> list[_Unit]:
         prompt = len(g.prompt.input_ids)
         per_sample = not self.config.share_prefix
         units, current, tokens = [], [], prompt
@@ -118,12 +128,12 @@ class Actor:
                 raise ValueError(f"max_tokens_per_micro_batch={budget} is smaller than one sequence: prompt "
                                  f"{prompt} + response {len(r)} = {prompt + len(r)} tokens")
             if current and tokens + need > budget:
-                units.append(_Unit(GroupInputs(g.prompt, current), first))
+                units.append(_Unit(GroupInputs(g.prompt, current), first, index))
                 first += len(current)
                 current, tokens = [], prompt
             current.append(r)
             tokens += need
-        units.append(_Unit(GroupInputs(g.prompt, current), first))
+        units.append(_Unit(GroupInputs(g.prompt, current), first, index))
         return units
 
     def _same_count_on_all_ranks(self, batches: list[list[_Unit]]) -> list[list[_Unit]]:
@@ -145,18 +155,34 @@ class Actor:
     # ------------------------------------------------------------------ passes
 
     @torch.no_grad()
-    def logprobs(self, model: Qwen2_5_VL, groups: list[GroupInputs]) -> list[torch.Tensor]:
-        """Per-response logprobs under `model` (the actor, or the reference model)."""
+    def logprobs(self, model: Qwen2_5_VL, groups: list[GroupInputs],
+                 kept: KeptPrefix | None = None) -> list[torch.Tensor]:
+        """Per-response logprobs under `model` (the actor, or the reference model);
+        suffix-only passes when the groups' prompts were kept by `model`."""
         out: list[torch.Tensor | None] = [None] * sum(len(g.responses) for g in groups)
         for mb in self.micro_batches(groups):
             units = mb or self._fallback_units(groups)
-            batch = pack_groups(model.args, [u.group for u in units], self.config.share_prefix)
-            lp, _ = response_logprobs(model, _to(batch, model.device))
+            lp, _, lens, _ = self._pass(model, units, kept, with_entropy=False)
             if not mb:
                 continue
-            for i, piece in zip(_response_ids(units), lp.split(batch.response_lens)):
+            for i, piece in zip(_response_ids(units), lp.split(lens)):
                 out[i] = piece.float().cpu()
         return out
+
+    def _pass(self, model: Qwen2_5_VL, units: list[_Unit], kept: KeptPrefix | None,
+              with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None, list[int], float]:
+        """Logprobs (and entropy) of the units' response tokens, their response
+        lengths and the pass's forward FLOPs: a suffix-only pass over kept prompts,
+        or a packed pass that computes the prompts too."""
+        lens = [len(r) for u in units for r in u.group.responses]
+        if kept is not None:
+            hidden = suffix_hidden(model, kept, [SuffixUnit(u.index, u.group) for u in units])
+            targets = torch.tensor([t for u in units for r in u.group.responses for t in r], device=model.device)
+            flops = suffix_flops(model.args, [(kept.prompt_lens[u.index], [len(r) for r in u.group.responses])
+                                              for u in units])
+            return *token_logprobs(model, hidden, targets, with_entropy), lens, flops
+        batch = _to(pack_groups(model.args, [u.group for u in units], self.config.share_prefix), model.device)
+        return *response_logprobs(model, batch, with_entropy=with_entropy), lens, forward_flops(model.args, batch)
 
     def update(self, batch: PolicyBatch) -> dict[str, float]:
         """One optimizer step on the batch; returns verl-named metrics.
@@ -177,13 +203,12 @@ class Actor:
         for mb in self.micro_batches(batch.groups):
             units = mb or self._fallback_units(batch.groups)
             weight = 1.0 if mb else 0.0
-            packed = _to(pack_groups(self.model.args, [u.group for u in units], cfg.share_prefix), self.model.device)
             ids = _response_ids(units)
-            lp, entropy = response_logprobs(self.model, packed, with_entropy=cfg.entropy_coef > 0)
-            flops += 3 * forward_flops(self.model.args, packed)  # forward + backward (2x)
-            mask = _padded_mask(packed.response_lens, lp.device)
+            lp, entropy, lens, pass_flops = self._pass(self.model, units, batch.kept, cfg.entropy_coef > 0)
+            flops += 3 * pass_flops  # forward + backward (2x)
+            mask = _padded_mask(lens, lp.device)
             pad = lambda xs: _pad([xs[i] for i in ids], mask)  # noqa: E731
-            lp2d = _pad(list(lp.split(packed.response_lens)), mask)
+            lp2d = _pad(list(lp.split(lens)), mask)
             adv = torch.tensor([batch.advantages[i] for i in ids], device=lp.device)
             loss, m = policy_loss(lp2d, pad(batch.old_logprobs), adv, mask, cfg.clip_low, cfg.clip_high, cfg.clip_c,
                                   cfg.loss_agg_mode, **norm,
@@ -195,7 +220,7 @@ class Actor:
                 loss = loss + cfg.kl_coef * kl
                 sums["kl_loss"] += kl.item() * weight
             if entropy is not None:
-                ent = agg_loss(_pad(list(entropy.split(packed.response_lens)), mask), mask, cfg.loss_agg_mode, **norm)
+                ent = agg_loss(_pad(list(entropy.split(lens)), mask), mask, cfg.loss_agg_mode, **norm)
                 loss = loss - cfg.entropy_coef * ent
                 sums["entropy"] += ent.item() * weight
             share = mask.sum().item() / norm["global_tokens"] * weight
@@ -208,6 +233,14 @@ class Actor:
                 probs_diff_max = max(probs_diff_max, diff.max().item())
             # FSDP averages gradients over dp ranks; the losses are already globally normalised sums.
             (loss * weight * self.dp_size).backward()
+        if batch.kept is not None:
+            if isinstance(self.model, FSDPModule):
+                # The prompt forward read the root unit's parameters (embedding, final norm, vision merger)
+                # outside its FSDP hooks: gather them for the backward; FSDP's end-of-backward callback
+                # reduces their gradients and reshards them.
+                self.model.unshard()
+            batch.kept.backward_into_prompt()
+            flops += 2 * batch.kept.flops  # the prompt's backward
         grad_norm = self._clip_and_step()
         metrics = {f"actor/{k}": v for k, v in sums.items()}
         metrics["perf/actor_flops"] = flops
@@ -237,7 +270,7 @@ class Actor:
         return grad_norm
 
     def _fallback_units(self, groups: list[GroupInputs]) -> list[_Unit]:
-        return [_Unit(GroupInputs(groups[0].prompt, groups[0].responses[:1]), 0)]
+        return [_Unit(GroupInputs(groups[0].prompt, groups[0].responses[:1]), 0, 0)]
 
 
 class OptimizerOffload:

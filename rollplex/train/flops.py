@@ -11,7 +11,7 @@ frames give its pairs); the LM head counts only where logits are computed.
 
 from __future__ import annotations
 
-from rollplex.models.packing import TrainBatch
+from rollplex.models.packing import PackedBatch, TrainBatch
 from rollplex.models.qwen2_5_vl import ModelArgs
 
 # Dense bf16 peak per device (FLOP/s), for MFU. Unknown devices report no MFU.
@@ -42,12 +42,30 @@ def vision_linear_params(args: ModelArgs) -> int:
 
 def forward_flops(args: ModelArgs, batch: TrainBatch) -> float:
     """Forward matmul FLOPs of one pass over a packed training batch."""
-    t, v = args.text, args.vision
     p = batch.packed
-    tokens = p.input_ids.numel()
-    flops = 2 * lm_linear_params(args) * tokens + 2 * t.hidden_size * t.vocab_size * batch.target_ids.numel()
-    flops += 4 * t.head_dim * t.num_attention_heads * t.num_hidden_layers * _lm_pairs(batch)
-    for grid in (p.image_grid_thw, p.video_grid_thw):
+    return _flops(args, p.input_ids.numel(), batch.target_ids.numel(), _lm_pairs(batch),
+                  (p.image_grid_thw, p.video_grid_thw))
+
+
+def prompt_flops(args: ModelArgs, packed: PackedBatch, with_vision: bool) -> float:
+    """Forward FLOPs of a kept-prompt pass (causal prompts, no logits)."""
+    grids = (packed.image_grid_thw, packed.video_grid_thw) if with_vision else ()
+    return _flops(args, packed.input_ids.numel(), 0, sum(n * (n + 1) // 2 for n in packed.lengths), grids)
+
+
+def suffix_flops(args: ModelArgs, groups: list[tuple[int, list[int]]]) -> float:
+    """Forward FLOPs of a suffix-only pass: (prompt length, response lengths) per
+    group; each response token attends to its prompt and its own past."""
+    tokens = sum(sum(lens) for _, lens in groups)
+    pairs = sum(r * prompt + r * (r + 1) // 2 for prompt, lens in groups for r in lens)
+    return _flops(args, tokens, tokens, pairs, ())
+
+
+def _flops(args: ModelArgs, tokens: int, targets: int, pairs: int, grids) -> float:
+    t, v = args.text, args.vision
+    flops = 2 * lm_linear_params(args) * tokens + 2 * t.hidden_size * t.vocab_size * targets
+    flops += 4 * t.head_dim * t.num_attention_heads * t.num_hidden_layers * pairs
+    for grid in grids:
         if grid is None:
             continue
         patches = int(grid.prod(-1).sum())

@@ -1,0 +1,196 @@
+"""Prefix work: the response-independent part of a step's training passes,
+computed once per prompt, in the rollout's decode window.
+
+A step's prompts are cut into chunks (the mini-batches of its optimizer
+steps). Per chunk the work items are:
+  ref   - the reference model's prompt forward, K/V kept (no grad);
+  actor - the actor's prompt forward with its autograd graph kept, for the
+          chunk of the first optimizer step (later chunks train on weights that
+          do not exist yet during rollout, so they take the serial path);
+  old   - the actor's prompt forward without graph, for recomputed old
+          logprobs of later chunks (the first chunk's old logprobs read the
+          actor item's K/V: same weights, detached).
+Vision features are encoded once per prompt before rollout; the engine's
+prefill and every item whose tower weights equal the rollout's and needs no
+gradient into the tower read them (see RLTrainer._prefix_work).
+
+`PrefixScheduler` runs the items one slice (vision tower, embedding, one
+decoder layer, ...) at a time between the engine's steps, more slices per
+step as the decode batch shrinks in the long tail. On CUDA the slices run on a
+low-priority side stream, so the decode steps (CUDA graphs, main stream)
+keep the GPU first; events order the side stream after the main stream's
+inputs and the suffix passes after all prefix work. On CPU the same slices run
+inline between the steps. Items are admitted in order while their estimated
+state fits the byte budget; the rest are deferred to the serial path, which
+gives the same results.
+
+Every dp rank runs the same items (one per chunk and kind) with the same
+slices, so the collectives inside them (FSDP gathers of the reference model)
+line up across ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from rollplex.models.packing import SequenceInputs
+from rollplex.models.qwen2_5_vl import ModelArgs, Qwen2_5_VL, VisionEmbeds
+from rollplex.rl.memory import kv_bytes_per_token, layer_activation_elements
+from rollplex.train.kept_prefix import KeptPrefix, prompt_forward
+
+
+def prefix_work_bytes(args: ModelArgs, prompt_lens: list[int], keep_graph: bool, dtype: torch.dtype,
+                      tp: int = 1) -> int:
+    """Estimated device bytes one prompt forward leaves alive until its suffix
+    passes (per rank): the kept K/V of every prompt token in every layer and each
+    prompt's last hidden state (exact); with the graph, every layer's saved
+    activations (rollplex.rl.memory.layer_activation_elements) plus the torch
+    attention's fp32 scores and probabilities, 2 x heads x prompt_len^2 per
+    prompt and layer (an estimate)."""
+    t = args.text
+    size = dtype.itemsize
+    tokens = sum(prompt_lens)
+    kept = tokens * kv_bytes_per_token(args, dtype, tp) + len(prompt_lens) * t.hidden_size * size
+    if not keep_graph:
+        return kept
+    per_token = layer_activation_elements(t.hidden_size, t.num_attention_heads * t.head_dim,
+                                          t.num_key_value_heads * t.head_dim, t.intermediate_size, tp)
+    scores = 2 * (t.num_attention_heads // tp) * sum(n * n for n in prompt_lens) * 4
+    return kept + t.num_hidden_layers * (tokens * per_token * size + scores)
+
+
+@dataclass
+class PrefixWork:
+    """One prompt forward of one chunk of prompts, run in slices."""
+
+    kind: str  # "ref" | "actor" | "old"
+    chunk: int
+    model: Qwen2_5_VL
+    prompts: list[SequenceInputs]
+    vision: VisionEmbeds | None  # cached features of the prompts, or None: the item runs the tower
+    keep_graph: bool
+    estimate: int  # bytes, from prefix_work_bytes
+    result: KeptPrefix | None = None
+    _slices: Iterator[KeptPrefix | None] | None = field(default=None, repr=False)
+
+    def advance(self) -> bool:
+        """Run the next slice; True once the item is done."""
+        if self._slices is None:
+            self._slices = prompt_forward(self.model, self.prompts, self.vision)
+        with torch.set_grad_enabled(self.keep_graph):
+            out = next(self._slices)
+        if out is not None:
+            self.result = out.boundary() if self.keep_graph else out
+            self._slices = None
+        return out is not None
+
+
+@dataclass
+class PrefixTiming:
+    hidden: float = 0.0  # prefix work done inside the decode window
+    exposed: float = 0.0  # prefix work left after decode
+    decode_delay: float = 0.0  # host time the decode loop spent issuing prefix slices
+
+    def as_metrics(self) -> dict[str, float]:
+        total = self.hidden + self.exposed
+        return {"timing_s/prefix_hidden": self.hidden, "timing_s/prefix_exposed": self.exposed,
+                "timing_s/decode_slowdown": self.decode_delay,
+                "perf/overlap_efficiency": self.hidden / total if total > 0 else 0.0}
+
+
+class PrefixScheduler:
+    """Runs admitted prefix work in slices between decode steps (see the module docstring)."""
+
+    def __init__(self, items: list[PrefixWork], budget_bytes: int | None, device: torch.device,
+                 max_slices_per_step: int = 8):
+        self.admitted: list[PrefixWork] = []
+        self.deferred: list[PrefixWork] = []
+        used = 0
+        for item in items:
+            if budget_bytes is None or used + item.estimate <= budget_bytes:
+                self.admitted.append(item)
+                used += item.estimate
+            else:
+                self.deferred.append(item)
+        self.planned_bytes = used
+        self.queue = list(self.admitted)
+        self.max_slices = max_slices_per_step
+        self.peak_running = 0
+        self.timing = PrefixTiming()
+        self.cuda = device.type == "cuda"
+        # Lowest priority (0 is the lowest CUDA stream priority): decode kernels go first.
+        self.stream = torch.cuda.Stream(device, priority=0) if self.cuda else None
+        self.main_stream = torch.cuda.current_stream(device) if self.cuda else None
+        self.slice_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.started = False
+        # Host-side timeline (time.perf_counter): each slice as (kind, start, end), and when each engine step
+        # handed over. On CUDA these are issue times; the profiler's trace shows the streams themselves.
+        self.spans: list[tuple[str, float, float]] = []
+        self.step_ends: list[float] = []
+
+    def result(self, kind: str, chunk: int) -> KeptPrefix | None:
+        return next((w.result for w in self.admitted if w.kind == kind and w.chunk == chunk), None)
+
+    def between_steps(self, running: int) -> None:
+        """Called by the engine after each step: a slice at full decode batch, up
+        to `max_slices` as the batch empties."""
+        self.peak_running = max(self.peak_running, running)
+        free = 1.0 - running / self.peak_running if self.peak_running else 1.0
+        start = time.perf_counter()
+        self.step_ends.append(start)
+        self._run(1 + int((self.max_slices - 1) * free))
+        elapsed = time.perf_counter() - start
+        self.timing.decode_delay += elapsed
+        if not self.cuda:
+            self.timing.hidden += elapsed
+
+    def drain(self) -> None:
+        """Finish what the decode window left (exposed time), then make the main
+        stream wait for the side stream before the suffix passes."""
+        start = time.perf_counter()
+        self._run(None)
+        if self.cuda:
+            self.main_stream.wait_stream(self.stream)
+            self.stream.synchronize()
+            side = sum(a.elapsed_time(b) for a, b in self.slice_events) / 1e3
+            exposed = time.perf_counter() - start
+            self.timing.exposed = exposed
+            self.timing.hidden = max(0.0, side - exposed)
+        else:
+            self.timing.exposed += time.perf_counter() - start
+
+    def _run(self, slices: int | None) -> None:
+        if not self.queue:
+            return
+        if self.cuda:
+            if not self.started:  # inputs (gathered weights, cached vision) come from the main stream
+                self.stream.wait_stream(self.main_stream)
+                self.started = True
+            with torch.cuda.stream(self.stream):
+                self._advance(slices)
+        else:
+            self._advance(slices)
+
+    def _advance(self, slices: int | None) -> None:
+        done = 0
+        while self.queue and (slices is None or done < slices):
+            item = self.queue[0]
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            host_start = time.perf_counter()
+            finished = item.advance()
+            self.spans.append((item.kind, host_start, time.perf_counter()))
+            if self.cuda:
+                end.record()
+                self.slice_events.append((start, end))
+            done += 1
+            if finished:
+                self.queue.pop(0)
+                if self.cuda:  # the result is read on the main stream after the join
+                    for t in item.result.tensors():
+                        t.record_stream(self.main_stream)

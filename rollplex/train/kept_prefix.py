@@ -1,0 +1,157 @@
+"""Prompt passes whose K/V are kept, and the suffix-only passes that read them.
+
+A GRPO group's prompt (its image or video tokens and the question) does not
+depend on the sampled responses, so its forward can run before the responses
+exist, once per prompt. `prompt_forward` runs a chunk of prompts through the
+model one decoder layer at a time and keeps, per layer, the K/V of every prompt
+token (rotary applied) plus the final hidden state of each prompt's last token
+(which predicts the first response token). `suffix_logprobs` later runs only
+the response tokens: each response attends to its prompt's kept K/V and,
+causally, to its own tokens (`KeptPrefixAttention`), the same math as the
+packed shared-prefix forward, so both paths give the same logprobs.
+
+For the actor the prompt forward keeps its autograd graph. The suffix passes
+read detached copies of the kept tensors (`KeptPrefix.boundary`), leaves
+whose gradients accumulate over all micro-batches; `backward_into_prompt` then
+runs the prompt's backward once, into the prompt's layers, the projector and
+the vision tower.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Iterator
+
+import torch
+
+from rollplex.models.packing import GroupInputs, SequenceInputs, pack_sequences
+from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds
+from rollplex.ops.attention import KeptPrefixAttention, SuffixGroup, attention_with_lse
+from rollplex.train.flops import prompt_flops
+
+
+@dataclass
+class KeptPrefix:
+    """Per-layer K/V of a chunk of prompts packed end to end, and each prompt's
+    last hidden state."""
+
+    keys: list[torch.Tensor]  # per layer: (prompt tokens, kv_heads, head_dim)
+    values: list[torch.Tensor]
+    last_hidden: torch.Tensor  # (prompts, hidden)
+    prompt_lens: list[int]
+    rope_deltas: list[int]
+    flops: float = 0.0  # forward FLOPs of the prompt pass (its backward costs twice that)
+    graph_outputs: list[torch.Tensor] = field(default_factory=list)  # set by boundary(): tensors with the graph
+
+    @property
+    def starts(self) -> list[int]:
+        out, offset = [], 0
+        for n in self.prompt_lens:
+            out.append(offset)
+            offset += n
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.keys, *self.values, self.last_hidden]
+
+    def boundary(self) -> "KeptPrefix":
+        """Detached leaf copies (same storage) that collect the suffix passes'
+        gradients; this prefix's graph stays reachable through graph_outputs."""
+        leaves = [t.detach().requires_grad_(True) for t in self.tensors()]
+        layers = len(self.keys)
+        return replace(self, keys=leaves[:layers], values=leaves[layers:2 * layers], last_hidden=leaves[-1],
+                       graph_outputs=self.tensors())
+
+    def backward_into_prompt(self) -> None:
+        """Backpropagate the gradients gathered at the boundary through the prompt
+        forward (once for all the micro-batches that read it), then drop them."""
+        pairs = [(out, leaf.grad) for out, leaf in zip(self.graph_outputs, self.tensors()) if leaf.grad is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        for leaf in self.tensors():
+            leaf.grad = None
+
+
+class _CaptureKV:
+    """Causal attention within each prompt that also keeps every layer's K/V.
+
+    A plain class, not a dataclass: FSDP2 rebuilds dataclass arguments of a
+    module call (to cast their tensors), which would give each layer a fresh
+    copy of the lists being filled."""
+
+    def __init__(self, cu_seqlens: list[int]):
+        self.cu_seqlens = cu_seqlens
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.keys.append(k)
+        self.values.append(v)
+        # attention_with_lse, as SharedPrefixAttention computes the prompt part, so both paths agree.
+        return torch.cat([attention_with_lse(q[a:b], k[a:b], v[a:b], causal=True)[0]
+                          for a, b in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:])])
+
+
+def prompt_forward(model: Qwen2_5_VL, prompts: list[SequenceInputs],
+                   vision: VisionEmbeds | None = None) -> Iterator[KeptPrefix | None]:
+    """The forward of a chunk of prompts in slices: yields None after the vision
+    tower, after the embedding and after each decoder layer, and the
+    `KeptPrefix` last. Runs the vision tower unless `vision` (the prompts'
+    cached embeddings, in order) is given. Grad mode is the caller's."""
+    batch = pack_sequences(model.args, prompts)
+    device = model.device
+    encoded = vision is None
+    if encoded:
+        vision = model.encode_vision(*(t.to(device) if t is not None else None for t in (
+            batch.pixel_values, batch.image_grid_thw, batch.pixel_values_videos, batch.video_grid_thw)))
+        yield None
+    h = model.embed(batch.input_ids.to(device), vision)
+    yield None
+    capture = _CaptureKV(batch.cu_seqlens.tolist())
+    for h in model.language_model.layer_by_layer(h, batch.position_ids.to(device), capture):
+        yield None
+    last = batch.cu_seqlens[1:].long().to(device) - 1
+    yield KeptPrefix(capture.keys, capture.values, h[last], batch.lengths, batch.rope_deltas,
+                     prompt_flops(model.args, batch, with_vision=encoded))
+
+
+def run_prompt_forward(model: Qwen2_5_VL, prompts: list[SequenceInputs],
+                       vision: VisionEmbeds | None = None) -> KeptPrefix:
+    """`prompt_forward` in one go."""
+    for result in prompt_forward(model, prompts, vision):
+        pass
+    return result
+
+
+@dataclass
+class SuffixUnit:
+    """Some responses of one group, and which prompt of the KeptPrefix they follow."""
+
+    prompt: int
+    group: GroupInputs
+
+
+def suffix_hidden(model: Qwen2_5_VL, kept: KeptPrefix, units: list[SuffixUnit]) -> torch.Tensor:
+    """Hidden states that predict each response token, in response order (a
+    response's first token is predicted by its prompt's last hidden state)."""
+    device = model.device
+    starts = kept.starts
+    ids, positions, groups, rows, offset = [], [], [], [], 0
+    for u in units:
+        n_prompt, delta = kept.prompt_lens[u.prompt], kept.rope_deltas[u.prompt]
+        lens = tuple(len(r) for r in u.group.responses)
+        groups.append(SuffixGroup(starts[u.prompt], n_prompt, offset, lens))
+        for r in u.group.responses:
+            ids.append(torch.tensor(r, dtype=torch.long))
+            # Response tokens are text: the index after the prompt + the prompt's rope delta, on all axes.
+            positions.append(torch.arange(n_prompt, n_prompt + len(r)) + delta)
+            rows.append((u.prompt, offset, len(r)))
+            offset += len(r)
+    hidden = model.forward_generated(torch.cat(ids).to(device), torch.cat(positions).expand(3, -1).to(device),
+                                     KeptPrefixAttention(kept.keys, kept.values, groups))
+    return torch.cat([piece for prompt, start, n in rows
+                      for piece in (kept.last_hidden[prompt:prompt + 1], hidden[start:start + n - 1])])

@@ -1,0 +1,117 @@
+"""The three schedules (serial without shared prompts, serial with them, overlap)
+are one training algorithm: the same samples and the same parameters after 3
+steps, on 1 process and on 2 (gloo); prompt work runs before the passes that
+read it, and within its byte budget (the rest takes the serial path)."""
+
+from pathlib import Path
+
+import torch
+
+from distributed import run_distributed
+from rollplex.config import load_config
+from rollplex.metrics import read_metrics
+from rollplex.rl.loop import RLTrainer
+
+REWARD = Path(__file__).with_name("length_reward.py")
+# kl_coef and recomputed old logprobs make every kind of prompt work run; a reward
+# that varies within groups makes the policy gradient non-zero.
+FAST = ["--trainer.total_steps", "3", "--data.batch_size", "4", "--rollout.n", "4", "--rollout.max_tokens", "4",
+        "--data.val_size", "4", "--trainer.eval_every", "0", "--trainer.save_every", "0", "--logging.no_console",
+        "--algorithm.kl_coef", "0.01", "--algorithm.recompute_old_logprobs", "true",
+        "--data.reward", f"{REWARD}:reward", "--trainer.num_threads", "1"]
+SCHEDULES = {"serial-naive": ["--schedule.share_prefix", "false"], "serial-prefix": [],
+             "overlap": ["--schedule.kind", "overlap"]}
+
+
+def train(out: Path, *extra: str) -> tuple[RLTrainer, dict[str, torch.Tensor]]:
+    trainer = RLTrainer(load_config(FAST + ["--trainer.output_dir", str(out), *extra]))
+    trainer.fit()
+    return trainer, {n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+                     for n, p in trainer.model.named_parameters()}
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def check_same_training(runs: dict[str, tuple[dict, list]]) -> None:
+    """Overlap only moves serial-prefix's prompt work into the decode window: the
+    parameters are bitwise equal. Serial-naive sums the same gradients in
+    another order (per-sample sequences): the same samples at every step, and
+    parameters within 2e-5 after 3 AdamW steps at lr 1e-4, because AdamW
+    normalises each gradient element and an element whose gradient is at
+    rounding level can move by up to lr either way (the gradients themselves
+    agree to 1e-5 relative: tests/test_shared_prefix.py)."""
+    naive_params, naive_rows = runs["serial-naive"]
+    for name, (params, rows) in runs.items():
+        assert [r["critic/score/mean"] for r in rows] == [r["critic/score/mean"] for r in naive_rows], name
+        assert max_difference(params, naive_params) <= 2e-5, name
+    assert max_difference(runs["overlap"][0], runs["serial-prefix"][0]) == 0.0
+
+
+def test_schedules_train_the_same_on_one_process(tmp_path):
+    runs = {}
+    for name, extra in SCHEDULES.items():
+        trainer, params = train(tmp_path / name, *extra)
+        runs[name] = params, read_metrics(tmp_path / name / "metrics.jsonl")
+    check_same_training(runs)
+    assert len({r["critic/score/mean"] for r in runs["overlap"][1]} | {0.5}) > 1  # the rewards are not constant
+    overlap = runs["overlap"][1][0]
+    assert overlap["timing_s/prefix_hidden"] > 0 and overlap["prefix/deferred_items"] == 0
+    assert overlap["timing_s/prefix_hidden"] + overlap["timing_s/prefix_exposed"] > 0
+    assert "timing_s/prefix_hidden" not in runs["serial-naive"][1][0]
+
+
+def schedules_on_two_ranks(rank: int, world: int, out: str) -> None:
+    torch.set_num_threads(1)
+    for name, extra in SCHEDULES.items():
+        _, params = train(Path(out) / name, *extra)
+        if rank == 0:
+            torch.save(params, Path(out) / f"{name}.pt")
+
+
+def test_schedules_train_the_same_on_two_ranks(tmp_path):
+    run_distributed(schedules_on_two_ranks, 2, str(tmp_path))
+    check_same_training({name: (torch.load(tmp_path / f"{name}.pt"), read_metrics(tmp_path / name / "metrics.jsonl"))
+                         for name in SCHEDULES})
+
+
+def test_budget_defers_work_to_the_serial_path(tmp_path):
+    """A budget that holds the reference model's kept prompts but not the actor's
+    graph: the actor's prompt work is deferred, the parameters do not change."""
+    _, unlimited = train(tmp_path / "unlimited", "--schedule.kind", "overlap")
+    trainer = RLTrainer(load_config(FAST + ["--trainer.output_dir", str(tmp_path / "sizes")]))
+    prompts = [e.prompt for e in next(trainer._batches(0))]
+    items = trainer._prefix_work(prompts, [None] * len(prompts))
+    budget = sum(i.estimate for i in items if i.kind != "actor")
+    assert budget < sum(i.estimate for i in items)
+    _, limited = train(tmp_path / "limited", "--schedule.kind", "overlap", "--schedule.prefix_memory_budget",
+                       str(budget + 2))
+    rows = read_metrics(tmp_path / "limited" / "metrics.jsonl")
+    assert all(r["prefix/deferred_items"] == 1 and r["prefix/planned_bytes"] <= budget + 2 for r in rows)
+    assert max_difference(limited, unlimited) <= 2e-5  # the deferred actor work runs the packed shared-prefix pass
+
+
+def test_suffix_passes_never_run_before_their_prompt_work(tmp_path, monkeypatch):
+    from rollplex.train.actor import Actor
+
+    trainer = RLTrainer(load_config(FAST + ["--trainer.output_dir", str(tmp_path), "--schedule.kind", "overlap"]))
+    schedulers, suffix_passes = [], []
+    rollout, suffix_pass = trainer.rollout, Actor._pass
+
+    def recording_rollout(*args, **kwargs):
+        result = rollout(*args, **kwargs)
+        schedulers.append(result.prefix)
+        return result
+
+    def checked_pass(self, model, units, kept, with_entropy):
+        if kept is not None:
+            assert not schedulers[-1].queue, "a suffix pass ran while prompt work was still queued"
+            assert any(item.result is kept for item in schedulers[-1].admitted)
+            suffix_passes.append(kept)
+        return suffix_pass(self, model, units, kept, with_entropy)
+
+    trainer.rollout = recording_rollout
+    monkeypatch.setattr(Actor, "_pass", checked_pass)
+    trainer.fit()
+    assert len(suffix_passes) >= 3 * 3  # per step: old and ref logprobs, the first update's micro-batch(es)
