@@ -1,6 +1,6 @@
 """The RL loop end to end on the tiny default: metrics, multi-rank, weight sharing, resume."""
 
-
+import pytest
 
 from distributed import run_distributed
 from rollplex.config import load_config
@@ -30,6 +30,9 @@ def test_default_config_runs_and_logs_verl_names(tmp_path):
     total = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
     assert rows[0]["weights/bytes_shared"] == total  # the engine ran on the trainer's own weights
     assert trainer.engine.cache.nbytes == 0  # the KV pool is released after rollout
+    # The memory plan is logged beside the run: its rollout phase holds the engine's real KV pool.
+    assert rows[0]["perf/planned_memory_gb/gen"] * 2**30 >= trainer.engine.cache.pool_bytes
+    assert rows[0]["perf/planned_memory_gb/update_actor"] > 0
 
 
 def test_engine_sees_updated_weights(tmp_path):
@@ -41,17 +44,24 @@ def test_engine_sees_updated_weights(tmp_path):
     assert before.texts != after.texts
 
 
-def distributed_run(rank, world, out):
-    trainer = RLTrainer(load_config(FAST + ["--trainer.output_dir", out, "--trainer.num_threads", "1"]))
+def distributed_run(rank, world, out, *extra):
+    trainer = RLTrainer(load_config(FAST + ["--trainer.output_dir", out, "--trainer.num_threads", "1", *extra]))
     trainer.fit()
 
 
-def test_two_ranks_equal_one_at_step_one(tmp_path):
+@pytest.mark.parametrize("engine_tp", [1, 2])
+def test_two_ranks_equal_one(tmp_path, engine_tp):
+    """dp_shard=2 with the engine on each rank's gathered weights (engine_tp 1), or
+    one engine over both ranks on views of them (engine_tp 2, rollout.tp > parallel.tp):
+    the same samples as one process, and step 1's loss."""
     _, single = run(tmp_path / "one")
-    run_distributed(distributed_run, 2, str(tmp_path / "two"))
+    run_distributed(distributed_run, 2, str(tmp_path / "two"), "--rollout.tp", str(engine_tp))
     double = read_metrics(tmp_path / "two" / "metrics.jsonl")
     assert abs(double[0]["actor/pg_loss"] - single[0]["actor/pg_loss"]) < 1e-5
-    assert double[0]["critic/score/mean"] == single[0]["critic/score/mean"]
+    for key in ("critic/score/mean", "response_length/mean", "val/score"):
+        assert [r.get(key) for r in double] == [r.get(key) for r in single], key
+    if engine_tp == 2:
+        assert double[0]["weights/bytes_viewed"] > 0 and double[0]["weights/bytes_rebuilt"] == 0
 
 
 def test_resume_continues_from_the_checkpoint(tmp_path):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -44,6 +44,8 @@ from rollplex.models import SequenceInputs, from_pretrained
 from rollplex.models.packing import GroupInputs
 from rollplex.models.qwen2_5_vl import VisionEmbeds
 from rollplex.models.tiny import TinySpec, default_mrope_section, make_tiny_checkpoint
+from rollplex.rl.disagg import DisaggLayout, WeightBroadcast
+from rollplex.rl.memory import GiB, BatchShape, MemoryOptions, ParallelLayout, plan_memory
 from rollplex.rl.prefix import PrefixScheduler, PrefixWork, prefix_work_bytes
 from rollplex.rl.weights import SharedWeights
 from rollplex.train.actor import Actor, ActorConfig, PolicyBatch, lr_schedule
@@ -54,7 +56,7 @@ from rollplex.train.checkpoint import (
 )
 from rollplex.train.flops import peak_flops
 from rollplex.train.loss import group_advantages
-from rollplex.train.parallelize import parallelize
+from rollplex.train.parallelize import apply_tp, parallelize
 
 GLOBAL_ACTOR_METRICS = ("actor/grad_norm", "actor/lr", "actor/skipped_steps")
 
@@ -79,40 +81,34 @@ class RLTrainer:
             torch.set_num_threads(cfg.trainer.num_threads)
         torch.manual_seed(cfg.trainer.seed)
         self.out = Path(cfg.trainer.output_dir)
-        self.dims = ParallelDims.resolve(self.world, cfg.parallel.dp_shard, cfg.parallel.tp)
+        # disagg: the last schedule.rollout_ranks ranks only generate (rollplex/rl/disagg.py); the rest train.
+        self.disagg = DisaggLayout(self.world, cfg.schedule.rollout_ranks, cfg.rollout.tp) \
+            if cfg.schedule.kind == "disagg" else None
+        self.generates = self.disagg is None or self.disagg.is_rollout(self.rank)
+        self.trains = self.disagg is None or not self.disagg.is_rollout(self.rank)
+        train_world = self.disagg.train_ranks if self.disagg else self.world
+        self.dims = ParallelDims.resolve(train_world, cfg.parallel.dp_shard, cfg.parallel.tp)
         path = self._model_path()
         dtype = getattr(torch, cfg.model.dtype)
         self.processor = load_processor(path)
         self.tokenizer = self.processor.tokenizer
         self.model = from_pretrained(path, dtype=dtype, device=self.device, attn_backend=cfg.model.attn_backend)
         self.ref_model = None
-        if cfg.algorithm.kl_coef > 0:
+        if cfg.algorithm.kl_coef > 0 and self.trains:
             self.ref_model = from_pretrained(path, dtype=dtype, device=self.device,
                                              attn_backend=cfg.model.attn_backend).requires_grad_(False)
-        self.dp_group = None
-        if self.world > 1:
-            mesh = build_mesh(self.dims, self.device.type)
-            self.dp_rank, self.dp_group = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].get_group()
-            parallelize(self.model, mesh, cfg.parallel.activation_checkpointing, cfg.parallel.freeze_vision)
-            if self.ref_model is not None:
-                parallelize(self.ref_model, mesh)
-        else:
-            self.dp_rank = 0
-            if cfg.parallel.freeze_vision:
-                self.model.visual.requires_grad_(False)
-        self.weights = SharedWeights(self.model, cfg.parallel.tp, cfg.rollout.tp)
-        r = cfg.rollout
-        self.engine = Engine(self.model, EngineConfig(block_size=r.block_size, kv_cache_memory=r.kv_cache_memory,
-                                                      max_num_seqs=r.max_num_seqs, enforce_eager=r.enforce_eager,
-                                                      progress=False))
-        a, t = cfg.algorithm, cfg.trainer
-        self.actor = Actor(self.model, ActorConfig(
-            lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-            max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, share_prefix=cfg.schedule.share_prefix,
-            clip_low=a.clip_low, clip_high=a.clip_high, clip_c=a.clip_c, loss_agg_mode=a.loss_agg_mode,
-            kl_coef=a.kl_coef, kl_kind=a.kl_kind, entropy_coef=a.entropy_coef, tis_cap=a.tis_cap,
-            max_response_len=r.max_tokens, offload_optimizer=cfg.parallel.offload_optimizer), self.dp_group,
-            lr_lambda=lr_schedule(t.lr_schedule, t.warmup_steps, t.total_steps * a.updates_per_batch))
+        self._parallelize()
+        r, a, t = cfg.rollout, cfg.algorithm, cfg.trainer
+        self.engine = self._build_engine() if self.generates else None
+        self.actor = None
+        if self.trains:
+            self.actor = Actor(self.model, ActorConfig(
+                lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+                max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, share_prefix=cfg.schedule.share_prefix,
+                clip_low=a.clip_low, clip_high=a.clip_high, clip_c=a.clip_c, loss_agg_mode=a.loss_agg_mode,
+                kl_coef=a.kl_coef, kl_kind=a.kl_kind, entropy_coef=a.entropy_coef, tis_cap=a.tis_cap,
+                max_response_len=r.max_tokens, offload_optimizer=cfg.parallel.offload_optimizer), self.dp_group,
+                lr_lambda=lr_schedule(t.lr_schedule, t.warmup_steps, t.total_steps * a.updates_per_batch))
         self.reward_fn = load_reward(cfg.data.reward)
         self._load_data()
         self.logger = MetricsLogger(self.out, rank=self.rank, console=cfg.logging.console, jsonl=cfg.logging.jsonl,
@@ -121,6 +117,70 @@ class RLTrainer:
         self.step = 0
 
     # ------------------------------------------------------------------ set-up
+
+    def _build_engine(self) -> Engine:
+        """The engine on the rollout layout of the weights: built inside `for_rollout`,
+        where it reads its KV head count and dtype off the parameters (outside, FSDP's
+        dp shard of k_proj holds a fraction of the heads). Every rank gets the same KV
+        pool size, the smallest any rank can hold, so that the ranks of a TP group
+        schedule alike."""
+        r = self.cfg.rollout
+        config = EngineConfig(block_size=r.block_size, kv_cache_memory=r.kv_cache_memory,
+                              max_num_seqs=r.max_num_seqs, enforce_eager=r.enforce_eager, progress=False)
+        with self.weights.for_rollout() as engine_model:
+            engine = Engine(engine_model, config)
+            if self.world > 1:
+                blocks = torch.tensor(engine.cache.num_blocks, device=self.device)
+                dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.engine_ranks)
+                if int(blocks) != engine.cache.num_blocks:
+                    config.num_blocks = int(blocks)
+                    engine = Engine(engine_model, config)
+        return engine
+
+    def _generate(self, requests: list[Request], params: SamplingParams, between_steps=None) -> list:
+        """Generate on this rank's engine. When the engine's TP group spans several dp
+        ranks (rollout.tp > parallel.tp), the group generates all its ranks' requests
+        together and each rank keeps its own outputs (seeds come from the prompts, so
+        the samples do not depend on the grouping)."""
+        group = self.weights.engine_tp_group if self.cfg.rollout.tp > self.cfg.parallel.tp else None
+        if group is None:
+            return self.engine.generate(requests, params, between_steps)
+        # Vision features are left out: a peer's engine encodes its own (they are device tensors).
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, [replace(q, vision=None) for q in requests], group=group)
+        outputs = self.engine.generate([q for qs in everyone for q in qs], params, between_steps)
+        first = sum(len(qs) for qs in everyone[:dist.get_rank(group)])
+        return outputs[first:first + len(requests)]
+
+    def _parallelize(self) -> None:
+        """Trainers: FSDP2 (+ TP) over their mesh, the reference model alike.
+        disagg rollout ranks: only the engine's TP over their replica."""
+        cfg, mesh = self.cfg, None
+        self.dp_rank, self.dp_group, self.train_group, self.engine_ranks = 0, None, None, None
+        if self.disagg is not None:
+            mesh, rollout_mesh = self.disagg.meshes(self.dims.dp_shard, self.dims.tp, self.device.type)
+            self.weight_broadcast = WeightBroadcast(self.disagg, self.rank)
+            self.train_group = dist.new_group(list(range(self.disagg.train_ranks)))  # checkpoints: trainers only
+            self.engine_ranks = dist.new_group(list(range(self.disagg.train_ranks, self.world)))
+            if self.generates:  # the engine's own copy, refilled by WeightBroadcast
+                if cfg.rollout.tp > 1:
+                    apply_tp(self.model, rollout_mesh["tp"])
+                self.weights = SharedWeights(self.model, cfg.rollout.tp, cfg.rollout.tp)
+                return
+            if self.dims.world_size == 1:
+                mesh = None
+        elif self.world > 1:
+            mesh = build_mesh(self.dims, self.device.type)
+        if mesh is None:
+            if cfg.parallel.freeze_vision:
+                self.model.visual.requires_grad_(False)
+        else:
+            self.dp_rank, self.dp_group = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].get_group()
+            parallelize(self.model, mesh, cfg.parallel.activation_checkpointing, cfg.parallel.freeze_vision)
+            if self.ref_model is not None:
+                parallelize(self.ref_model, mesh)
+        if self.disagg is None:
+            self.weights = SharedWeights(self.model, cfg.parallel.tp, cfg.rollout.tp)
 
     def _model_path(self) -> Path:
         if self.cfg.model.path:
@@ -201,9 +261,16 @@ class RLTrainer:
         cfg, timer = self.cfg, Timer()
         self.phase_memory: dict[str, float] = {}
         start = time.perf_counter()
-        mine = balanced_share(examples, self.dims.dp_shard, self.dp_rank)
-        with self._phase(timer, "gen"):
-            rollout = self.rollout(mine, self.step, prefix_work=self.uses_prefix_work)
+        disagg_metrics: dict[str, float] = {}
+        if self.disagg is not None:
+            rollout = self._disagg_rollout(examples, disagg_metrics)
+            if rollout is None:
+                return {}  # a rollout rank: the trainers report the step
+            mine = rollout.examples
+        else:
+            mine = balanced_share(examples, self.dims.dp_shard, self.dp_rank)
+            with self._phase(timer, "gen"):
+                rollout = self.rollout(mine, self.step, prefix_work=self.uses_prefix_work)
         prefix = rollout.prefix
         if prefix is not None and cfg.schedule.kind == "serial":
             with self._phase(timer, "prefix"), self.weights.for_rollout():
@@ -227,7 +294,7 @@ class RLTrainer:
             actor_metrics = self.update(rollout, advantages.tolist(), old, ref)
         metrics = self._gather_metrics(rollout, rewards, errors, actor_metrics)
         metrics.update(timer.as_metrics())
-        metrics.update(self.weights.report.as_metrics())
+        metrics.update(disagg_metrics if self.disagg is not None else self.weights.report.as_metrics())
         if prefix is not None:
             metrics.update(prefix.timing.as_metrics())
             metrics["prefix/deferred_items"] = len(prefix.deferred)
@@ -236,14 +303,53 @@ class RLTrainer:
         tokens = self._sum([sum(len(g.prompt.input_ids) * len(g.responses) + sum(map(len, g.responses))
                                 for g in rollout.groups)])[0]
         metrics["perf/throughput"] = tokens / metrics["timing_s/step"] / self.world
+        metrics.update(self._memory_plan_metrics(examples))
         if self.device.type == "cuda":
             metrics.update(self.phase_memory)
             metrics["perf/max_memory_allocated_gb"] = max(self.phase_memory.values())
+            for phase in ("gen", "update_actor"):  # measured peak against the plan's
+                measured = self.phase_memory.get(f"perf/max_memory_allocated_gb/{phase}")
+                planned = metrics[f"perf/planned_memory_gb/{phase}"]
+                if measured is not None and planned > 0:
+                    metrics[f"perf/memory_plan_error/{phase}"] = measured / planned - 1
             peak = peak_flops(torch.cuda.get_device_name(self.device))
             if peak:  # model FLOPs of the update over its time, per GPU (see rollplex/train/flops.py)
                 metrics["perf/mfu/actor"] = metrics["perf/actor_flops"] / (
                     metrics["timing_s/update_actor"] * peak * self.world)
         return metrics
+
+    def _memory_plan_metrics(self, examples: list) -> dict[str, float]:
+        """The memory plan (rollplex.rl.memory) of this run's model, layout, KV
+        pool and batch, per GPU, mapped onto the loop's phases: `gen` is the plan's
+        rollout (overlap: its decode window with prefix work), `update_actor` its
+        train or optimizer phase, whichever is larger. Planned once, from the first batch."""
+        if not hasattr(self, "_planned"):
+            cfg = self.cfg
+            n_examples = max(len(examples), 1)
+            vision = sum(int((e.prompt.input_ids == t).sum()) for e in examples
+                         for t in (self.model.args.image_token_id, self.model.args.video_token_id)) // n_examples
+            text = max(1, sum(len(e.prompt.input_ids) for e in examples) // n_examples - vision)
+            dtype = getattr(torch, cfg.model.dtype)
+            mixed = self.device.type == "cuda" and self.dims.world_size > 1  # FSDP computes in bf16
+            total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
+            options = MemoryOptions(
+                param_dtype=torch.bfloat16 if mixed else dtype, master_dtype=dtype, grad_dtype=dtype,
+                optimizer_dtype=dtype, ref_model=self.ref_model is not None, ref_dtype=dtype,
+                recompute_old_logprobs=cfg.algorithm.recompute_old_logprobs,
+                offload_optimizer=cfg.parallel.offload_optimizer,
+                activation_checkpointing=cfg.parallel.activation_checkpointing,
+                freeze_vision=cfg.parallel.freeze_vision,
+                micro_batch_tokens=cfg.trainer.max_tokens_per_micro_batch,
+                kv_pool=float(self.engine.cache.pool_bytes if self.engine else 0) or None,
+                prefix_budget=cfg.schedule.prefix_memory_budget or None, device_memory=total or GiB)
+            layout = ParallelLayout(self.dims.dp_shard, self.dims.tp, cfg.rollout.tp, 1, self.dims.world_size)
+            batch = BatchShape(len(examples), cfg.rollout.n, text, cfg.rollout.max_tokens, vision)
+            self._planned = plan_memory(self.model.args, layout, batch, options).rollplex
+        plan = self._planned
+        gen = max(plan.total("rollout"), plan.total("prefix")) if self.cfg.schedule.kind == "overlap" else \
+            plan.total("rollout")
+        return {"perf/planned_memory_gb/gen": gen / GiB,
+                "perf/planned_memory_gb/update_actor": max(plan.total("train"), plan.total("optimizer")) / GiB}
 
     @property
     def uses_prefix_work(self) -> bool:
@@ -283,9 +389,7 @@ class RLTrainer:
         runs once per prompt first (the engine's prefill reads it) and the step's
         prompt work is planned; the overlap schedule runs it between decode steps."""
         cfg = self.cfg
-        prompts = [SequenceInputs(e.prompt.input_ids, None, e.prompt.pixel_values, e.prompt.image_grid_thw,
-                                  e.prompt.pixel_values_videos, e.prompt.video_grid_thw, e.prompt.second_per_grid_ts)
-                   for e in examples]
+        prompts = [_prompt_inputs(e) for e in examples]
         r = cfg.rollout
         params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens,
                                 ignore_eos=r.ignore_eos)
@@ -303,7 +407,7 @@ class RLTrainer:
             if prefix_work:
                 prefix = PrefixScheduler(self._prefix_work(prompts, vision), self._prefix_budget(), self.device)
             overlap = prefix is not None and cfg.schedule.kind == "overlap"
-            outputs = self.engine.generate(requests, params, prefix.between_steps if overlap else None)
+            outputs = self._generate(requests, params, prefix.between_steps if overlap else None)
             if overlap:
                 prefix.drain()  # what the decode window did not hide, while the weights are still gathered
         self.engine.release_kv()  # the KV pool lives only during rollout
@@ -315,6 +419,62 @@ class RLTrainer:
                 logprobs.append(torch.tensor(s.logprobs))
                 reasons.append(s.finish_reason)
         return Rollout(examples, groups, texts, logprobs, reasons, prefix)
+
+    def _disagg_rollout(self, examples: list, metrics: dict[str, float]) -> Rollout | None:
+        """disagg: weights to the rollout ranks, their samples to every rank.
+        Returns the trainers' share as a Rollout (None on a rollout rank) and
+        fills `metrics` with the step's generation, transfer and idle times."""
+        start = time.perf_counter()
+        idle = self._send_weights()
+        weights_s = time.perf_counter() - start
+        report = []
+        if self.generates:
+            replica = self.disagg.replica(self.rank)
+            start = time.perf_counter()
+            rollout = self.rollout(balanced_share(examples, self.disagg.replicas, replica), self.step)
+            gen = time.perf_counter() - start
+            if self.disagg.leads_replica(self.rank):
+                first = 0
+                for e, g in zip(rollout.examples, rollout.groups):
+                    n = len(g.responses)
+                    report.append((e.index, g.responses, [lp.tolist() for lp in rollout.logprobs[first:first + n]],
+                                   rollout.finish_reasons[first:first + n]))
+                    first += n
+                report.append(("times", gen, idle))
+        start = time.perf_counter()
+        reports = [None] * self.world
+        dist.all_gather_object(reports, report)
+        if self.generates:
+            return None
+        samples, gen_times, idle_times = {}, [], []
+        for item in (x for r in reports for x in r):
+            if item[0] == "times":
+                gen_times.append(item[1])
+                idle_times.append(item[2])
+            else:
+                samples[item[0]] = item[1:]
+        metrics.update({"timing_s/gen": max(gen_times), "timing_s/update_weights": weights_s,
+                        "timing_s/train_idle": time.perf_counter() - start,
+                        "timing_s/rollout_idle": max(idle_times)})
+        mine = balanced_share(examples, self.dims.dp_shard, self.dp_rank)
+        groups, texts, logprobs, reasons = [], [], [], []
+        for e in mine:
+            responses, lps, finish = samples[e.index]
+            groups.append(GroupInputs(_prompt_inputs(e), responses))
+            texts += [self.tokenizer.decode(r, skip_special_tokens=True) for r in responses]
+            logprobs += [torch.tensor(lp) for lp in lps]
+            reasons += finish
+        return Rollout(mine, groups, texts, logprobs, reasons)
+
+    def _send_weights(self) -> float:
+        """disagg: the trainers' current weights to the rollout ranks. Returns the
+        seconds a rollout rank waited (for the trainers' previous phase and the transfer)."""
+        if self.trains:
+            self.weight_broadcast.send(self.model)
+            return 0.0
+        start = time.perf_counter()
+        self.weight_broadcast.receive(self.model)
+        return time.perf_counter() - start
 
     @torch.no_grad()
     def _encode(self, prompt: SequenceInputs) -> VisionEmbeds | None:
@@ -383,22 +543,40 @@ class RLTrainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Greedy score on the validation prompts (split across dp ranks)."""
+        """Greedy score on the validation prompts, split across dp ranks (disagg:
+        across the rollout replicas)."""
         if not self.val_examples:
             return {}
-        examples = self.val_examples[self.dp_rank::self.dims.dp_shard]
+        if self.disagg is not None:
+            return self._disagg_evaluate()
+        total, count = self._sum(list(self._greedy_score(self.val_examples[self.dp_rank::self.dims.dp_shard])))
+        return {"val/score": total / max(count, 1)}
+
+    def _greedy_score(self, examples: list) -> tuple[float, int]:
+        """(sum of greedy scores, count) of `examples` on this rank's engine."""
         requests = [Request(e.prompt.input_ids.tolist(), e.prompt.pixel_values, e.prompt.image_grid_thw,
                             e.prompt.pixel_values_videos, e.prompt.video_grid_thw, e.prompt.second_per_grid_ts)
                     for e in examples]
         self.model.eval()
         with self.weights.for_rollout():
-            outputs = self.engine.generate(requests, SamplingParams(temperature=0.0,
-                                                                    max_tokens=self.cfg.rollout.max_tokens))
+            outputs = self._generate(requests, SamplingParams(temperature=0.0, max_tokens=self.cfg.rollout.max_tokens))
         self.engine.release_kv()
         texts = [self.tokenizer.decode(o.samples[0].token_ids, skip_special_tokens=True) for o in outputs]
         scores, _ = score_all(self.reward_fn, texts, [e.answer for e in examples])
-        total, count = self._sum([sum(scores), len(scores)])
-        return {"val/score": total / max(count, 1)}
+        return sum(scores), len(scores)
+
+    @torch.no_grad()
+    def _disagg_evaluate(self) -> dict[str, float]:
+        """The rollout replicas score their share on the updated weights; every rank gets the result."""
+        self._send_weights()
+        result = (0.0, 0)
+        if self.disagg.leads_replica(self.rank):
+            result = self._greedy_score(self.val_examples[self.disagg.replica(self.rank)::self.disagg.replicas])
+        elif self.generates:
+            self._greedy_score(self.val_examples[self.disagg.replica(self.rank)::self.disagg.replicas])
+        results = [None] * self.world
+        dist.all_gather_object(results, result)
+        return {"val/score": sum(r[0] for r in results) / max(sum(r[1] for r in results), 1)}
 
     def _gather_metrics(self, rollout: Rollout, rewards: list[float], errors: int,
                         actor: dict[str, float]) -> dict[str, float]:
@@ -419,32 +597,45 @@ class RLTrainer:
         return metrics
 
     def _sum(self, values: list[float]) -> list[float]:
-        if self.world == 1:
+        if self.dp_group is None:
             return [float(v) for v in values]
         t = torch.tensor(values, dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
         dist.all_reduce(t, group=self.dp_group)
         return t.tolist()
 
     def _max(self, values: list[float]) -> list[float]:
-        if self.world == 1:
+        if self.dp_group is None:
             return [float(v) for v in values]
         t = torch.tensor(values, dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
         return t.tolist()
 
     def _save(self) -> None:
-        save_checkpoint(self.out / "checkpoints", self.step, self.model, self.actor.optimizer, self.actor.scheduler,
-                        extra={"step": self.step}, keep_last=self.cfg.trainer.keep_last)
+        if self.trains:
+            save_checkpoint(self.out / "checkpoints", self.step, self.model, self.actor.optimizer,
+                            self.actor.scheduler, extra={"step": self.step}, keep_last=self.cfg.trainer.keep_last,
+                            group=self.train_group)
 
     def _resume(self) -> None:
         if not self.cfg.trainer.resume:
             return
         path = latest_checkpoint(self.out / "checkpoints")
-        if path is not None:
-            state = load_checkpoint(path, self.model, self.actor.optimizer, self.actor.scheduler)
+        if path is not None and self.trains:
+            state = load_checkpoint(path, self.model, self.actor.optimizer, self.actor.scheduler,
+                                    group=self.train_group)
             self.step = state.step
             if self.rank == 0:
                 print(f"resumed from {path} at step {self.step}")
+        if self.disagg is not None:  # the rollout ranks follow trainer rank 0's step
+            step = [self.step]
+            dist.broadcast_object_list(step, src=0)
+            self.step = step[0]
+
+
+def _prompt_inputs(example) -> SequenceInputs:
+    p = example.prompt
+    return SequenceInputs(p.input_ids, None, p.pixel_values, p.image_grid_thw, p.pixel_values_videos, p.video_grid_thw,
+                          p.second_per_grid_ts)
 
 
 def balanced_share(examples: list, ranks: int, rank: int) -> list:

@@ -1,28 +1,59 @@
 """The engine runs on the trainer's own parameters: no second copy of the weights.
 
 At rollout start every FSDP2 unit of the trainer's model is unsharded (its
-parameters gathered over the dp_shard dimension) and told not to reshard after
-forward, so the engine's prefill and decode steps read the gathered parameters
-in place. After rollout the units reshard, freeing the gathered memory before
-the training passes.
+parameters gathered over the dp_shard dimension). After rollout the units
+reshard, freeing the gathered memory before the training passes.
 
-Per parameter, the trainer's layout is compared with the engine's: with the
-same TP size, every parameter is *aligned* (the engine's tensor is the
-trainer's unsharded parameter itself, same storage). Engines with a TP size
-different from the trainer's (views or rebuilt buffers) are not built yet:
-`rollout.tp` must equal `parallel.tp`.
+With the engine's TP size equal to the trainer's, the engine runs on the
+trainer's model itself: every parameter is *shared*, and the units are told not
+to reshard after forward, so the engine's prefill and decode steps read the
+gathered parameters in place.
+
+With a different TP size, the engine runs on `engine_model`: a second
+Qwen2_5_VL built on the meta device (no weight memory) and sharded by `apply_tp`
+over an engine TP mesh. Each of its parameters gets its data from the trainer's
+gathered parameter, chosen by comparing which block of the global tensor each
+side holds on this rank:
+- shared: the same block; the engine's local tensor is the trainer's.
+- viewed: a sub-block; the engine's local tensor is a slice of the trainer's
+  (a strided view for a column shard), same storage.
+- rebuilt: data another rank holds; a buffer of the engine's local shape,
+  refilled by an all-gather on the trainer's TP group at each rollout start.
+  Like the gathered parameters, the buffers hold memory during rollout only.
+
+Engine TP groups are `engine_tp` adjacent ranks, like the trainer's (so they
+stay inside a node). With trainer_tp=1 every engine shard lies inside the
+gathered parameter: TP-sharded weights are views, nothing is rebuilt. With
+trainer_tp > 1 and a different engine_tp, some rank's engine shard lies outside
+its trainer shard, and those weights are rebuilt on every rank. (A group ordered
+by trainer TP rank first would make engine_tp = k * trainer_tp all views, but
+DTensor cannot use it: its collectives follow the process group's ascending
+rank order, its shard offsets the mesh order.)
+
+Build the Engine inside `for_rollout()`: it reads the KV head count and dtype
+off the parameters, which only there have their rollout layout (outside, FSDP's
+dp shard of k_proj holds a fraction of the heads, and under mixed precision the
+sharded parameters are fp32).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from rollplex.models.qwen2_5_vl import Qwen2_5_VL
+from rollplex.train.parallelize import apply_tp
 
 
 @dataclass
@@ -30,43 +61,188 @@ class SharingReport:
     bytes_shared: int = 0  # engine reads the trainer's tensor itself
     bytes_viewed: int = 0  # engine reads a slice / stride view of it
     bytes_rebuilt: int = 0  # engine holds its own buffer, refilled after each update
-    seconds: float = 0.0  # time to make the weights ready for the engine (gather)
+    seconds: float = 0.0  # time to make the weights ready for the engine (gather, rebuild)
 
     def as_metrics(self) -> dict[str, float]:  # byte counts stay ints: exact in metrics.jsonl
         return {"weights/bytes_shared": self.bytes_shared, "weights/bytes_viewed": self.bytes_viewed,
                 "weights/bytes_rebuilt": self.bytes_rebuilt, "timing_s/update_weights": self.seconds}
 
 
+@dataclass
+class _Binding:
+    """Where one engine parameter takes its data from."""
+
+    trainer_module: nn.Module  # holds the trainer's parameter (FSDP swaps it there at unshard)
+    engine_module: nn.Module
+    name: str
+    layout: torch.Tensor  # the engine's meta parameter: its mesh, placements, global shape
+    kind: str  # "shared" | "viewed" | "rebuilt"
+    block: tuple[slice, ...]  # viewed: in the trainer's local tensor; rebuilt: in the global tensor
+    buffer: torch.Tensor | None = None  # rebuilt only
+
+
 class SharedWeights:
     def __init__(self, model: Qwen2_5_VL, trainer_tp: int = 1, engine_tp: int = 1):
-        if trainer_tp != engine_tp:
-            raise NotImplementedError(
-                f"rollout.tp={engine_tp} differs from parallel.tp={trainer_tp}: engines with their own TP layout "
-                "(view / rebuild sharing) are not implemented yet; set rollout.tp to parallel.tp")
         self.model = model
         self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         self.report = SharingReport()
+        self.bindings: list[_Binding] = []
+        self._engine_model = None
+        self.engine_tp_group: dist.ProcessGroup | None = None  # set when the engine has its own TP layout
+        if engine_tp != trainer_tp:
+            self._engine_model, self.engine_tp_group = _engine_skeleton(model, engine_tp)
+            with torch.no_grad():
+                self._gather()
+                try:
+                    self._plan()
+                    self._bind()
+                finally:
+                    self._release()
+
+    @property
+    def engine_model(self) -> Qwen2_5_VL:
+        """The model to build the Engine on (inside `for_rollout`): the trainer's model when
+        the TP sizes are equal. It has no FSDP hooks of its own."""
+        return self.model if self._engine_model is None else self._engine_model
 
     @contextmanager
     def for_rollout(self):
-        """Within this block the model's parameters are whole along dp and stay so
-        across forwards; the engine uses them in place."""
+        """Within this block the engine model's parameters hold the trainer's
+        current weights; the engine may run any number of steps on them."""
         start = time.perf_counter()
+        try:
+            with torch.no_grad():
+                self._gather()
+                if self._engine_model is None:
+                    self.report.bytes_shared = sum(_local_bytes(p) for p in self.model.parameters())
+                else:
+                    self._bind()
+            if self.model.device.type == "cuda":
+                torch.cuda.synchronize()
+            self.report.seconds = time.perf_counter() - start
+            yield self.engine_model
+        finally:
+            self._release()
+
+    # ------------------------------------------------------------------ trainer side
+
+    def _gather(self) -> None:
         for unit in self.units:
             unit.unshard()
+            # Aligned, the engine's forwards go through the FSDP hooks; they must not reshard between steps.
             unit.set_reshard_after_forward(False, recurse=False)
-        if self.model.device.type == "cuda":
-            torch.cuda.synchronize()
-        self.report.seconds = time.perf_counter() - start
-        self.report.bytes_shared = sum(_local_bytes(p) for p in self.model.parameters())
-        try:
-            yield self.model
-        finally:
-            for unit in self.units:
-                unit.reshard()
-                unit.set_reshard_after_forward(True, recurse=False)
+
+    def _release(self) -> None:
+        for b in self.bindings:
+            if b.buffer is not None:
+                b.buffer.untyped_storage().resize_(0)
+        for unit in self.units:
+            unit.reshard()
+            unit.set_reshard_after_forward(True, recurse=False)
+
+    # ------------------------------------------------------------------ engine side
+
+    def _plan(self) -> None:
+        """Decide, per parameter, how the engine gets it (trainer parameters gathered)."""
+        found = []
+        for path, trainer_param in self.model.named_parameters():
+            module_path, _, name = path.rpartition(".")
+            engine_module = self._engine_model.get_submodule(module_path.replace(_CHECKPOINT_PREFIX, ""))
+            layout = getattr(engine_module, name)
+            found.append((self.model.get_submodule(module_path), engine_module, name, layout,
+                          _block_within(trainer_param, layout)))
+        # A rebuild all-gathers on the trainer's TP group, so every rank must rebuild the same
+        # parameters; with uneven layouts one rank may hold its block while another does not.
+        needs_rebuild = torch.tensor([block is None for *_, block in found], dtype=torch.uint8,
+                                     device=self.model.device)
+        dist.all_reduce(needs_rebuild, op=dist.ReduceOp.MAX)
+        for (trainer_module, engine_module, name, layout, block), rebuild in zip(found, needs_rebuild.tolist()):
+            trainer_local = _local(trainer_module._parameters[name])
+            if rebuild:
+                b = _Binding(trainer_module, engine_module, name, layout, "rebuilt", _global_block(layout),
+                             torch.empty(_local_shape(layout), dtype=trainer_local.dtype, device=trainer_local.device))
+                _set_param(engine_module, name, b.buffer, layout)
+            else:
+                kind = "shared" if _local_shape(layout) == tuple(trainer_local.shape) else "viewed"
+                b = _Binding(trainer_module, engine_module, name, layout, kind, block)
+            self.bindings.append(b)
+            field = f"bytes_{b.kind}"
+            nbytes = math.prod(_local_shape(layout)) * trainer_local.element_size()
+            setattr(self.report, field, getattr(self.report, field) + nbytes)
+
+    def _bind(self) -> None:
+        """Point shared and viewed parameters at the trainer's gathered tensors, refill rebuilt ones.
+        Views are made anew at each rollout: cheap, and correct even if FSDP gathered into new tensors."""
+        for b in self.bindings:
+            trainer_param = b.trainer_module._parameters[b.name]
+            if b.kind == "rebuilt":
+                b.buffer.untyped_storage().resize_(b.buffer.numel() * b.buffer.element_size())
+                # The whole parameter exists only while it is copied: one at a time.
+                b.buffer.copy_(_full(trainer_param)[b.block])
+            else:
+                _set_param(b.engine_module, b.name, _local(trainer_param)[b.block], b.layout)
+        # Copied each rollout, so a backend chosen on the trainer's model later still applies.
+        self._engine_model.attn_backend = self.model.attn_backend
+        self._engine_model.visual.attn_backend = self.model.visual.attn_backend
+
+
+def _engine_skeleton(model: Qwen2_5_VL, engine_tp: int) -> tuple[Qwen2_5_VL, dist.ProcessGroup]:
+    world = dist.get_world_size()
+    if world % engine_tp:
+        raise ValueError(f"rollout.tp={engine_tp} does not divide the world size {world}")
+    mesh = init_device_mesh(model.device.type, (world // engine_tp, engine_tp), mesh_dim_names=("replica", "tp"))
+    with torch.device("meta"):
+        skeleton = Qwen2_5_VL(model.args)
+    return apply_tp(skeleton, mesh["tp"]).eval(), mesh["tp"].get_group()
+
+
+def _block_within(trainer_param: torch.Tensor, layout: torch.Tensor) -> tuple[slice, ...] | None:
+    """Where the engine's local block lies in this rank's local trainer tensor; None when it does not."""
+    if not (_is_block(trainer_param) and _is_block(layout)):
+        return None
+    starts = [e - t for e, t in zip(_global_offset(layout), _global_offset(trainer_param))]
+    lengths, trainer_lengths = _local_shape(layout), _local_shape(trainer_param)
+    if all(0 <= s and s + n <= tn for s, n, tn in zip(starts, lengths, trainer_lengths)):
+        return tuple(slice(s, s + n) for s, n in zip(starts, lengths))
+    return None
+
+
+def _is_block(t: torch.Tensor) -> bool:
+    """The local tensor is one dense block of the global tensor (not strided shards, not partial sums)."""
+    return not isinstance(t, DTensor) or all(type(p) in (Shard, Replicate) for p in t.placements)
+
+
+def _local_shape(t: torch.Tensor) -> tuple[int, ...]:
+    if isinstance(t, DTensor):
+        return tuple(compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)[0])
+    return tuple(t.shape)
+
+
+def _global_offset(t: torch.Tensor) -> tuple[int, ...]:
+    if isinstance(t, DTensor):
+        return tuple(compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)[1])
+    return (0,) * t.ndim
+
+
+def _global_block(t: torch.Tensor) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(_global_offset(t), _local_shape(t)))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _set_param(module: nn.Module, name: str, local: torch.Tensor, layout: torch.Tensor) -> None:
+    """Make `local` (no copy) the engine's parameter, as a DTensor when the engine's layout is one."""
+    if isinstance(layout, DTensor):
+        local = DTensor.from_local(local, layout.device_mesh, layout.placements, run_check=False,
+                                   shape=layout.shape, stride=layout.stride())
+    setattr(module, name, nn.Parameter(local, requires_grad=False))
 
 
 def _local_bytes(p: torch.Tensor) -> int:
-    t = p.to_local() if hasattr(p, "to_local") else p
-    return t.numel() * t.element_size()
+    return _local(p).numel() * p.element_size()

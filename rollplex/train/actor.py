@@ -98,7 +98,7 @@ class Actor:
 
     @property
     def dp_size(self) -> int:
-        return dist.get_world_size(self.dp_group) if dist.is_initialized() else 1
+        return 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
 
     # ------------------------------------------------------------------ micro-batches
 

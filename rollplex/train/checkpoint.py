@@ -74,13 +74,13 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+def _world_size(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def _barrier() -> None:
+def _barrier(group: dist.ProcessGroup | None = None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group)
 
 
 @contextmanager
@@ -127,20 +127,21 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(root: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-                    extra: dict[str, Any] | None = None, keep_last: int = 2) -> Path:
+                    extra: dict[str, Any] | None = None, keep_last: int = 2,
+                    group: dist.ProcessGroup | None = None) -> Path:
     """Save model, optimizer, scheduler, RNG and `extra` (JSON-serialisable, e.g. the
     data position; rank 0's copy is kept) as `root/step_{step:08d}`. Collective:
-    every rank calls it. Keeps the newest `keep_last` checkpoints (0: all).
+    every rank of `group` (default: all) calls it; global rank 0 must be one. Keeps the newest `keep_last` checkpoints (0: all).
     Returns the checkpoint's path."""
     root = Path(root)
     tmp = root / f"{TMP_PREFIX}{step_dir_name(step)}"
     final = root / step_dir_name(step)
     # Serialise before any work, on every rank, so a bad `extra` fails everywhere
     # at once instead of leaving the other ranks waiting in a barrier.
-    marker = json.dumps({"step": step, "world_size": _world_size(), "extra": extra or {}}, indent=2) + "\n"
+    marker = json.dumps({"step": step, "world_size": _world_size(group), "extra": extra or {}}, indent=2) + "\n"
     if _rank() == 0 and tmp.exists():
         shutil.rmtree(tmp)  # left by a crashed save of this step; may hold shards of another world size
-    _barrier()
+    _barrier(group)
 
     had_state = bool(optimizer.state)
     model_state, optim_state = get_state_dict(model, optimizer)
@@ -154,9 +155,9 @@ def save_checkpoint(root: str | Path, step: int, model: torch.nn.Module, optimiz
     if lr_scheduler is not None:
         state["lr_scheduler"] = lr_scheduler.state_dict()
     with _single_process_is_intended():
-        dcp.save(state, checkpoint_id=tmp)  # creates `tmp`; collective
+        dcp.save(state, checkpoint_id=tmp, process_group=group)  # creates `tmp`; collective
     torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
-    _barrier()  # every rank's files are on disk
+    _barrier(group)  # every rank's files are on disk
 
     if _rank() == 0:
         with open(tmp / MARKER, "w") as f:
@@ -168,7 +169,7 @@ def save_checkpoint(root: str | Path, step: int, model: torch.nn.Module, optimiz
             shutil.rmtree(final)
         tmp.rename(final)
         _prune(root, step, keep_last)
-    _barrier()  # no rank returns (and, say, loads it) before the rename
+    _barrier(group)  # no rank returns (and, say, loads it) before the rename
     return final
 
 
@@ -225,7 +226,8 @@ def _drop_unsaved_optimizer_state(optim_state: dict[str, Any], saved_keys: set[s
 
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> CheckpointState:
+                    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+                    group: dist.ProcessGroup | None = None) -> CheckpointState:
     """Restore model, optimizer, scheduler and this rank's RNG from a checkpoint
     written by `save_checkpoint`. Collective. The model and optimizer must be
     built and parallelised as for saving (see the module docstring)."""
@@ -241,7 +243,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     if lr_scheduler is not None:
         state["lr_scheduler"] = lr_scheduler.state_dict()
     with _single_process_is_intended():
-        dcp.load(state, checkpoint_id=path)  # in place, resharded to this layout
+        dcp.load(state, checkpoint_id=path, process_group=group)  # in place, resharded to this layout
     # strict=False only lets the parameters dropped above stay without optimizer
     # state; a model key missing from the checkpoint already failed in dcp.load.
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],

@@ -1,0 +1,152 @@
+"""Weight sharing between trainer and engine (gloo, 2 processes): the engine generates
+what a plain copy of the trainer's current weights generates, before and after an
+optimizer step, while reading the trainer's gathered tensors in place (shared),
+slices of them (viewed) or its own buffers (rebuilt), as the report says."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from distributed import run_distributed
+from rollplex.engine import Engine, EngineConfig, SamplingParams
+from rollplex.models import build_model
+from rollplex.ops.attention import VarlenAttention
+from test_engine import mixed_requests
+from test_model import tiny_args
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+CONFIG = EngineConfig(block_size=4, num_blocks=128)
+
+
+def greedy(engine: Engine) -> list[list[list[int]]]:
+    return [[s.token_ids for s in o.samples] for o in engine.generate(mixed_requests(n=2), PARAMS)]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return local(t).numel() * t.element_size()
+
+
+def sgd_step(model) -> None:
+    """One plain SGD step on next-token loss, through FSDP's forward, backward and sharded update."""
+    ids = torch.tensor([1, 5, 9, 13, 2, 7, 3, 4, 8, 6])
+    attn = VarlenAttention(torch.tensor([0, len(ids)], dtype=torch.int32), len(ids), causal=True, backend="torch")
+    logits = model.logits(model(ids, torch.arange(len(ids)).expand(3, -1), attn))
+    F.cross_entropy(logits[:-1], ids[1:]).backward()
+    torch.optim.SGD(model.parameters(), lr=2.0).step()
+    model.zero_grad()
+
+
+def plain_copy_tokens(rank: int, model) -> list | None:
+    """Rank 0: greedy tokens of a single-process engine on a plain copy of the trainer's weights."""
+    weights = {n: p.full_tensor() for n, p in model.named_parameters()}  # a collective: every rank gathers
+    if rank != 0:
+        return None
+    plain = build_model(tiny_args(), seed=0, init_std=None)
+    plain.load_state_dict(weights)
+    return greedy(Engine(plain.eval(), CONFIG))
+
+
+def fsdp_unsharded_params(model) -> list[torch.Tensor]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [fp._unsharded_param for unit in model.modules() if isinstance(unit, FSDPModule)
+            for group in unit._get_fsdp_state()._fsdp_param_groups for fp in group.fsdp_params]
+
+
+def storage_relations(model, engine_model) -> dict[str, int]:
+    """Bytes of the engine's local parameters by how they relate to the trainer's gathered tensor."""
+    trainer = dict(model.named_parameters())
+    relations = {"same": 0, "view": 0, "own": 0}
+    for name, p in engine_model.named_parameters():
+        e, t = local(p), local(trainer[name])
+        if e.data_ptr() == t.data_ptr() and e.shape == t.shape:
+            relation = "same"
+        elif e.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+            assert e.numel() < t.numel(), name
+            relation = "view"
+        else:
+            relation = "own"
+        relations[relation] += nbytes(p)
+    return relations
+
+
+def rollouts(rank: int, world: int, trainer_tp: int, engine_tp: int, out: str) -> None:
+    """Two rollouts with an optimizer step between; rank 0 writes what each saw."""
+    from rollplex.dist import ParallelDims, build_mesh
+    from rollplex.rl.weights import SharedWeights
+    from rollplex.train.parallelize import parallelize
+
+    torch.set_num_threads(1)
+    model = build_model(tiny_args(), seed=3, init_std=None)
+    parallelize(model, build_mesh(ParallelDims.resolve(world, -1, trainer_tp), "cpu"))
+    shared = SharedWeights(model, trainer_tp, engine_tp)
+    engine = None
+    result = {"engine_is_trainer": shared.engine_model is model, "rounds": []}
+    for step in range(2):
+        if step:
+            sgd_step(model)
+        model.eval()
+        with shared.for_rollout() as engine_model:
+            assert engine_model is shared.engine_model
+            # Built in here: it reads the KV head count and dtype off the gathered parameters
+            # (outside, FSDP's dp shard of k_proj would give half the heads).
+            engine = engine or Engine(engine_model, CONFIG)
+            # for_rollout gathered the trainer's parameters: they are FSDP's unsharded tensors
+            assert {local(p).data_ptr() for p in fsdp_unsharded_params(model)} == \
+                {local(p).data_ptr() for p in model.parameters()}
+            tokens = greedy(engine)
+            relations = storage_relations(model, engine_model)
+            engine_bytes = sum(nbytes(p) for p in engine_model.parameters())
+        engine.release_kv()
+        held = sum(local(p).untyped_storage().size() for p in engine_model.parameters())
+        result["rounds"].append({"tokens": tokens, "expected": plain_copy_tokens(rank, model),
+                                 "relations": relations, "engine_bytes": engine_bytes,
+                                 "held_after": held, "report": shared.report.as_metrics()})
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+
+
+def run(tmp_path, trainer_tp: int, engine_tp: int) -> dict:
+    out = tmp_path / "result.json"
+    run_distributed(rollouts, 2, trainer_tp, engine_tp, str(out))
+    result = json.loads(out.read_text())
+    first, second = result["rounds"]
+    for r in result["rounds"]:
+        assert r["tokens"] == r["expected"]
+    assert first["tokens"] != second["tokens"]  # the step changed the policy, and the engine saw it
+    return result
+
+
+def test_aligned_engine_reads_the_gathered_parameters(tmp_path):
+    """trainer tp=1 dp_shard=2, engine tp=1: the engine runs on the trainer's model itself."""
+    result = run(tmp_path, trainer_tp=1, engine_tp=1)
+    total = sum(nbytes(p) for p in build_model(tiny_args()).parameters())
+    assert result["engine_is_trainer"]
+    for r in result["rounds"]:
+        assert r["relations"] == {"same": total, "view": 0, "own": 0}
+        assert r["report"]["weights/bytes_shared"] == total
+        assert r["report"]["weights/bytes_viewed"] == r["report"]["weights/bytes_rebuilt"] == 0
+
+
+@pytest.mark.parametrize("trainer_tp,engine_tp,kind", [(1, 2, "view"), (2, 1, "own")])
+def test_engine_tp_differs_from_trainer_tp(tmp_path, trainer_tp, engine_tp, kind):
+    """Engine tp=2 on trainer tp=1 (dp_shard=2): TP-sharded weights are slices of the gathered
+    ones. Engine tp=1 on trainer tp=2: they are rebuilt. Replicated ones (norms) are shared
+    either way. Outside rollout, the engine's parameters hold no memory."""
+    result = run(tmp_path, trainer_tp, engine_tp)
+    assert not result["engine_is_trainer"]
+    for r in result["rounds"]:
+        report, relations = r["report"], r["relations"]
+        assert relations[kind] > 0 and relations["same"] > 0
+        assert {"same": report["weights/bytes_shared"], "view": report["weights/bytes_viewed"],
+                "own": report["weights/bytes_rebuilt"]} == relations
+        assert sum(relations.values()) == r["engine_bytes"]
+        assert r["held_after"] == 0
