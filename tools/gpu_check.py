@@ -4,8 +4,10 @@
 
 Each check is a function returning a dict of figures; a check that raises is
 recorded as failed with its error and the run goes on. The whole run is sized
-to finish in under 8 minutes on one GPU. Later components add their checks to
-CHECKS. The exit status is non-zero when any check failed.
+to finish in under 8 minutes on one GPU, plus about 3 minutes for the schedule
+benchmark (bench_schedules: its report, traces and timeline go to a
+bench_schedules/ folder next to the JSON report). Later components add their
+checks to CHECKS. The exit status is non-zero when any check failed.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling tools (bench_schedules)
 
 from rollplex.models import ModelArgs, TextArgs, VisionArgs, build_model, from_pretrained, save_pretrained  # noqa: E402
 from rollplex.models.packing import SequenceInputs, pack_sequences  # noqa: E402
@@ -193,6 +196,34 @@ def check_paged_decode_triton(device: str) -> dict:
     return {"ok": err < 2e-2, "max_abs_err_bf16": err, **timings}
 
 
+def check_bench_schedules(device: str) -> dict:
+    """tools/bench_schedules.py: serial-naive, serial-prefix and overlap on the same
+    workload (configs/bench_h200_video.yaml on CUDA; a tiny CPU one for --device cpu).
+    Records the throughput ratios, the decode slowdown and each schedule's step time.
+    ok: every schedule ran and did the same work (equal response lengths per step)."""
+    import bench_schedules
+
+    repo = Path(__file__).resolve().parent.parent
+    if device.startswith("cuda"):
+        argv = ["--config", str(repo / "configs/bench_h200_video.yaml"), "--steps", "1"]
+    else:
+        argv = ["--config", str(repo / "configs/tiny.yaml"), "--steps", "1", "--data.task", "direction",
+                "--data.batch_size", "2", "--rollout.n", "2", "--rollout.max_tokens", "4",
+                "--algorithm.kl_coef", "0.01", "--rollout.kv_cache_memory", "16e6"]
+    with tempfile.TemporaryDirectory() as work:  # the random checkpoint stays out of the artifacts
+        report = bench_schedules.main(argv + ["--trainer.output_dir", work,
+                                              "--out", str(ARTIFACTS / "bench_schedules")])
+    schedules = report["schedules"]
+    lengths = {name: [r["response_length/mean"] for r in [s["warmup"], *s["steps"]]] for name, s in schedules.items()}
+    return {"ok": len({tuple(v) for v in lengths.values()}) == 1, **report["ratios"],
+            "same_samples": report["same_samples"], "config": Path(argv[1]).name,
+            "step_s": {name: s["mean"]["timing_s/step"] for name, s in schedules.items()},
+            "throughput": {name: s["mean"]["perf/throughput"] for name, s in schedules.items()},
+            "prefix_deferred_items": schedules["overlap"]["mean"].get("prefix/deferred_items"),
+            "overlap_efficiency": schedules["overlap"]["mean"].get("perf/overlap_efficiency"),
+            "note": "random weights; timing only"}
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -204,7 +235,9 @@ CHECKS = {
     "paged_decode_triton": check_paged_decode_triton,
     "engine_cuda_graphs_equal_eager": check_engine_cuda_graphs,
     "engine_throughput_3b": check_engine_throughput,
+    "bench_schedules": check_bench_schedules,
 }
+ARTIFACTS = Path(".")  # where checks write files beyond the JSON report (main sets it next to --out)
 
 
 def main() -> int:
@@ -214,6 +247,8 @@ def main() -> int:
     parser.add_argument("--device", default="cuda",
                         help="cuda; 'cpu' only dry-runs the script's own logic (CI does this for cheap checks)")
     opts = parser.parse_args()
+    global ARTIFACTS
+    ARTIFACTS = Path(opts.out).resolve().parent
     if opts.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_check: no CUDA device; nothing to check", file=sys.stderr)
         return 2
