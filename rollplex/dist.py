@@ -34,12 +34,20 @@ class ParallelDims:
         return cls(world_size, dp_shard, tp)
 
 
-def init_distributed() -> tuple[int, int, torch.device]:
-    """Join the process group torchrun set up (if any). Returns (rank, world size, device)."""
+def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
+    """Join the process group torchrun set up (if any). `device`: auto (CUDA when
+    available), cpu, cuda (this process's LOCAL_RANK GPU) or cuda:N. Returns
+    (rank, world size, device)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device != "cpu" and not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
+        raise ValueError(f"unknown device {device!r}: expected auto, cpu, cuda or cuda:N")
+    if device != "cpu" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {device!r} was asked for, but torch sees no CUDA device")
+    device = torch.device("cpu") if device == "cpu" else torch.device("cuda", int(device[5:] or local_rank))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():

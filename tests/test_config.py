@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from rollplex.config import (
@@ -273,3 +274,14 @@ def test_dict_round_trip(tmp_path):
     save_config(cfg, tmp_path / "sub" / "config.yaml")
     assert load_config_file(tmp_path / "sub" / "config.yaml") == cfg
     assert load_config(["--config", str(tmp_path / "sub" / "config.yaml")]) == cfg
+
+
+def test_device_option_is_honoured_and_checked():
+    from rollplex.dist import init_distributed
+
+    assert init_distributed("cpu")[2].type == "cpu"
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        init_distributed("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="no CUDA device"):
+            init_distributed("cuda")

@@ -76,7 +76,7 @@ class Rollout:
 class RLTrainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.rank, self.world, self.device = init_distributed()
+        self.rank, self.world, self.device = init_distributed(cfg.trainer.device)
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
         torch.manual_seed(cfg.trainer.seed)
@@ -500,9 +500,12 @@ class RLTrainer:
             cached = _cat_vision(vision[chunk])
             lens = [len(p.input_ids) for p in ps]
 
+            patches = sum(t.shape[0] for p in ps for t in (p.pixel_values, p.pixel_values_videos) if t is not None)
+
             def item(kind, model, keep_graph, reuse_vision):
                 return PrefixWork(kind, c, model, ps, cached if reuse_vision else None, keep_graph,
-                                  prefix_work_bytes(self.model.args, lens, keep_graph, dtype, tp))
+                                  prefix_work_bytes(self.model.args, lens, keep_graph, dtype, tp,
+                                                    0 if reuse_vision else patches))
 
             if self.ref_model is not None:
                 items.append(item("ref", self.ref_model, False, frozen))
@@ -518,7 +521,9 @@ class RLTrainer:
             return int(value)
         if self.device.type != "cuda":
             return int(value * _free_memory_cpu()) if value else None
-        free = torch.cuda.mem_get_info(self.device)[0] - self.engine.cache.pool_bytes
+        # Memory the caching allocator holds but no tensor uses (last step's KV pool, say) is free to us.
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        free = torch.cuda.mem_get_info(self.device)[0] + cached - self.engine.cache.pool_bytes
         return int((value or 0.5) * max(free, 0))
 
     def update(self, rollout: Rollout, advantages: list[float], old: list[torch.Tensor],
