@@ -1,18 +1,25 @@
 """tools/bench_schedules.py runs the three schedules end to end on a tiny CPU
-workload and writes its report, traces and timeline. No timing assertions: the
+workload and writes its report, traces and timeline; under torchrun with 2
+processes, the disaggregated baseline as a fourth. No timing assertions: the
 figures depend on the machine."""
 
 import json
 import math
+import os
+import signal
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
 import bench_schedules  # noqa: E402
 
+REPO = Path(__file__).resolve().parent.parent
 TINY = ["--config", str(Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"), "--steps", "1",
         "--data.task", "direction", "--data.batch_size", "2", "--rollout.n", "2", "--rollout.max_tokens", "4",
         "--algorithm.kl_coef", "0.01", "--rollout.kv_cache_memory", "16e6", "--trainer.num_threads", "1"]
@@ -60,3 +67,91 @@ def test_bench_schedules_end_to_end(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "random" in printed and "no overlap gain is expected" in printed
     assert "overlap / serial-naive" in printed and "decode slowdown" in printed
+    assert "planned gen" in printed and "disagg" not in printed
+
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_bench_schedules_torchrun_two_ranks(tmp_path):
+    """torchrun, 2 CPU processes: the colocated three on both ranks, then disagg with
+    rank 1 generating and rank 0 training; rank 0 alone reports."""
+    out = tmp_path / "bench"
+    # 4 prompts: 2 per rank when colocated, so each of the 2 updates per batch has a prompt on every rank.
+    argv = TINY + ["--data.batch_size", "4", "--out", str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), str(REPO / "tools" / "bench_schedules.py"), *argv]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # Its own session, so that a hang takes the launcher and both workers down together.
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"torchrun timed out\nstdout:\n{stdout[-4000:]}\nstderr:\n{stderr[-8000:]}")
+    assert proc.returncode == 0, f"stdout:\n{stdout[-4000:]}\nstderr:\n{stderr[-8000:]}"
+
+    report = json.loads((out / "report.json").read_text())
+    assert report["world_size"] == 2
+    schedules = report["schedules"]
+    assert list(schedules) == ["serial-naive", "serial-prefix", "overlap", "disagg"]
+    disagg = schedules["disagg"]
+    assert disagg["config"]["schedule"]["kind"] == "disagg" and disagg["config"]["schedule"]["rollout_ranks"] == 1
+    for s in schedules.values():
+        assert s["world_size"] == 2 and len(s["steps"]) == 1 and s["warmup"] and s["traced"]
+        assert s["config"]["data"]["batch_size"] == 4
+        assert s["mean"]["perf/planned_memory_gb/gen"] > 0 and s["mean"]["perf/planned_memory_gb/update_actor"] > 0
+        assert (out / s["trace"]).stat().st_size > 0  # rank 0's, for every schedule
+
+    # disagg's metrics come from rank 0, a trainer: its idle times and the rollout ranks'.
+    for row in [disagg["warmup"], *disagg["steps"], disagg["traced"]]:
+        for key in ("timing_s/rollout_idle", "timing_s/train_idle", "timing_s/gen", "timing_s/step"):
+            assert math.isfinite(row[key]) and row[key] >= 0, key
+    timeline = disagg["timeline"]
+    assert timeline["from_metrics"] and not timeline["engine_steps"] and not timeline["prefix_spans"]
+    assert timeline["gen_end"] == disagg["steps"][-1]["timing_s/train_idle"]
+
+    # The same prompts and samples in every schedule, disagg included, at every step.
+    rows = {n: [s["warmup"], *s["steps"], s["traced"]] for n, s in schedules.items()}
+    for key in ("critic/score/mean", "response_length/mean"):
+        assert len({tuple(r[key] for r in steps) for steps in rows.values()}) == 1, key
+    assert report["same_samples"] is True
+
+    tput = {n: s["mean"]["perf/throughput"] for n, s in schedules.items()}
+    r = report["ratios"]
+    assert r["throughput_disagg_over_overlap"] == pytest.approx(tput["disagg"] / tput["overlap"])
+    assert r["throughput_disagg_over_serial_naive"] == pytest.approx(tput["disagg"] / tput["serial-naive"])
+    assert all(math.isfinite(v) for v in r.values())
+
+    # Rank 0 alone writes: the report, one trace per schedule, the timeline (and the tiny model's folder).
+    assert {p.name for p in out.iterdir()} == {"report.json", "timeline.png", "trainer",
+                                               *(f"trace_{n}.json.gz" for n in schedules)}
+    printed = stdout
+    assert printed.count("bench_schedules:") == 1  # rank 0 prints
+    assert "rollout ranks idle" in printed and "trainer ranks idle" in printed
+    assert "disagg / overlap" in printed and "disagg / serial-naive" in printed and "planned gen" in printed
+
+
+def test_print_memory_cuda(capsys):
+    """The CUDA form of the memory lines (measured peaks, the plan, its error), from made-up means:
+    disagg's rank 0 has no gen phase, so no measured gen peak and no gen error."""
+    colocated = {"perf/planned_memory_gb/gen": 40.0, "perf/planned_memory_gb/update_actor": 60.0,
+                 "perf/max_memory_allocated_gb/gen": 42.0, "perf/max_memory_allocated_gb/update_actor": 57.0,
+                 "perf/memory_plan_error/gen": 0.05, "perf/memory_plan_error/update_actor": -0.05}
+    disagg = {"perf/planned_memory_gb/gen": 30.0, "perf/planned_memory_gb/update_actor": 70.0,
+              "perf/max_memory_allocated_gb/update_actor": 63.0, "perf/memory_plan_error/update_actor": -0.1}
+    bench_schedules.print_memory({"overlap": {"mean": colocated}, "disagg": {"mean": disagg}}, cuda=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert "measured" in lines[0] and "error" in lines[0]
+    assert lines[1].split() == ["overlap", "planned", "gen", "40", "update_actor", "60", "measured", "gen", "42",
+                                "update_actor", "57", "error", "gen", "+5.0%", "update_actor", "-5.0%"]
+    assert lines[2].split() == ["disagg", "planned", "gen", "30", "update_actor", "70", "measured", "update_actor",
+                                "63", "error", "update_actor", "-10.0%"]
+    assert "disagg" in lines[3] and "trainer" in lines[3]

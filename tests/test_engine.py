@@ -196,3 +196,19 @@ def test_cuda_graph_bookkeeping_matches_eager(model):
     graphed.release_kv()  # a new pool: the next generate must recapture against it
     assert [[s.token_ids for s in o.samples] for o in graphed.generate(requests, params)] == \
         [[s.token_ids for s in o.samples] for o in eager]
+
+
+def test_pool_is_sized_for_the_batch():
+    """A small batch gets a pool for its samples at full length, not the whole
+    configured capacity; a capacity below that caps it; the tokens do not change."""
+    model = build_model(tiny_args(), seed=3, init_std=None).eval()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    big = Engine(model, EngineConfig(block_size=4, num_blocks=256, enforce_eager=True))
+    small = Engine(model, EngineConfig(block_size=4, num_blocks=40, enforce_eager=True))
+    requests = mixed_requests(n=2)
+    want = big.blocks_for(requests, params)
+    tokens = [[s.token_ids for s in o.samples] for o in big.generate(requests, params)]
+    assert big.cache.num_blocks == want < big.cache.capacity
+    assert want == sum(r.n * -(-(len(r.prompt_ids) + 8) // 4) for r in requests)
+    assert [[s.token_ids for s in o.samples] for o in small.generate(requests, params)] == tokens
+    assert small.cache.num_blocks == 40 < want

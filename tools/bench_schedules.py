@@ -1,9 +1,10 @@
-"""Step time of the three RL schedules on one workload, side by side.
+"""Step time of the RL schedules on one workload, side by side.
 
     python tools/bench_schedules.py --config configs/bench_h200_video.yaml --steps 1     # one H200, ~3 min
     python tools/bench_schedules.py --steps 8 --data.task direction --data.num_frames 16 --data.image_size 112 \\
         --data.batch_size 4 --rollout.n 4 --rollout.min_tokens 8 --rollout.max_tokens 16 --rollout.ignore_eos true \\
         --algorithm.kl_coef 0.01 --rollout.kv_cache_memory 64e6                               # CPU, ~1 min
+    torchrun --nproc-per-node 8 tools/bench_schedules.py --config configs/bench_h200_video.yaml --steps 1  # + disagg
 
 Any other `--section.field value` goes to every schedule's config (see
 `python train.py --help`). Each schedule gets a fresh RLTrainer from the same
@@ -12,15 +13,28 @@ config and seeds, in this process, so it sees the same prompts and samples:
     serial-naive   --schedule.kind serial --schedule.share_prefix false
     serial-prefix  --schedule.kind serial --schedule.share_prefix true
     overlap        --schedule.kind overlap
+    disagg         --schedule.kind disagg --schedule.rollout_ranks N//2     (only under torchrun, N >= 2 ranks)
+
+Under torchrun every rank runs the same schedules, each trainer built
+collectively: the colocated three on all N ranks (dp_shard = N unless
+--parallel.* says otherwise), disagg with its last N//2 ranks generating and the
+first N - N//2 training (rollplex/rl/disagg.py). perf/throughput is tokens per
+second per rank (GPU) in every schedule, disagg included (its idle rollout
+ranks count), so the ratios compare equal GPU counts. Rank 0, always a trainer,
+prints and writes every file; the other ranks write nothing.
 
 Per schedule: 1 warm-up step (not counted), `--steps` measured steps, then one
 more step under torch.profiler (not counted either: the profiler slows it)
-whose Chrome trace is written. `--out` gets report.json, trace_<schedule>.json.gz
-and timeline.png (engine steps and prefix slices of the last measured step).
-Before each step the CUDA cache is emptied, so the prefix budget (read from
-free device memory) is the same in every step. On CPU give
---rollout.kv_cache_memory in bytes: the default fraction of free RAM makes
-every rollout zero-fill gigabytes of KV pool.
+whose Chrome trace (rank 0's) is written. `--out` gets report.json,
+trace_<schedule>.json.gz and timeline.png (engine steps and prefix slices of
+the last measured step; disagg's rank 0 runs no engine, so its panel shows only
+the rollout ranks' gen phase, taken from the step's metrics). Before each step
+the CUDA cache is emptied, so the prefix budget (read from free device memory)
+is the same in every step. On CPU give --rollout.kv_cache_memory in bytes: the
+default fraction of free RAM makes every rollout zero-fill gigabytes of KV pool.
+
+Beside each schedule's measured peaks (CUDA) the memory plan the loop logs is
+printed (perf/planned_memory_gb/<phase>, perf/memory_plan_error/<phase>).
 
 The model has random weights: only the timings mean anything.
 """
@@ -44,18 +58,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rollplex.config import config_to_dict, load_config  # noqa: E402
 from rollplex.rl.loop import RLTrainer  # noqa: E402
 
-SCHEDULES = {
+SCHEDULES = {  # colocated: every rank rolls out and trains
     "serial-naive": ["--schedule.kind", "serial", "--schedule.share_prefix", "false"],
     "serial-prefix": ["--schedule.kind", "serial", "--schedule.share_prefix", "true"],
     "overlap": ["--schedule.kind", "overlap"],
 }
 PHASES = ("gen", "prefix", "ref", "old_log_prob", "update_actor")
+PLANNED_PHASES = ("gen", "update_actor")  # the phases the loop's memory plan is logged for
 # Same workload check: with seeded sampling these are equal in every schedule (see tests/test_schedules.py).
 SAME = ("critic/score/mean", "response_length/mean")
 RANDOM_NOTE = "weights are random: the figures are timings only"
 CPU_NOTE = ("on CPU there is no side stream: overlap runs its prefix slices inline between decode steps, "
             "so it does the same work as serial-prefix and no overlap gain is expected")
+CPU_RANKS_NOTE = ("on CPU the ranks are processes sharing this machine's cores and talking through gloo: "
+                  "a per-GPU comparison in form only")
+DISAGG_NOTE = ("disagg: perf/throughput is tokens / step time / all ranks (rollout and trainer), the per-GPU "
+               "definition of the other schedules, so its ratios compare equal GPU counts")
+DISAGG_PLAN_NOTE = ("disagg: the planned figures are rank 0's, a trainer: the loop plans it as a colocated rank of the "
+                    "trainers' layout, so its planned gen counts a KV pool and engine weights it does not hold")
 KIND_COLOURS = {"vision": "tab:purple", "ref": "tab:orange", "actor": "tab:green", "old": "tab:red"}
+
+
+def schedules(world: int) -> dict[str, list[str]]:
+    """The schedules run at this world size: the colocated three, and disagg from 2 ranks
+    (the last world // 2 ranks generate, the rest train)."""
+    out = dict(SCHEDULES)
+    if world >= 2:
+        out["disagg"] = ["--schedule.kind", "disagg", "--schedule.rollout_ranks", str(world // 2)]
+    return out
 
 
 class Recorder:
@@ -114,44 +144,73 @@ class Recorder:
                 "scheduler_step_ends": [t - t0 for t in rec["step_ends"]]}
 
 
-def run_schedule(name: str, base_argv: list[str], steps: int, out: Path, trace: bool, batches: list) -> dict:
-    cfg = load_config(base_argv + SCHEDULES[name])
+def run_schedule(name: str, overrides: list[str], base_argv: list[str], steps: int, out: Path, trace: bool,
+                 batches: list) -> dict | None:
+    """Run one schedule on this rank (every rank calls it: the trainer is built and
+    stepped collectively). Returns the schedule's results on rank 0, None elsewhere."""
+    cfg = load_config(base_argv + overrides)
     load_before = os.getloadavg()[0]  # others' load on the machine skews a sequential comparison
     trainer = RLTrainer(cfg)
+    lead = trainer.rank == 0  # rank 0 trains in every schedule (disagg's rollout ranks are the last ones)
     cuda = trainer.device.type == "cuda"
-    recorder = Recorder(trainer)
+    # Host timestamps of rank 0's rollouts; a disagg trainer rank has no engine and rolls nothing out.
+    recorder = Recorder(trainer) if lead and trainer.engine is not None else None
     source = trainer._batches(0)
     rows = []
-    for i in range(1 + steps + trace):
-        if i == len(batches):  # the same prompts for every schedule; made once
-            batches.append(next(source))
-        trainer.step = i + 1  # as fit() numbers steps (the sampling seeds depend on it)
-        gc.collect()
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-        if trace and i == steps + 1:
-            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-            with torch.profiler.profile(activities=activities) as prof:
-                metrics = trainer.train_step(batches[i])
-            prof.export_chrome_trace(str(out / f"trace_{name}.json.gz"))
-        else:
-            metrics = trainer.train_step(batches[i])
-        recorder.finish()
-        rows.append({k: float(v) for k, v in metrics.items()})
-        print(f"  {name} step {i} ({'warm-up' if i == 0 else 'traced' if i > steps else 'measured'}): "
-              f"{metrics['timing_s/step']:.3f} s", flush=True)
-    result = {"overrides": SCHEDULES[name], "config": config_to_dict(cfg), "warmup": rows[0],
-              "steps": rows[1:1 + steps], "traced": rows[1 + steps] if trace else None,
-              "mean": _mean(rows[1:1 + steps]), "timeline": recorder.timeline(steps),
-              "trace": f"trace_{name}.json.gz" if trace else None, "device": str(trainer.device),
-              "loadavg_1min": [load_before, os.getloadavg()[0]]}
+    # The objects so far (the trainer's and the imports', ~400k) out of every later collection: a full
+    # gc.collect() then takes ms, not ~0.2 s, and an automatic one cannot land inside a timed step. Under
+    # torchrun that matters twice: one rank's collection before a step is another's wait inside it.
+    gc.collect()
+    gc.freeze()
+    try:
+        for i in range(1 + steps + trace):
+            if i == len(batches):  # the same prompts for every schedule; made once
+                batches.append(next(source))
+            trainer.step = i + 1  # as fit() numbers steps (the sampling seeds depend on it)
+            gc.collect()
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            if trace and i == steps + 1 and lead:  # the profiler trace is rank 0's
+                activities = [torch.profiler.ProfilerActivity.CPU] + \
+                    ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+                with torch.profiler.profile(activities=activities) as prof:
+                    metrics = trainer.train_step(batches[i])
+                prof.export_chrome_trace(str(out / f"trace_{name}.json.gz"))
+            else:
+                metrics = trainer.train_step(batches[i])  # {} on a disagg rollout rank
+            if recorder is not None:
+                recorder.finish()
+            rows.append({k: float(v) for k, v in metrics.items()})
+            if lead:
+                print(f"  {name} step {i} ({'warm-up' if i == 0 else 'traced' if i > steps else 'measured'}): "
+                      f"{metrics['timing_s/step']:.3f} s", flush=True)
+    finally:
+        gc.unfreeze()
+    result = None
+    if lead:
+        result = {"overrides": overrides, "config": config_to_dict(cfg), "world_size": trainer.world,
+                  "warmup": rows[0], "steps": rows[1:1 + steps], "traced": rows[1 + steps] if trace else None,
+                  "mean": _mean(rows[1:1 + steps]),
+                  "timeline": recorder.timeline(steps) if recorder is not None else metrics_timeline(rows[steps]),
+                  "trace": f"trace_{name}.json.gz" if trace else None, "device": str(trainer.device),
+                  "loadavg_1min": [load_before, os.getloadavg()[0]]}
     trainer.logger.close()
     del trainer, recorder
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
     return result
+
+
+def metrics_timeline(m: dict) -> dict:
+    """disagg, on a trainer rank: the step's timeline from its metrics alone, seconds from
+    the end of the weight broadcast (about when the rollout ranks start generating):
+    the broadcast before it, the rollout ranks' gen phase (the slowest replica's), and
+    gen_end, when the samples reached the trainers. No engine steps or prefix work."""
+    return {"gen_end": m["timing_s/train_idle"], "engine_steps": [], "prefix_spans": [], "scheduler_step_ends": [],
+            "from_metrics": True, "update_weights": [-m.get("timing_s/update_weights", 0.0), 0.0],
+            "rollout_gen": [0.0, m["timing_s/gen"]]}
 
 
 def _mean(rows: list[dict]) -> dict:
@@ -162,12 +221,16 @@ def _mean(rows: list[dict]) -> dict:
 def ratios(results: dict) -> dict:
     tput = {n: r["mean"]["perf/throughput"] for n, r in results.items()}
     o, p = results["overlap"]["mean"], results["serial-prefix"]["mean"]
-    return {"throughput_overlap_over_serial_naive": tput["overlap"] / tput["serial-naive"],
-            "throughput_overlap_over_serial_prefix": tput["overlap"] / tput["serial-prefix"],
-            "throughput_serial_prefix_over_serial_naive": tput["serial-prefix"] / tput["serial-naive"],
-            # decode of the overlap step (its gen phase without the prefix work it left exposed) against the
-            # decode-only gen phase of serial-prefix (same vision encode, same samples, no slices)
-            "decode_slowdown": (o["timing_s/gen"] - o.get("timing_s/prefix_exposed", 0.0)) / p["timing_s/gen"] - 1}
+    out = {"throughput_overlap_over_serial_naive": tput["overlap"] / tput["serial-naive"],
+           "throughput_overlap_over_serial_prefix": tput["overlap"] / tput["serial-prefix"],
+           "throughput_serial_prefix_over_serial_naive": tput["serial-prefix"] / tput["serial-naive"],
+           # decode of the overlap step (its gen phase without the prefix work it left exposed) against the
+           # decode-only gen phase of serial-prefix (same vision encode, same samples, no slices)
+           "decode_slowdown": (o["timing_s/gen"] - o.get("timing_s/prefix_exposed", 0.0)) / p["timing_s/gen"] - 1}
+    if "disagg" in tput:  # per GPU at equal GPU count: perf/throughput divides by every rank in each schedule
+        out["throughput_disagg_over_overlap"] = tput["disagg"] / tput["overlap"]
+        out["throughput_disagg_over_serial_naive"] = tput["disagg"] / tput["serial-naive"]
+    return out
 
 
 def same_samples(results: dict) -> tuple[bool, list[str]]:
@@ -182,7 +245,7 @@ def same_samples(results: dict) -> tuple[bool, list[str]]:
     return ok, lines
 
 
-def print_table(results: dict, r: dict) -> None:
+def print_table(results: dict, r: dict, cuda: bool) -> None:
     cols = ("step s", *PHASES, "tok/s", "hidden", "exposed", "ovl eff", "deferred")
     print(f"{'schedule':<14}" + "".join(f"{c:>13}" for c in cols))
     for name, res in results.items():
@@ -191,16 +254,47 @@ def print_table(results: dict, r: dict) -> None:
                   m.get("timing_s/prefix_hidden"), m.get("timing_s/prefix_exposed"), m.get("perf/overlap_efficiency"),
                   m.get("prefix/deferred_items")]
         print(f"{name:<14}" + "".join(f"{'-':>13}" if v is None else f"{v:>13.4g}" for v in values))
-    memory = {n: {k.rsplit("/", 1)[1]: v for k, v in res["mean"].items() if k.startswith("perf/max_memory_allocated_gb/")}
-              for n, res in results.items()}
-    if any(memory.values()):
-        print("peak memory allocated per phase, GiB:")
-        for name, phases in memory.items():
-            print(f"  {name:<14}" + "  ".join(f"{p} {v:.1f}" for p, v in phases.items()))
+    if "disagg" in results:
+        m = results["disagg"]["mean"]
+        print(f"disagg per step: weights broadcast {m.get('timing_s/update_weights', 0.0):.4g} s, "
+              f"rollout ranks idle {m['timing_s/rollout_idle']:.4g} s, "
+              f"trainer ranks idle (waiting for samples) {m['timing_s/train_idle']:.4g} s "
+              f"(gen above: the slowest rollout replica's)")
+    print_memory(results, cuda)
     print(f"throughput overlap / serial-naive   {r['throughput_overlap_over_serial_naive']:.3f}")
     print(f"throughput overlap / serial-prefix  {r['throughput_overlap_over_serial_prefix']:.3f}")
     print(f"throughput serial-prefix / naive    {r['throughput_serial_prefix_over_serial_naive']:.3f}")
+    if "throughput_disagg_over_overlap" in r:
+        print(f"throughput disagg / overlap         {r['throughput_disagg_over_overlap']:.3f}  "
+              "(per GPU, equal GPU count)")
+        print(f"throughput disagg / serial-naive    {r['throughput_disagg_over_serial_naive']:.3f}  "
+              "(per GPU, equal GPU count)")
     print(f"decode slowdown (overlap gen - exposed) / serial-prefix gen - 1  {r['decode_slowdown']:+.3f}")
+
+
+def print_memory(results: dict, cuda: bool) -> None:
+    """Per schedule: the loop's planned per-GPU figures; on CUDA also the measured peaks per
+    phase and the plan's error (measured / planned - 1)."""
+    def phase_values(m: dict, prefix: str) -> dict:
+        return {k[len(prefix):]: v for k, v in m.items() if k.startswith(prefix)}
+
+    if cuda:
+        print("memory per GPU, GiB (planned: the loop's memory plan; measured: peak allocated per phase; "
+              "error: measured / planned - 1):")
+    else:
+        print("memory per GPU, GiB (planned: the loop's memory plan; no measured peaks on CPU):")
+    for name, res in results.items():
+        m = res["mean"]
+        planned = phase_values(m, "perf/planned_memory_gb/")
+        line = f"  {name:<14}planned " + "  ".join(f"{p} {planned[p]:.3g}" for p in PLANNED_PHASES if p in planned)
+        if cuda:
+            measured = phase_values(m, "perf/max_memory_allocated_gb/")
+            errors = phase_values(m, "perf/memory_plan_error/")
+            line += "   measured " + "  ".join(f"{p} {v:.3g}" for p, v in measured.items())
+            line += "   error " + ("  ".join(f"{p} {errors[p]:+.1%}" for p in PLANNED_PHASES if p in errors) or "-")
+        print(line)
+    if "disagg" in results:
+        print(f"  note: {DISAGG_PLAN_NOTE}")
 
 
 def plot_timeline(results: dict, path: Path) -> bool:
@@ -216,6 +310,9 @@ def plot_timeline(results: dict, path: Path) -> bool:
     fig, axes = plt.subplots(len(results), 1, figsize=(12, 1.6 * len(results) + 0.8), sharex=True, squeeze=False)
     for ax, (name, res) in zip(axes[:, 0], results.items()):
         t = res["timeline"]
+        if t.get("from_metrics"):
+            _plot_from_metrics(ax, name, res)
+            continue
         steps = t["engine_steps"]
         ax.broken_barh([(a, b - a) for a, b in steps[0::2]], (1.1, 0.8), color="tab:blue")
         ax.broken_barh([(a, b - a) for a, b in steps[1::2]], (1.1, 0.8), color="lightsteelblue")
@@ -228,17 +325,38 @@ def plot_timeline(results: dict, path: Path) -> bool:
         ax.set_yticks([0.5, 1.5], ["prefix", "engine"])
         ax.set_title(f"{name}: mean step {res['mean']['timing_s/step']:.3g} s, gen {res['mean']['timing_s/gen']:.3g} s; "
                      "below: the last measured step (dashed: end of its gen phase)", fontsize=9, loc="left")
-    axes[-1, 0].set_xlabel("seconds from rollout start (host clock; on CUDA: issue times)")
+    axes[-1, 0].set_xlabel("seconds from rollout start (host clock; on CUDA: issue times)"
+                           + ("; disagg: from the end of the weight broadcast" if "disagg" in results else ""))
     handles = [Patch(color="tab:blue", label="engine steps (alternate shades)")]
     handles += [Patch(color=c, label=f"prefix: {k}") for k, c in KIND_COLOURS.items()]
-    fig.legend(handles=handles, loc="lower center", ncol=5, fontsize=8, frameon=False)
+    if "disagg" in results:
+        handles.append(Patch(color="tab:gray", label="disagg: weight broadcast"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
 
 
+def _plot_from_metrics(ax, name: str, res: dict) -> None:
+    """disagg's panel: rank 0 trains and runs no engine, so only the step's metrics: the
+    weight broadcast, the rollout ranks' gen phase and when the samples reached the trainers."""
+    t, m = res["timeline"], res["mean"]
+    (w0, w1), (g0, g1) = t["update_weights"], t["rollout_gen"]
+    ax.broken_barh([(w0, w1 - w0)], (1.1, 0.8), color="tab:gray")
+    ax.broken_barh([(g0, g1 - g0)], (1.1, 0.8), color="tab:blue")
+    ax.text(0.01, 0.25, "rank 0 is a trainer (no engine): grey, the weight broadcast; blue, the rollout ranks' gen "
+            "phase (slowest replica, from the metrics; no engine steps recorded); no prefix work",
+            transform=ax.transAxes, va="center", fontsize=8)
+    ax.axvline(t["gen_end"], color="black", linestyle="--", linewidth=1)
+    ax.set_yticks([0.5, 1.5], ["prefix", "engine"])
+    ax.set_title(f"{name}: mean step {m['timing_s/step']:.3g} s, gen {m['timing_s/gen']:.3g} s, idle: rollout ranks "
+                 f"{m['timing_s/rollout_idle']:.3g} s, trainers {m['timing_s/train_idle']:.3g} s; below: the last "
+                 "measured step (dashed: samples at the trainers)", fontsize=9, loc="left")
+
+
 def main(argv: list[str] | None = None) -> dict:
+    """Run the schedules; returns the report on rank 0 and {} on the other ranks."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                      epilog="other --section.field value options go to every schedule's config")
     parser.add_argument("--config", help="YAML config (default: configs/tiny.yaml)")
@@ -248,26 +366,36 @@ def main(argv: list[str] | None = None) -> dict:
     opts, extra = parser.parse_known_args(argv)
     if opts.steps < 1:
         parser.error("--steps must be >= 1")
+    # As rollplex.dist.init_distributed reads them (torchrun's variables); the trainers join the group.
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    lead = rank == 0
     out = Path(opts.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if lead:
+        out.mkdir(parents=True, exist_ok=True)
     # Defaults first, so that the user's overrides win; the schedule's own go last.
     base = (["--config", opts.config] if opts.config else []) + [
         "--trainer.output_dir", str(out / "trainer"), "--trainer.eval_every", "0", "--trainer.save_every", "0",
         "--data.val_size", "1", "--logging.no_console", *extra]
-    print(f"bench_schedules: {RANDOM_NOTE}")
+    if lead:
+        print(f"bench_schedules: {RANDOM_NOTE}" + (f"; {world} ranks" if world > 1 else ""))
     batches: list = []
     results = {}
-    for name, overrides in SCHEDULES.items():
-        print(f"{name}: {' '.join(overrides)}", flush=True)
-        results[name] = run_schedule(name, base, opts.steps, out, not opts.no_trace, batches)
+    for name, overrides in schedules(world).items():
+        if lead:
+            print(f"{name}: {' '.join(overrides)}", flush=True)
+        results[name] = run_schedule(name, overrides, base, opts.steps, out, not opts.no_trace, batches)
+    if not lead:
+        return {}
     device = results["overlap"]["device"]
     cuda = device.startswith("cuda")
     r = ratios(results)
     ok, lines = same_samples(results)
     print(f"same samples in every schedule (mean score, response length per step): {'yes' if ok else 'NO'}")
     print("\n".join(lines))
-    print_table(results, r)
-    print(f"note: {RANDOM_NOTE}" + ("" if cuda else f"; {CPU_NOTE}"))
+    print_table(results, r, cuda)
+    notes = [RANDOM_NOTE] + ([] if cuda else [CPU_NOTE]) + ([CPU_RANKS_NOTE] if world > 1 and not cuda else []) \
+        + ([DISAGG_NOTE, DISAGG_PLAN_NOTE] if "disagg" in results else [])
+    print("note: " + "; ".join(notes))
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).parent).stdout.strip()
@@ -276,7 +404,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"argv": sys.argv[1:] if argv is None else list(argv), "base_argv": base,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-              "commit": commit, "notes": [RANDOM_NOTE] + ([] if cuda else [CPU_NOTE]), "same_samples": ok,
+              "commit": commit, "world_size": world, "notes": notes, "same_samples": ok,
               "ratios": r, "schedules": results}
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     plotted = plot_timeline(results, out / "timeline.png")
@@ -287,3 +415,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():  # joined by the first trainer (torchrun)
+        torch.distributed.destroy_process_group()

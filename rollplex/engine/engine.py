@@ -90,7 +90,7 @@ class Engine:
         still decoding: the RL loop's prefix scheduler runs its work there."""
         params = params or SamplingParams()
         prompts = [self._prepare(i, r, params) for i, r in enumerate(requests)]
-        self.cache.allocate()
+        self.cache.allocate(self.blocks_for(requests, params))
         self.runner.storage_may_have_moved = True
         blocks = BlockManager(self.cache.num_blocks, self.cache.block_size)
         scheduler = Scheduler(blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens)
@@ -126,6 +126,17 @@ class Engine:
         assert blocks.num_free == self.cache.num_blocks, "KV blocks leaked"
         return [RequestOutput(list(p.request.prompt_ids), list(p.samples), p.vision, p.rope_delta) for p in prompts]
 
+    def blocks_for(self, requests: list[Request], params: SamplingParams) -> int:
+        """The KV pool a generation gets: what its samples could fill at full length,
+        not counting the prompt blocks they share, at most the configured pool. A
+        small batch leaves the rest of the memory to other work (the RL loop's prompt
+        work in the decode window), and the size depends on the requests only, so
+        every rank of a TP group gets the same pool."""
+        bs = self.cache.block_size
+        need = sum(r.n * -(-min(len(r.prompt_ids) + (r.max_tokens or params.max_tokens), self.max_model_len) // bs)
+                   for r in requests)
+        return max(1, min(self.cache.capacity, need))
+
     def _prepare(self, index: int, r: Request, params: SamplingParams) -> PromptState:
         """Validate a request up front (bad input fails before any work starts)."""
         if r.n < 1:
@@ -150,8 +161,8 @@ class Engine:
             raise ValueError(f"request {index}: max_tokens must be >= 1, got {r.max_tokens}")
         longest = min(len(r.prompt_ids) + (r.max_tokens or params.max_tokens), self.max_model_len)
         needed = -(-longest // self.cache.block_size)
-        if needed > self.cache.num_blocks:
-            raise ValueError(f"the KV pool ({self.cache.num_blocks} blocks of {self.cache.block_size} tokens) cannot "
+        if needed > self.cache.capacity:
+            raise ValueError(f"the KV pool ({self.cache.capacity} blocks of {self.cache.block_size} tokens) cannot "
                              f"hold one sequence of request {index} ({longest} tokens, {needed} blocks); raise "
                              "kv_cache_memory / num_blocks or lower max_tokens")
         if r.seed is not None:  # e.g. the RL loop: a prompt samples the same on any rank

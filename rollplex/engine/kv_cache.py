@@ -27,7 +27,8 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device | str):
         if num_blocks < 1:
             raise ValueError(f"a KV pool needs at least one block, got {num_blocks}")
-        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.num_layers, self.block_size = num_layers, block_size
+        self.capacity = self.num_blocks = num_blocks  # the largest pool allowed; the pool allocated now
         self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, torch.device(device)
         self.sink_block = num_blocks
         self.data: torch.Tensor | None = None
@@ -37,12 +38,19 @@ class KVCache:
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return num_layers * 2 * block_size * kv_heads * head_dim * dtype.itemsize
 
-    def allocate(self) -> None:
-        if self.data is None:
-            # zeros, not empty: the torch decode path multiplies masked-out slots by a zero
-            # attention weight, and 0 * NaN from uninitialised memory would poison the output.
-            self.data = torch.zeros(self.num_layers, 2, self.num_blocks + 1, self.block_size, self.kv_heads,
-                                    self.head_dim, dtype=self.dtype, device=self.device)
+    def allocate(self, num_blocks: int | None = None) -> None:
+        """A pool of `num_blocks` blocks (default and at most: the capacity), plus the sink block."""
+        num_blocks = self.capacity if num_blocks is None else num_blocks
+        if not 1 <= num_blocks <= self.capacity:
+            raise ValueError(f"a pool of {num_blocks} blocks: expected 1 to the capacity, {self.capacity}")
+        if self.data is not None and num_blocks == self.num_blocks:
+            return
+        self.data = None
+        self.num_blocks = self.sink_block = num_blocks
+        # zeros, not empty: the torch decode path multiplies masked-out slots by a zero
+        # attention weight, and 0 * NaN from uninitialised memory would poison the output.
+        self.data = torch.zeros(self.num_layers, 2, num_blocks + 1, self.block_size, self.kv_heads,
+                                self.head_dim, dtype=self.dtype, device=self.device)
 
     def release(self) -> None:
         """Free the pool's memory (the RL loop does this before training)."""
@@ -52,11 +60,11 @@ class KVCache:
     def nbytes(self) -> int:
         return 0 if self.data is None else self.data.numel() * self.data.element_size()
 
-    @property
-    def pool_bytes(self) -> int:
-        """Bytes of the pool once allocated (sink block included)."""
-        return (self.num_blocks + 1) * self.bytes_per_block(self.num_layers, self.block_size, self.kv_heads,
-                                                            self.head_dim, self.dtype)
+    def pool_bytes(self, num_blocks: int | None = None) -> int:
+        """Bytes of a pool of `num_blocks` blocks (default: the capacity), sink block included."""
+        blocks = self.capacity if num_blocks is None else num_blocks
+        return (blocks + 1) * self.bytes_per_block(self.num_layers, self.block_size, self.kv_heads, self.head_dim,
+                                                   self.dtype)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of layer i, each (blocks + 1, block_size, kv_heads, head_dim)."""

@@ -215,7 +215,7 @@ class SharedPrefixAttention:
         parts = []
         for g in self.groups:
             p0, p1 = g.start, g.start + g.prompt_len
-            parts.append(attention_with_lse(q[p0:p1], k[p0:p1], v[p0:p1], causal=True)[0])
+            parts.append(prompt_attention(q[p0:p1], k[p0:p1], v[p0:p1], [0, g.prompt_len], self.backend))
             parts.append(responses_over_prefix(q[p1:g.end], k[p1:g.end], v[p1:g.end], k[p0:p1], v[p0:p1],
                                                g.response_lens))
         return torch.cat(parts)
@@ -256,6 +256,16 @@ class KeptPrefixAttention:
             parts.append(responses_over_prefix(q[g.start:g.end], k[g.start:g.end], v[g.start:g.end],
                                                kept_k[p0:p1], kept_v[p0:p1], g.response_lens))
         return torch.cat(parts)
+
+
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int],
+                     backend: str) -> torch.Tensor:
+    """Causal attention within each prompt of packed prompts (no log-sum-exp
+    needed): the kernel path (flash-attn varlen, or SDPA), which keeps no
+    prompt_len^2 scores for backward, unlike attention_with_lse."""
+    cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=q.device)
+    longest = max(b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]))
+    return varlen_attention(q, k, v, cu, cu, longest, longest, causal=True, backend=backend)
 
 
 def responses_over_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor,

@@ -88,6 +88,12 @@ class RLTrainer:
         self.trains = self.disagg is None or not self.disagg.is_rollout(self.rank)
         train_world = self.disagg.train_ranks if self.disagg else self.world
         self.dims = ParallelDims.resolve(train_world, cfg.parallel.dp_shard, cfg.parallel.tp)
+        fewest = cfg.data.batch_size // self.dims.dp_shard
+        if fewest < cfg.algorithm.updates_per_batch:
+            # Every optimizer step needs groups on every dp rank (its FSDP collectives run on all of them).
+            raise ValueError(f"data.batch_size {cfg.data.batch_size} over {self.dims.dp_shard} dp rank(s) leaves a rank "
+                             f"{fewest} prompt(s), fewer than algorithm.updates_per_batch "
+                             f"{cfg.algorithm.updates_per_batch}: raise the batch size or lower updates_per_batch")
         path = self._model_path()
         dtype = getattr(torch, cfg.model.dtype)
         self.processor = load_processor(path)
@@ -130,9 +136,9 @@ class RLTrainer:
         with self.weights.for_rollout() as engine_model:
             engine = Engine(engine_model, config)
             if self.world > 1:
-                blocks = torch.tensor(engine.cache.num_blocks, device=self.device)
+                blocks = torch.tensor(engine.cache.capacity, device=self.device)
                 dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.engine_ranks)
-                if int(blocks) != engine.cache.num_blocks:
+                if int(blocks) != engine.cache.capacity:
                     config.num_blocks = int(blocks)
                     engine = Engine(engine_model, config)
         return engine
@@ -323,6 +329,8 @@ class RLTrainer:
         pool and batch, per GPU, mapped onto the loop's phases: `gen` is the plan's
         rollout (overlap: its decode window with prefix work), `update_actor` its
         train or optimizer phase, whichever is larger. Planned once, from the first batch."""
+        if self.disagg is not None:
+            return {}  # the plan models colocated ranks
         if not hasattr(self, "_planned"):
             cfg = self.cfg
             n_examples = max(len(examples), 1)
@@ -340,7 +348,7 @@ class RLTrainer:
                 activation_checkpointing=cfg.parallel.activation_checkpointing,
                 freeze_vision=cfg.parallel.freeze_vision,
                 micro_batch_tokens=cfg.trainer.max_tokens_per_micro_batch,
-                kv_pool=float(self.engine.cache.pool_bytes if self.engine else 0) or None,
+                kv_pool=float(self._step_pool_bytes(examples)) or None,
                 prefix_budget=cfg.schedule.prefix_memory_budget or None, device_memory=total or GiB)
             layout = ParallelLayout(self.dims.dp_shard, self.dims.tp, cfg.rollout.tp, 1, self.dims.world_size)
             batch = BatchShape(len(examples), cfg.rollout.n, text, cfg.rollout.max_tokens, vision)
@@ -350,6 +358,15 @@ class RLTrainer:
             plan.total("rollout")
         return {"perf/planned_memory_gb/gen": gen / GiB,
                 "perf/planned_memory_gb/update_actor": max(plan.total("train"), plan.total("optimizer")) / GiB}
+
+    def _step_pool_bytes(self, examples: list) -> int:
+        """The KV pool this rank's engine allocates for its share of `examples` (0 without an engine)."""
+        if self.engine is None:
+            return 0
+        r = self.cfg.rollout
+        requests = [Request(e.prompt.input_ids.tolist(), n=r.n)
+                    for e in balanced_share(examples, self.dims.dp_shard, self.dp_rank)]
+        return self.engine.cache.pool_bytes(self.engine.blocks_for(requests, SamplingParams(max_tokens=r.max_tokens)))
 
     @property
     def uses_prefix_work(self) -> bool:
@@ -405,7 +422,8 @@ class RLTrainer:
                                 n=r.n, seed=seed, vision=v, max_tokens=limit)
                        for e, v, seed, limit in zip(examples, vision, seeds, limits)]
             if prefix_work:
-                prefix = PrefixScheduler(self._prefix_work(prompts, vision), self._prefix_budget(), self.device)
+                pool = self.engine.cache.pool_bytes(self.engine.blocks_for(requests, params))
+                prefix = PrefixScheduler(self._prefix_work(prompts, vision), self._prefix_budget(pool), self.device)
             overlap = prefix is not None and cfg.schedule.kind == "overlap"
             outputs = self._generate(requests, params, prefix.between_steps if overlap else None)
             if overlap:
@@ -515,7 +533,8 @@ class RLTrainer:
                 items.append(item("old", self.model, False, True))
         return items
 
-    def _prefix_budget(self) -> int | None:
+    def _prefix_budget(self, pool_bytes: int) -> int | None:
+        """Bytes of prompt work the step may keep beside this step's KV pool (`pool_bytes`)."""
         value = self.cfg.schedule.prefix_memory_budget
         if value > 1:
             return int(value)
@@ -523,7 +542,7 @@ class RLTrainer:
             return int(value * _free_memory_cpu()) if value else None
         # Memory the caching allocator holds but no tensor uses (last step's KV pool, say) is free to us.
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        free = torch.cuda.mem_get_info(self.device)[0] + cached - self.engine.cache.pool_bytes
+        free = torch.cuda.mem_get_info(self.device)[0] + cached - pool_bytes
         return int((value or 0.5) * max(free, 0))
 
     def update(self, rollout: Rollout, advantages: list[float], old: list[torch.Tensor],

@@ -48,10 +48,10 @@ def prefix_work_bytes(args: ModelArgs, prompt_lens: list[int], keep_graph: bool,
     """Estimated device bytes one prompt forward leaves alive until its suffix
     passes (per rank): the kept K/V of every prompt token in every layer and each
     prompt's last hidden state (exact); with the graph, every layer's saved
-    activations (rollplex.rl.memory.layer_activation_elements) plus the torch
-    attention's fp32 scores and probabilities, 2 x heads x prompt_len^2 per
-    prompt and layer, and, for `vision_patches` run through the tower with the
-    graph, every vision block's saved activations (estimates)."""
+    activations (rollplex.rl.memory.layer_activation_elements; the prompt's
+    attention runs a kernel that keeps no score matrix) and, for
+    `vision_patches` run through the tower with the graph, every vision
+    block's saved activations (estimates)."""
     t, v = args.text, args.vision
     size = dtype.itemsize
     tokens = sum(prompt_lens)
@@ -60,9 +60,8 @@ def prefix_work_bytes(args: ModelArgs, prompt_lens: list[int], keep_graph: bool,
         return kept
     per_token = layer_activation_elements(t.hidden_size, t.num_attention_heads * t.head_dim,
                                           t.num_key_value_heads * t.head_dim, t.intermediate_size, tp)
-    scores = 2 * (t.num_attention_heads // tp) * sum(n * n for n in prompt_lens) * 4
     per_patch = layer_activation_elements(v.hidden_size, v.hidden_size, v.hidden_size, v.intermediate_size)
-    return kept + t.num_hidden_layers * (tokens * per_token * size + scores) + \
+    return kept + t.num_hidden_layers * tokens * per_token * size + \
         v.depth * vision_patches * per_patch * size
 
 

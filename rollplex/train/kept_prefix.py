@@ -26,7 +26,7 @@ import torch
 
 from rollplex.models.packing import GroupInputs, SequenceInputs, pack_sequences
 from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds
-from rollplex.ops.attention import KeptPrefixAttention, SuffixGroup, attention_with_lse
+from rollplex.ops.attention import KeptPrefixAttention, SuffixGroup, prompt_attention
 from rollplex.train.flops import prompt_flops
 
 
@@ -83,16 +83,16 @@ class _CaptureKV:
     module call (to cast their tensors), which would give each layer a fresh
     copy of the lists being filled."""
 
-    def __init__(self, cu_seqlens: list[int]):
-        self.cu_seqlens = cu_seqlens
+    def __init__(self, cu_seqlens: list[int], backend: str):
+        self.cu_seqlens, self.backend = cu_seqlens, backend
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.keys.append(k)
         self.values.append(v)
-        # attention_with_lse, as SharedPrefixAttention computes the prompt part, so both paths agree.
-        return torch.cat([attention_with_lse(q[a:b], k[a:b], v[a:b], causal=True)[0]
+        # prompt_attention prompt by prompt, as SharedPrefixAttention computes its prompts, so both paths agree.
+        return torch.cat([prompt_attention(q[a:b], k[a:b], v[a:b], [0, b - a], self.backend)
                           for a, b in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:])])
 
 
@@ -111,7 +111,7 @@ def prompt_forward(model: Qwen2_5_VL, prompts: list[SequenceInputs],
         yield None
     h = model.embed(batch.input_ids.to(device), vision)
     yield None
-    capture = _CaptureKV(batch.cu_seqlens.tolist())
+    capture = _CaptureKV(batch.cu_seqlens.tolist(), model.attn_backend)
     for h in model.language_model.layer_by_layer(h, batch.position_ids.to(device), capture):
         yield None
     last = batch.cu_seqlens[1:].long().to(device) - 1
