@@ -74,8 +74,7 @@ CPU_RANKS_NOTE = ("on CPU the ranks are processes sharing this machine's cores a
                   "a per-GPU comparison in form only")
 DISAGG_NOTE = ("disagg: perf/throughput is tokens / step time / all ranks (rollout and trainer), the per-GPU "
                "definition of the other schedules, so its ratios compare equal GPU counts")
-DISAGG_PLAN_NOTE = ("disagg: the planned figures are rank 0's, a trainer: the loop plans it as a colocated rank of the "
-                    "trainers' layout, so its planned gen counts a KV pool and engine weights it does not hold")
+DISAGG_PLAN_NOTE = "disagg: no plan (the memory plan models colocated ranks)"
 KIND_COLOURS = {"vision": "tab:purple", "ref": "tab:orange", "actor": "tab:green", "old": "tab:red"}
 
 
