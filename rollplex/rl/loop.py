@@ -423,7 +423,11 @@ class RLTrainer:
                        for e, v, seed, limit in zip(examples, vision, seeds, limits)]
             if prefix_work:
                 pool = self.engine.cache.pool_bytes(self.engine.blocks_for(requests, params))
-                prefix = PrefixScheduler(self._prefix_work(prompts, vision), self._prefix_budget(pool), self.device)
+                # A side stream only when its collectives have process groups of their own: not when the
+                # engine runs on the trainer's TP-sharded model, whose TP group the prompt forwards use too.
+                shared_tp_group = cfg.parallel.tp > 1 and cfg.rollout.tp == cfg.parallel.tp
+                prefix = PrefixScheduler(self._prefix_work(prompts, vision), self._prefix_budget(pool), self.device,
+                                         side_stream=not shared_tp_group)
             overlap = prefix is not None and cfg.schedule.kind == "overlap"
             outputs = self._generate(requests, params, prefix.between_steps if overlap else None)
             if overlap:

@@ -26,7 +26,13 @@ gives the same results.
 
 Every dp rank runs the same items (one per chunk and kind) with the same
 slices, so the collectives inside them (FSDP gathers of the reference model)
-line up across ranks.
+line up across ranks. Side-stream collectives need process groups of their
+own, so that the two streams' NCCL calls never meet on one communicator in an
+order that can differ between ranks: the reference model's FSDP gathers use
+the dp group, which decode does not use, and an engine with its own TP layout
+has its own TP group. When the engine runs on the trainer's TP-sharded model,
+the prompt forwards would share its TP group: the loop then runs the slices on
+the main stream (still between decode steps, without concurrency).
 """
 
 from __future__ import annotations
@@ -108,7 +114,7 @@ class PrefixScheduler:
     """Runs admitted prefix work in slices between decode steps (see the module docstring)."""
 
     def __init__(self, items: list[PrefixWork], budget_bytes: int | None, device: torch.device,
-                 max_slices_per_step: int = 8):
+                 max_slices_per_step: int = 8, side_stream: bool = True):
         self.admitted: list[PrefixWork] = []
         self.deferred: list[PrefixWork] = []
         used = 0
@@ -123,7 +129,8 @@ class PrefixScheduler:
         self.max_slices = max_slices_per_step
         self.peak_running = 0
         self.timing = PrefixTiming()
-        self.cuda = device.type == "cuda"
+        # On CPU, or when the side stream is refused (see RLTrainer.rollout), the slices run inline.
+        self.cuda = device.type == "cuda" and side_stream
         # Lowest priority (0 is the lowest CUDA stream priority): decode kernels go first.
         self.stream = torch.cuda.Stream(device, priority=0) if self.cuda else None
         self.main_stream = torch.cuda.current_stream(device) if self.cuda else None
