@@ -8,12 +8,17 @@
 
 import sys
 
+import torch.distributed as dist
+
 from rollplex.config import load_config
 from rollplex.rl.loop import RLTrainer
 
 
 def main(argv: list[str] | None = None) -> None:
     RLTrainer(load_config(argv)).fit()
+    if dist.is_initialized():
+        dist.barrier()  # no rank tears its groups down while another still talks on them
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

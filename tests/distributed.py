@@ -20,6 +20,8 @@ def _worker(rank: int, world: int, port: int, fn, args, errors) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
+        # No rank tears its groups down while another still talks on them.
+        dist.barrier()
     except Exception:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
         raise

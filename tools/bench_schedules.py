@@ -285,7 +285,8 @@ def print_memory(results: dict, cuda: bool) -> None:
     for name, res in results.items():
         m = res["mean"]
         planned = phase_values(m, "perf/planned_memory_gb/")
-        line = f"  {name:<14}planned " + "  ".join(f"{p} {planned[p]:.3g}" for p in PLANNED_PHASES if p in planned)
+        line = f"  {name:<14}planned " + ("  ".join(f"{p} {planned[p]:.3g}" for p in PLANNED_PHASES if p in planned)
+                                          or "-")
         if cuda:
             measured = phase_values(m, "perf/max_memory_allocated_gb/")
             errors = phase_values(m, "perf/memory_plan_error/")
@@ -415,4 +416,5 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     main()
     if torch.distributed.is_initialized():  # joined by the first trainer (torchrun)
+        torch.distributed.barrier()  # rank 0 writes its files while the others wait, then all tear down
         torch.distributed.destroy_process_group()
