@@ -10,7 +10,7 @@ import torch
 from distributed import run_distributed
 from rollplex.config import load_config
 from rollplex.metrics import read_metrics
-from rollplex.rl.loop import RLTrainer
+from rollplex.rl.loop import RLTrainer, _prompt_inputs
 
 REWARD = Path(__file__).with_name("length_reward.py")
 # kl_coef and recomputed old logprobs make every kind of prompt work run; a reward
@@ -55,11 +55,26 @@ def test_schedules_train_the_same_on_one_process(tmp_path):
         trainer, params = train(tmp_path / name, *extra)
         runs[name] = params, read_metrics(tmp_path / name / "metrics.jsonl")
     check_same_training(runs)
+    assert "timing_s/prefix_hidden" not in runs["serial-naive"][1][0]
     assert len({r["critic/score/mean"] for r in runs["overlap"][1]} | {0.5}) > 1  # the rewards are not constant
     overlap = runs["overlap"][1][0]
     assert overlap["timing_s/prefix_hidden"] > 0 and overlap["prefix/deferred_items"] == 0
     assert overlap["timing_s/prefix_hidden"] + overlap["timing_s/prefix_exposed"] > 0
-    assert "timing_s/prefix_hidden" not in runs["serial-naive"][1][0]
+
+
+def test_schedules_train_the_same_with_video_and_a_frozen_tower(tmp_path):
+    """Video prompts, frozen vision tower: every prompt forward reads the vision
+    features encoded once before rollout instead of running the tower."""
+    video = ["--data.task", "direction", "--parallel.freeze_vision", "true", "--trainer.total_steps", "2"]
+    trainer = RLTrainer(load_config(FAST + video + ["--trainer.output_dir", str(tmp_path / "items")]))
+    prompts = [_prompt_inputs(e) for e in next(trainer._batches(0))]
+    items = trainer._prefix_work(prompts, [trainer._encode(p) for p in prompts])
+    assert {i.kind for i in items} == {"ref", "actor", "old"} and all(i.vision is not None for i in items)
+    runs = {}
+    for name, extra in SCHEDULES.items():
+        _, params = train(tmp_path / name, *video, *extra)
+        runs[name] = params, read_metrics(tmp_path / name / "metrics.jsonl")
+    check_same_training(runs)
 
 
 def schedules_on_two_ranks(rank: int, world: int, out: str) -> None:
