@@ -1,6 +1,6 @@
 """Step time of the RL schedules on one workload, side by side.
 
-    python tools/bench_schedules.py --config configs/bench_h200_video.yaml --steps 1     # one H200, ~3 min
+    python tools/bench_schedules.py --config configs/bench_h200_video.yaml --steps 1     # one H200, ~2 min
     python tools/bench_schedules.py --steps 8 --data.task direction --data.num_frames 16 --data.image_size 112 \\
         --data.batch_size 4 --rollout.n 4 --rollout.min_tokens 8 --rollout.max_tokens 16 --rollout.ignore_eos true \\
         --algorithm.kl_coef 0.01 --rollout.kv_cache_memory 64e6                               # CPU, ~1 min

@@ -4,7 +4,7 @@
 
 Each check is a function returning a dict of figures; a check that raises is
 recorded as failed with its error and the run goes on. The whole run is sized
-to finish in under 8 minutes on one GPU, plus about 3 minutes for the schedule
+to finish in under 8 minutes on one GPU, plus about 2 minutes for the schedule
 benchmark (bench_schedules: its report, traces and timeline go to a
 bench_schedules/ folder next to the JSON report). Later components add their
 checks to CHECKS. The exit status is non-zero when any check failed.
