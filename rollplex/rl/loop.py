@@ -1,7 +1,7 @@
 """The synchronous on-policy GRPO loop.
 
-One step, with each phase a named method (the overlap schedule will rearrange
-them, not rewrite them):
+One step, with each phase a named method (the schedules rearrange them, they
+do not rewrite them):
 
     rollout  -> the engine samples n responses per prompt on the trainer's own weights
                 (overlap: prompt work runs in its decode window, rollplex.rl.prefix)
@@ -15,7 +15,8 @@ Three schedules, the same samples and updates: serial with share_prefix false
 (every pass recomputes the vision tower and the whole sequence per sample, as
 a plain colocated trainer does), serial with share_prefix (prompt work once
 per prompt, then suffix-only passes), overlap (that prompt work hidden in the
-decode window).
+decode window). A fourth, disagg, runs rollout and training on separate ranks
+(rollplex.rl.disagg): the baseline the others are measured against.
 
 Every dp rank rolls out and trains on its own share of the prompts; all n samples
 of a prompt stay on one rank, so advantages need no communication. Sampling
