@@ -25,6 +25,14 @@ TINY = ["--config", str(Path(__file__).resolve().parent.parent / "configs" / "ti
         "--algorithm.kl_coef", "0.01", "--rollout.kv_cache_memory", "16e6", "--trainer.num_threads", "1"]
 
 
+def assert_same_samples(report: dict) -> None:
+    """Every schedule's mean score and response length agree at every step, and the tool says so."""
+    rows = {n: [s["warmup"], *s["steps"], s["traced"]] for n, s in report["schedules"].items()}
+    for key in ("critic/score/mean", "response_length/mean"):
+        assert len({tuple(r[key] for r in steps) for steps in rows.values()}) == 1, key
+    assert report["same_samples"] is True
+
+
 def test_bench_schedules_end_to_end(tmp_path, capsys):
     out = tmp_path / "bench"
     returned = bench_schedules.main(TINY + ["--out", str(out)])
@@ -39,12 +47,7 @@ def test_bench_schedules_end_to_end(tmp_path, capsys):
     assert schedules["serial-naive"]["config"]["schedule"]["share_prefix"] is False
     assert schedules["overlap"]["config"]["schedule"]["kind"] == "overlap"
 
-    # The same prompts and samples in every schedule, at every step.
-    rows = {n: [s["warmup"], *s["steps"], s["traced"]] for n, s in schedules.items()}
-    for key in ("critic/score/mean", "response_length/mean"):
-        assert len({tuple(r[key] for r in steps) for steps in rows.values()}) == 1, key
-    assert report["same_samples"] is True
-
+    assert_same_samples(report)  # the same prompts and samples in every schedule, at every step
     tput = {n: s["mean"]["perf/throughput"] for n, s in schedules.items()}
     r = report["ratios"]
     assert r["throughput_overlap_over_serial_naive"] == pytest.approx(tput["overlap"] / tput["serial-naive"])
@@ -120,12 +123,7 @@ def test_bench_schedules_torchrun_two_ranks(tmp_path):
     assert timeline["from_metrics"] and not timeline["engine_steps"] and not timeline["prefix_spans"]
     assert timeline["gen_end"] == disagg["steps"][-1]["timing_s/train_idle"]
 
-    # The same prompts and samples in every schedule, disagg included, at every step.
-    rows = {n: [s["warmup"], *s["steps"], s["traced"]] for n, s in schedules.items()}
-    for key in ("critic/score/mean", "response_length/mean"):
-        assert len({tuple(r[key] for r in steps) for steps in rows.values()}) == 1, key
-    assert report["same_samples"] is True
-
+    assert_same_samples(report)  # disagg included
     tput = {n: s["mean"]["perf/throughput"] for n, s in schedules.items()}
     r = report["ratios"]
     assert r["throughput_disagg_over_overlap"] == pytest.approx(tput["disagg"] / tput["overlap"])
