@@ -52,13 +52,15 @@ def distributed_run(rank, world, out, *extra):
     trainer.fit()
 
 
-@pytest.mark.parametrize("engine_tp", [1, 2])
-def test_two_ranks_equal_one(tmp_path, engine_tp):
+@pytest.mark.parametrize("engine_tp, schedule", [(1, "serial"), (2, "serial"), (2, "overlap")])
+def test_two_ranks_equal_one(tmp_path, engine_tp, schedule):
     """dp_shard=2 with the engine on each rank's gathered weights (engine_tp 1), or
-    one engine over both ranks on views of them (engine_tp 2, rollout.tp > parallel.tp):
+    one engine over both ranks on views of them (engine_tp 2, rollout.tp > parallel.tp;
+    with overlap, each rank's prompt work runs between the shared engine's steps):
     the same samples as one process, and step 1's loss."""
     _, single = run(tmp_path / "one")
-    run_distributed(distributed_run, 2, str(tmp_path / "two"), "--rollout.tp", str(engine_tp))
+    run_distributed(distributed_run, 2, str(tmp_path / "two"), "--rollout.tp", str(engine_tp),
+                    "--schedule.kind", schedule)
     double = read_metrics(tmp_path / "two" / "metrics.jsonl")
     assert abs(double[0]["actor/pg_loss"] - single[0]["actor/pg_loss"]) < 1e-5
     for key in ("critic/score/mean", "response_length/mean", "val/score"):
