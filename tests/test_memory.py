@@ -2,6 +2,7 @@
 that cannot work fail before any work starts, naming the numbers."""
 
 import gc
+import warnings
 
 import pytest
 import torch
@@ -17,9 +18,12 @@ def live_tensor_bytes() -> int:
     """Bytes of every distinct tensor storage the process still references."""
     gc.collect()
     storages = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type != "meta":
-            storage = obj.untyped_storage()
+    with warnings.catch_warnings():  # isinstance() on some of gc's objects trips torch's deprecation shims
+        warnings.simplefilter("ignore", FutureWarning)
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for t in tensors:
+        if t.device.type != "meta":
+            storage = t.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
 

@@ -72,7 +72,7 @@ class Engine:
         useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)  # more could never be used
         if cfg.num_blocks is not None:
             return cfg.num_blocks
-        budget = cfg.kv_cache_memory if cfg.kv_cache_memory > 1 else cfg.kv_cache_memory * _free_memory(self.device)
+        budget = cfg.kv_cache_memory if cfg.kv_cache_memory > 1 else cfg.kv_cache_memory * free_memory(self.device)
         return max(1, min(useful, int(budget) // per_block))
 
     # ------------------------------------------------------------------ memory between phases
@@ -243,9 +243,13 @@ def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     return None if t is None else t.to(device)
 
 
-def _free_memory(device: torch.device) -> int:
+def free_memory(device: torch.device) -> int:
+    """Bytes free for new tensors: on CUDA the device's free memory plus what the
+    caching allocator holds but no tensor uses (last rollout's KV pool, say); on
+    CPU the available RAM."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 

@@ -47,7 +47,7 @@ from rollplex.models.qwen2_5_vl import VisionEmbeds
 from rollplex.models.tiny import TinySpec, default_mrope_section, make_tiny_checkpoint
 from rollplex.rl.disagg import DisaggLayout, WeightBroadcast
 from rollplex.rl.memory import GiB, BatchShape, MemoryOptions, ParallelLayout, plan_memory
-from rollplex.rl.prefix import PrefixScheduler, PrefixWork, prefix_work_bytes
+from rollplex.rl.prefix import PrefixScheduler, PrefixWork, chunk_vision, prefix_budget, prefix_work_bytes
 from rollplex.rl.weights import SharedWeights
 from rollplex.train.actor import Actor, ActorConfig, PolicyBatch, lr_schedule
 from rollplex.train.checkpoint import (
@@ -427,7 +427,8 @@ class RLTrainer:
                 # A side stream only when its collectives have process groups of their own: not when the
                 # engine runs on the trainer's TP-sharded model, whose TP group the prompt forwards use too.
                 shared_tp_group = cfg.parallel.tp > 1 and cfg.rollout.tp == cfg.parallel.tp
-                prefix = PrefixScheduler(self._prefix_work(prompts, vision), self._prefix_budget(pool), self.device,
+                budget = prefix_budget(cfg.schedule.prefix_memory_budget, self.device, pool)
+                prefix = PrefixScheduler(self._prefix_work(prompts, vision), budget, self.device,
                                          side_stream=not shared_tp_group)
             overlap = prefix is not None and cfg.schedule.kind == "overlap"
             outputs = self._generate(requests, params, prefix.between_steps if overlap else None)
@@ -520,7 +521,7 @@ class RLTrainer:
             if chunk.start == chunk.stop:
                 continue
             ps = prompts[chunk]
-            cached = _cat_vision(vision[chunk])
+            cached = chunk_vision(vision[chunk])
             lens = [len(p.input_ids) for p in ps]
 
             patches = sum(t.shape[0] for p in ps for t in (p.pixel_values, p.pixel_values_videos) if t is not None)
@@ -537,18 +538,6 @@ class RLTrainer:
             elif cfg.algorithm.recompute_old_logprobs:
                 items.append(item("old", self.model, False, True))
         return items
-
-    def _prefix_budget(self, pool_bytes: int) -> int | None:
-        """Bytes of prompt work the step may keep beside this step's KV pool (`pool_bytes`)."""
-        value = self.cfg.schedule.prefix_memory_budget
-        if value > 1:
-            return int(value)
-        if self.device.type != "cuda":
-            return int(value * _free_memory_cpu()) if value else None
-        # Memory the caching allocator holds but no tensor uses (last step's KV pool, say) is free to us.
-        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        free = torch.cuda.mem_get_info(self.device)[0] + cached - pool_bytes
-        return int((value or 0.5) * max(free, 0))
 
     def update(self, rollout: Rollout, advantages: list[float], old: list[torch.Tensor],
                ref: list[torch.Tensor] | None) -> dict[str, float]:
@@ -680,18 +669,3 @@ def balanced_share(examples: list, ranks: int, rank: int) -> list:
         count[r] += 1
     return [e for i, e in enumerate(examples) if owner[i] == rank]
 
-
-def _cat_vision(parts: list[VisionEmbeds | None]) -> VisionEmbeds | None:
-    """One chunk's vision features, prompt after prompt (the order of its pad tokens)."""
-    present = [p for p in parts if p is not None]
-    if not present:
-        return None
-    images = [p.image for p in present if p.image is not None]
-    videos = [p.video for p in present if p.video is not None]
-    return VisionEmbeds(torch.cat(images) if images else None, torch.cat(videos) if videos else None)
-
-
-def _free_memory_cpu() -> int:
-    import os
-
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -43,6 +43,7 @@ from typing import Iterator
 
 import torch
 
+from rollplex.engine.engine import free_memory
 from rollplex.models.packing import SequenceInputs
 from rollplex.models.qwen2_5_vl import ModelArgs, Qwen2_5_VL, VisionEmbeds
 from rollplex.rl.memory import kv_bytes_per_token, layer_activation_elements
@@ -69,6 +70,28 @@ def prefix_work_bytes(args: ModelArgs, prompt_lens: list[int], keep_graph: bool,
     per_patch = layer_activation_elements(v.hidden_size, v.hidden_size, v.hidden_size, v.intermediate_size)
     return kept + t.num_hidden_layers * tokens * per_token * size + \
         v.depth * vision_patches * per_patch * size
+
+
+def prefix_budget(setting: float, device: torch.device, pool_bytes: int) -> int | None:
+    """The step's byte budget for kept prompt state (schedule.prefix_memory_budget):
+    `setting` bytes when > 1; else that fraction of the memory free beside this
+    step's KV pool (`pool_bytes`, not allocated yet); 0 means half of it on
+    CUDA and no limit on CPU."""
+    if setting > 1:
+        return int(setting)
+    if setting == 0 and device.type != "cuda":
+        return None
+    return int((setting or 0.5) * max(free_memory(device) - pool_bytes, 0))
+
+
+def chunk_vision(parts: list[VisionEmbeds | None]) -> VisionEmbeds | None:
+    """One chunk's vision features, prompt after prompt (the order of its pad tokens)."""
+    present = [p for p in parts if p is not None]
+    if not present:
+        return None
+    images = [p.image for p in present if p.image is not None]
+    videos = [p.video for p in present if p.video is not None]
+    return VisionEmbeds(torch.cat(images) if images else None, torch.cat(videos) if videos else None)
 
 
 @dataclass
