@@ -131,6 +131,8 @@ class TinyModelConfig(_Section):
     """Vision encoder blocks."""
     vision_num_heads: int = 2
     """Vision encoder attention heads."""
+    vision_intermediate_size: int = 0
+    """Vision encoder MLP width; 0 = 2 x vision_hidden_size (Qwen2.5-VL-3B/7B: 3420)."""
     vocab: Literal["words", "bytes"] = "words"
     """Tokenizer: 'words' = small word-level vocabulary (~64 tokens), 'bytes' = byte-level."""
     seed: int = 0
@@ -142,6 +144,7 @@ class TinyModelConfig(_Section):
             "vision_hidden_size", "vision_depth", "vision_num_heads",
         ):
             self._require(getattr(self, name) >= 1, name, ">= 1")
+        self._require(self.vision_intermediate_size >= 0, "vision_intermediate_size", ">= 0")
         self._require(
             self.hidden_size % self.num_heads == 0,
             "hidden_size", f"divisible by num_heads ({self.num_heads})",

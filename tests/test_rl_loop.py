@@ -113,3 +113,10 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, capsys):
     resumed = re.search(r"resumed from .*step_(\d+) at step (\d+)", capsys.readouterr().out)
     assert resumed and int(resumed.group(2)) >= 2  # not from scratch
     assert trainer.step == 4 and rows[-1]["step"] == 4
+
+
+def test_tiny_model_shape_comes_from_the_config(tmp_path):
+    trainer = RLTrainer(load_config(FAST + ["--trainer.output_dir", str(tmp_path),
+                                            "--model.tiny.vision_intermediate_size", "48"]))
+    assert trainer.model.args.vision.intermediate_size == 48
+    assert trainer.model.visual.blocks[0].mlp.gate_proj.weight.shape[0] == 48

@@ -199,7 +199,8 @@ class RLTrainer:
                 hidden_size=t.hidden_size, num_layers=t.num_layers, num_heads=t.num_heads,
                 num_kv_heads=t.num_kv_heads, intermediate_size=t.intermediate_size,
                 vision_hidden_size=t.vision_hidden_size, vision_depth=t.vision_depth,
-                vision_num_heads=t.vision_num_heads, vision_intermediate_size=2 * t.vision_hidden_size,
+                vision_num_heads=t.vision_num_heads,
+                vision_intermediate_size=t.vision_intermediate_size or 2 * t.vision_hidden_size,
                 vocab=t.vocab, mrope_section=default_mrope_section(t.hidden_size // t.num_heads)), seed=t.seed)
         if self.world > 1:
             dist.barrier()
