@@ -151,3 +151,23 @@ def test_disagg_equals_serial_on_one_process(tmp_path):
     for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "val/score"):
         assert [r.get(key) for r in disagg_rows] == [r.get(key) for r in serial_rows], key
     assert all(r["timing_s/rollout_idle"] >= 0 and r["timing_s/train_idle"] > 0 for r in disagg_rows)
+
+
+def test_prompt_work_that_runs_out_of_memory_takes_the_serial_path(tmp_path, monkeypatch):
+    """Prompt work that needs more memory than estimated is dropped mid-forward and
+    its passes run the serial path: the run goes on, the parameters do not change."""
+    from rollplex.rl.prefix import PrefixWork
+
+    _, unlimited = train(tmp_path / "unlimited", "--schedule.kind", "overlap")
+    advance = PrefixWork.advance
+
+    def out_of_memory_in_the_actors_second_slice(self):
+        if self.kind == "actor" and self._slices is not None:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+        return advance(self)
+
+    monkeypatch.setattr(PrefixWork, "advance", out_of_memory_in_the_actors_second_slice)
+    _, dropped = train(tmp_path / "dropped", "--schedule.kind", "overlap")
+    rows = read_metrics(tmp_path / "dropped" / "metrics.jsonl")
+    assert all(r["prefix/dropped_for_memory"] == 1 and r["prefix/deferred_items"] == 1 for r in rows)
+    assert max_difference(dropped, unlimited) <= 2e-5

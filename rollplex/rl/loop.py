@@ -306,6 +306,7 @@ class RLTrainer:
         if prefix is not None:
             metrics.update(prefix.timing.as_metrics())
             metrics["prefix/deferred_items"] = len(prefix.deferred)
+            metrics["prefix/dropped_for_memory"] = prefix.dropped_for_memory
             metrics["prefix/planned_bytes"] = prefix.planned_bytes
         metrics["timing_s/step"] = time.perf_counter() - start
         tokens = self._sum([sum(len(g.prompt.input_ids) * len(g.responses) + sum(map(len, g.responses))
@@ -528,9 +529,11 @@ class RLTrainer:
             patches = sum(t.shape[0] for p in ps for t in (p.pixel_values, p.pixel_values_videos) if t is not None)
 
             def item(kind, model, keep_graph, reuse_vision):
+                # Collectives in the forward: TP all-reduces, or the sharded reference model's FSDP gathers.
+                alone = tp == 1 and not (kind == "ref" and self.dims.dp_shard > 1)
                 return PrefixWork(kind, c, model, ps, cached if reuse_vision else None, keep_graph,
                                   prefix_work_bytes(self.model.args, lens, keep_graph, dtype, tp,
-                                                    0 if reuse_vision else patches))
+                                                    0 if reuse_vision else patches), may_drop_alone=alone)
 
             if self.ref_model is not None:
                 items.append(item("ref", self.ref_model, False, frozen))

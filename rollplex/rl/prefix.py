@@ -22,7 +22,9 @@ keep the GPU first; events order the side stream after the main stream's
 inputs and the suffix passes after all prefix work. On CPU the same slices run
 inline between the steps. Items are admitted in order while their estimated
 state fits the byte budget; the rest are deferred to the serial path, which
-gives the same results.
+gives the same results. An item that runs out of memory all the same is
+dropped and takes the serial path too, when its forward issues no
+collectives (else its peers would wait for it).
 
 Every dp rank runs the same items (one per chunk and kind) with the same
 slices, so the collectives inside them (FSDP gathers of the reference model)
@@ -105,6 +107,9 @@ class PrefixWork:
     vision: VisionEmbeds | None  # cached features of the prompts, or None: the item runs the tower
     keep_graph: bool
     estimate: int  # bytes, from prefix_work_bytes
+    # Whether an out-of-memory error in this item may drop it on this rank alone: only when its forward
+    # issues no collectives (a peer would wait in one forever otherwise).
+    may_drop_alone: bool = True
     result: KeptPrefix | None = None
     _slices: Iterator[KeptPrefix | None] | None = field(default=None, repr=False)
 
@@ -163,6 +168,7 @@ class PrefixScheduler:
         # handed over. On CUDA these are issue times; the profiler's trace shows the streams themselves.
         self.spans: list[tuple[str, float, float]] = []
         self.step_ends: list[float] = []
+        self.dropped_for_memory = 0  # items that ran out of memory and took the serial path
 
     def result(self, kind: str, chunk: int) -> KeptPrefix | None:
         return next((w.result for w in self.admitted if w.kind == kind and w.chunk == chunk), None)
@@ -207,6 +213,16 @@ class PrefixScheduler:
         else:
             self._advance(slices)
 
+    def _drop(self, item: PrefixWork) -> None:
+        """Free an item's partial state and hand it to the serial path (same results)."""
+        item._slices, item.result = None, None
+        self.queue.remove(item)
+        self.admitted.remove(item)
+        self.deferred.append(item)
+        self.dropped_for_memory += 1
+        if self.cuda:
+            torch.cuda.empty_cache()
+
     def _advance(self, slices: int | None) -> None:
         done = 0
         while self.queue and (slices is None or done < slices):
@@ -215,7 +231,13 @@ class PrefixScheduler:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
             host_start = time.perf_counter()
-            finished = item.advance()
+            try:
+                finished = item.advance()
+            except torch.OutOfMemoryError:
+                if not item.may_drop_alone:
+                    raise
+                self._drop(item)  # more than the estimate: this item takes the serial path instead
+                continue
             self.spans.append((item.kind, host_start, time.perf_counter()))
             if self.cuda:
                 end.record()
