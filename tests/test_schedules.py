@@ -56,7 +56,8 @@ def test_schedules_train_the_same_on_one_process(tmp_path):
         runs[name] = params, read_metrics(tmp_path / name / "metrics.jsonl")
     check_same_training(runs)
     assert "timing_s/prefix_hidden" not in runs["serial-naive"][1][0]
-    assert len({r["critic/score/mean"] for r in runs["overlap"][1]} | {0.5}) > 1  # the rewards are not constant
+    # The rewards vary within the batch, so advantages and the policy gradient are not all zero.
+    assert all(r["critic/score/max"] > r["critic/score/min"] for r in runs["overlap"][1])
     overlap = runs["overlap"][1][0]
     assert overlap["timing_s/prefix_hidden"] > 0 and overlap["prefix/deferred_items"] == 0
     assert overlap["timing_s/prefix_hidden"] + overlap["timing_s/prefix_exposed"] > 0

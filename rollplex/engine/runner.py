@@ -53,17 +53,13 @@ class ModelRunner:
     def _vision_of(self, seqs: list[Sequence]) -> VisionEmbeds:
         """Vision features of the step's prompts in token order; each prompt's
         images are encoded the first time it is prefilled and kept."""
-        images, videos = [], []
         for s in seqs:
             p = s.prompt
             if p.has_vision and p.vision is None:
-                r, dev = p.request, self.device
-                p.vision = self.model.encode_vision(_to(r.pixel_values, dev), _to(r.image_grid_thw, dev),
-                                                    _to(r.pixel_values_videos, dev), _to(r.video_grid_thw, dev))
-            if p.vision is not None:
-                images += [p.vision.image] if p.vision.image is not None else []
-                videos += [p.vision.video] if p.vision.video is not None else []
-        return VisionEmbeds(torch.cat(images) if images else None, torch.cat(videos) if videos else None)
+                r = p.request
+                p.vision = self.model.encode_vision(r.pixel_values, r.image_grid_thw, r.pixel_values_videos,
+                                                    r.video_grid_thw)
+        return VisionEmbeds.concat([s.prompt.vision for s in seqs])
 
     # ------------------------------------------------------------------ decode
 
@@ -172,7 +168,3 @@ class _EagerGraph:
 
     def replay(self) -> None:
         self.out.copy_(self.fn())
-
-
-def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    return None if t is None else t.to(device)

@@ -327,6 +327,13 @@ class VisionEmbeds:
     image: torch.Tensor | None = None
     video: torch.Tensor | None = None
 
+    @classmethod
+    def concat(cls, parts: list["VisionEmbeds | None"]) -> "VisionEmbeds":
+        """Several prompts' features, prompt after prompt (the order of their pad tokens)."""
+        images = [p.image for p in parts if p is not None and p.image is not None]
+        videos = [p.video for p in parts if p is not None and p.video is not None]
+        return cls(torch.cat(images) if images else None, torch.cat(videos) if videos else None)
+
 
 class Qwen2_5_VL(nn.Module):
     """Qwen2.5-VL for causal LM.
@@ -357,14 +364,15 @@ class Qwen2_5_VL(nn.Module):
     def encode_vision(self, pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
                       pixel_values_videos: torch.Tensor | None = None,
                       video_grid_thw: torch.Tensor | None = None) -> VisionEmbeds:
-        """Run the vision tower on a prompt's (or batch's) images and videos."""
+        """Run the vision tower on a prompt's (or batch's) images and videos,
+        wherever they are (they are moved to the model's device)."""
         embeds = VisionEmbeds()
         if pixel_values is not None:
             check_pixels(pixel_values, image_grid_thw, self.args.vision, "image")
-            embeds.image = self.visual(pixel_values, image_grid_thw)
+            embeds.image = self.visual(pixel_values.to(self.device), image_grid_thw.to(self.device))
         if pixel_values_videos is not None:
             check_pixels(pixel_values_videos, video_grid_thw, self.args.vision, "video")
-            embeds.video = self.visual(pixel_values_videos, video_grid_thw)
+            embeds.video = self.visual(pixel_values_videos.to(self.device), video_grid_thw.to(self.device))
         return embeds
 
     def embed(self, input_ids: torch.Tensor, vision: VisionEmbeds | None = None,

@@ -262,7 +262,10 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      backend: str) -> torch.Tensor:
     """Causal attention within each prompt of packed prompts (no log-sum-exp
     needed): the kernel path (flash-attn varlen, or SDPA), which keeps no
-    prompt_len^2 scores for backward, unlike attention_with_lse."""
+    prompt_len^2 scores for backward, unlike attention_with_lse. The boundaries
+    come as a host list, so the torch path needs no device round trip."""
+    if backend != "flash":
+        return _varlen_attention_torch(q, k, v, cu_seqlens, cu_seqlens, causal=True)
     cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=q.device)
     longest = max(b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]))
     return varlen_attention(q, k, v, cu, cu, longest, longest, causal=True, backend=backend)

@@ -47,7 +47,7 @@ from rollplex.models.qwen2_5_vl import VisionEmbeds
 from rollplex.models.tiny import TinySpec, default_mrope_section, make_tiny_checkpoint
 from rollplex.rl.disagg import DisaggLayout, WeightBroadcast
 from rollplex.rl.memory import GiB, BatchShape, MemoryOptions, ParallelLayout, plan_memory
-from rollplex.rl.prefix import PrefixScheduler, PrefixWork, chunk_vision, prefix_budget, prefix_work_bytes
+from rollplex.rl.prefix import PrefixScheduler, PrefixWork, prefix_budget, prefix_work_bytes
 from rollplex.rl.weights import SharedWeights
 from rollplex.train.actor import Actor, ActorConfig, PolicyBatch, lr_schedule
 from rollplex.train.checkpoint import (
@@ -506,9 +506,8 @@ class RLTrainer:
     def _encode(self, prompt: SequenceInputs) -> VisionEmbeds | None:
         if prompt.pixel_values is None and prompt.pixel_values_videos is None:
             return None
-        dev = self.device
-        return self.model.encode_vision(*(t.to(dev) if t is not None else None for t in (
-            prompt.pixel_values, prompt.image_grid_thw, prompt.pixel_values_videos, prompt.video_grid_thw)))
+        return self.model.encode_vision(prompt.pixel_values, prompt.image_grid_thw, prompt.pixel_values_videos,
+                                        prompt.video_grid_thw)
 
     def _prefix_work(self, prompts: list[SequenceInputs], vision: list[VisionEmbeds | None]) -> list[PrefixWork]:
         """The step's prompt work, per chunk (see rollplex.rl.prefix). The rollout's
@@ -523,9 +522,8 @@ class RLTrainer:
             if chunk.start == chunk.stop:
                 continue
             ps = prompts[chunk]
-            cached = chunk_vision(vision[chunk])
+            cached = VisionEmbeds.concat(vision[chunk])
             lens = [len(p.input_ids) for p in ps]
-
             patches = sum(t.shape[0] for p in ps for t in (p.pixel_values, p.pixel_values_videos) if t is not None)
 
             def item(kind, model, keep_graph, reuse_vision):
@@ -592,10 +590,9 @@ class RLTrainer:
         """The rollout replicas score their share on the updated weights; every rank gets the result."""
         self._send_weights()
         result = (0.0, 0)
-        if self.disagg.leads_replica(self.rank):
-            result = self._greedy_score(self.val_examples[self.disagg.replica(self.rank)::self.disagg.replicas])
-        elif self.generates:
-            self._greedy_score(self.val_examples[self.disagg.replica(self.rank)::self.disagg.replicas])
+        if self.generates:  # every rank of a replica runs its engine; its first rank reports
+            score = self._greedy_score(self.val_examples[self.disagg.replica(self.rank)::self.disagg.replicas])
+            result = score if self.disagg.leads_replica(self.rank) else result
         results = [None] * self.world
         dist.all_gather_object(results, result)
         return {"val/score": sum(r[0] for r in results) / max(sum(r[1] for r in results), 1)}
@@ -672,4 +669,3 @@ def balanced_share(examples: list, ranks: int, rank: int) -> list:
         load[r] += len(examples[i].prompt.input_ids)
         count[r] += 1
     return [e for i, e in enumerate(examples) if owner[i] == rank]
-

@@ -86,16 +86,6 @@ def prefix_budget(setting: float, device: torch.device, pool_bytes: int) -> int 
     return int((setting or 0.5) * max(free_memory(device) - pool_bytes, 0))
 
 
-def chunk_vision(parts: list[VisionEmbeds | None]) -> VisionEmbeds | None:
-    """One chunk's vision features, prompt after prompt (the order of its pad tokens)."""
-    present = [p for p in parts if p is not None]
-    if not present:
-        return None
-    images = [p.image for p in present if p.image is not None]
-    videos = [p.video for p in present if p.video is not None]
-    return VisionEmbeds(torch.cat(images) if images else None, torch.cat(videos) if videos else None)
-
-
 @dataclass
 class PrefixWork:
     """One prompt forward of one chunk of prompts, run in slices."""

@@ -91,9 +91,7 @@ class _CaptureKV:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.keys.append(k)
         self.values.append(v)
-        # prompt_attention prompt by prompt, as SharedPrefixAttention computes its prompts, so both paths agree.
-        return torch.cat([prompt_attention(q[a:b], k[a:b], v[a:b], [0, b - a], self.backend)
-                          for a, b in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:])])
+        return prompt_attention(q, k, v, self.cu_seqlens, self.backend)
 
 
 def prompt_forward(model: Qwen2_5_VL, prompts: list[SequenceInputs],
@@ -106,8 +104,8 @@ def prompt_forward(model: Qwen2_5_VL, prompts: list[SequenceInputs],
     device = model.device
     encoded = vision is None
     if encoded:
-        vision = model.encode_vision(*(t.to(device) if t is not None else None for t in (
-            batch.pixel_values, batch.image_grid_thw, batch.pixel_values_videos, batch.video_grid_thw)))
+        vision = model.encode_vision(batch.pixel_values, batch.image_grid_thw, batch.pixel_values_videos,
+                                     batch.video_grid_thw)
         yield None
     h = model.embed(batch.input_ids.to(device), vision)
     yield None
