@@ -156,7 +156,11 @@ def test_extra_words(tmp_path):
 
 
 def test_image_processor_is_pil(tiny_dir):
-    ip = transformers.AutoImageProcessor.from_pretrained(tiny_dir)
+    # From its module: transformers 5.17's top-level AutoImageProcessor is a placeholder
+    # that demands torchvision even for the PIL backend.
+    from transformers.models.auto.image_processing_auto import AutoImageProcessor
+
+    ip = AutoImageProcessor.from_pretrained(tiny_dir)
     assert type(ip).__name__ == "Qwen2VLImageProcessorPil"
     out = ip(images=[Image.new("RGB", (56, 56), (255, 0, 0))], return_tensors="pt")
     assert out["image_grid_thw"].tolist() == [[1, 4, 4]]  # 4 merged tokens

@@ -34,10 +34,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-# VideoProcessorMixin itself needs no torchvision (BaseVideoProcessor does); deriving
-# from it lets ProcessorMixin accept our class as a `video_processor`.
 from transformers import Qwen2_5_VLProcessor
-from transformers.video_processing_utils import VideoProcessorMixin
+from transformers.image_processing_utils import BaseImageProcessor
 
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
@@ -69,11 +67,14 @@ def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-class TorchFreeQwen2VLVideoProcessor(VideoProcessorMixin):
+class TorchFreeQwen2VLVideoProcessor(BaseImageProcessor):
     """Qwen2-VL video processor without torchvision.
 
-    Derives from transformers' VideoProcessorMixin (not BaseVideoProcessor, which
-    needs torchvision) so that Qwen2_5_VLProcessor accepts it. Holds the video
+    Derives from BaseImageProcessor, which needs no torchvision and is the same in
+    every transformers 5 release we support. transformers' own video bases do not
+    fit: BaseVideoProcessor needs torchvision, and VideoProcessorMixin (the
+    torchvision-free base that later releases split off it) is missing from 5.17.
+    TorchFreeQwen2_5_VLProcessor accepts this class by name. Holds the video
     preprocessing numbers (pixel budget per frame, normalisation,
     patch sizes) and processes frames with a PIL `Qwen2VLImageProcessorPil` built
     from them, then groups frames into temporal patches in the same row/column
@@ -141,6 +142,7 @@ class TorchFreeQwen2VLVideoProcessor(VideoProcessorMixin):
         # The cached frame processor is derived state; keep it out of repr/save.
         out = super().to_dict()
         out.pop("_frame_processor", None)
+        out.pop("image_processor_type", None)
         out["video_processor_type"] = type(self).__name__
         return out
 
@@ -258,8 +260,8 @@ class TorchFreeQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
     """Qwen2_5_VLProcessor that accepts TorchFreeQwen2VLVideoProcessor.
 
     ProcessorMixin checks each part against a class looked up by name on the
-    `transformers` module; without torchvision `transformers.VideoProcessorMixin`
-    is not exported and the check fails for any video processor.
+    `transformers` module (BaseVideoProcessor in 5.17, VideoProcessorMixin in
+    5.19+); neither is our base, and without torchvision neither is exported.
     """
 
     def check_argument_for_proper_class(self, argument_name: str, argument: Any):
@@ -276,7 +278,10 @@ def load_processor(path: str | os.PathLike, image_backend: str = "pil") -> Qwen2
     machine whether torchvision is installed or not. `image_backend="auto"` lets
     transformers pick the image backend (torchvision when installed).
     """
-    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers import AutoTokenizer
+    # From its module: transformers 5.17's top-level name is a placeholder that demands
+    # torchvision even for the PIL backend.
+    from transformers.models.auto.image_processing_auto import AutoImageProcessor
 
     path = Path(path)
     tokenizer = AutoTokenizer.from_pretrained(path)

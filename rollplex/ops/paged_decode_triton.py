@@ -30,7 +30,9 @@ do no work.
 
 Triton is optional: this module imports without it; the kernels are built on
 the first call. With TRITON_INTERPRET=1 set before triton is imported, the
-same kernels run on CPU tensors (that is how the tests check them).
+same kernels run on CPU tensors (that is how the tests check them; the
+interpreter of triton 3.6 under numpy >= 2.4 cannot take the runtime loop
+bounds, and tests/paged_decode_triton_cases.py patches it with the upstream fix).
 """
 
 from __future__ import annotations
