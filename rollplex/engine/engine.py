@@ -6,6 +6,12 @@ prompt's prefill, append tokens, finish and free sequences).
 
 The engine runs on the model it is given and never copies its weights: in the
 RL loop those weights belong to the trainer.
+
+On CUDA, decode steps (KV block copies, input copies, graph replay, sampling)
+run on `decode_stream`, created once per engine at the highest stream priority
+and ordered against the caller's stream at each step's start and end; prefill
+runs on the caller's stream. The GPU schedules decode kernels ahead of those of
+lower-priority streams (the RL loop's prefix work), which fill the rest of it.
 """
 
 from __future__ import annotations
@@ -75,6 +81,11 @@ class Engine:
         budget = cfg.kv_cache_memory if cfg.kv_cache_memory > 1 else cfg.kv_cache_memory * free_memory(self.device)
         return max(1, min(useful, int(budget) // per_block))
 
+    @property
+    def decode_stream(self) -> torch.cuda.Stream | None:
+        """The high-priority CUDA stream decode steps run on (None on CPU)."""
+        return self.runner.decode_stream
+
     # ------------------------------------------------------------------ memory between phases
 
     def release_kv(self) -> None:
@@ -109,10 +120,11 @@ class Engine:
                 self.stats["prefill_tokens"] += sum(len(s) for s in step.seqs)
                 finished = self._after_prefill(step.seqs, logits, blocks, scheduler, params, stop_ids)
             else:
-                self.cache.copy_blocks(step.copies)
-                logits = self.runner.decode(step.seqs, step.slots)
+                with self.runner.on_decode_stream():
+                    self.cache.copy_blocks(step.copies)
+                    logits = self.runner.decode(step.seqs, step.slots)
+                    tokens, logprobs = self._sample(logits, step.seqs, params)
                 self.stats["decode_tokens"] += len(step.seqs)
-                tokens, logprobs = self._sample(logits, step.seqs, params)
                 finished = [s for s, t, lp in zip(step.seqs, tokens, logprobs)
                             if self._append(s, t, lp, params, stop_ids)]
                 for s in finished:

@@ -15,6 +15,7 @@ batch write their (discarded) keys there, so the graph never needs a branch.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +71,13 @@ class KVCache:
         """(k, v) of layer i, each (blocks + 1, block_size, kv_heads, head_dim)."""
         assert self.data is not None, "the KV pool was released"
         return self.data[i, 0], self.data[i, 1]
+
+    def with_data(self, data: torch.Tensor) -> KVCache:
+        """This pool's description over other storage of the same layout: what a CUDA
+        graph captured reads (the runner's CPU stand-in replays through it)."""
+        view = copy.copy(self)
+        view.data = data
+        return view
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate the KV of each src block into dst, in every layer."""

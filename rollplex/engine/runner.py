@@ -6,15 +6,65 @@ for the smallest batch-size bucket that fits, with static input buffers that
 are refilled before each replay (padded rows write into the KV pool's sink
 block and their logits are dropped). On CPU, or with `enforce_eager`, the same
 decode inputs run eagerly through the same code.
+
+A graph bakes in the addresses it read at capture: each layer's K/V view of the
+pool and every weight. The pool is re-allocated per generate() at a size that
+depends on the batch, so the graphs are keyed on the pool's base address, shape
+and strides (a pool of another block count at the same address puts each layer's
+view elsewhere) and on the weights' addresses, and recaptured when any changes.
+
+Decode steps run on the runner's decode stream, at the highest CUDA priority, so
+that the GPU schedules their kernels ahead of the prefix work on the RL loop's
+lower-priority side stream (see `on_decode_stream`).
 """
 
 from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 from rollplex.engine.kv_cache import KVCache, PagedAttention
 from rollplex.engine.sequence import Sequence
 from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """Where a KV pool's slots are: base address, shape and strides. A CUDA graph
+    addresses every layer's K/V through these, as they were at capture."""
+
+    address: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+    @classmethod
+    def of(cls, pool: torch.Tensor) -> PoolGeometry:
+        return cls(pool.data_ptr(), tuple(pool.shape), pool.stride())
+
+    def laid_on(self, pool: torch.Tensor) -> torch.Tensor:
+        """This geometry over `pool`'s storage: the slots a graph captured with it
+        reads and writes now. An error where a GPU would touch memory outside the pool."""
+        storage, item = pool.untyped_storage(), pool.element_size()
+        offset = self.address - storage.data_ptr()
+        extent = offset + item * (1 + sum((n - 1) * s for n, s in zip(self.shape, self.strides)))
+        if offset < 0 or extent > storage.nbytes():
+            raise RuntimeError(f"stale CUDA graph: captured on a KV pool {self.shape} at {self.address:#x}, "
+                               f"which is not inside the current pool {tuple(pool.shape)} at {pool.data_ptr():#x}; "
+                               "on a GPU it would read and write freed memory")
+        return torch.as_strided(pool, self.shape, self.strides, offset // item)
+
+
+@dataclass(frozen=True)
+class GraphAddresses:
+    """Everything a decode graph reads by address besides its own static buffers."""
+
+    pool: PoolGeometry
+    weights: tuple[int, ...]
 
 
 class ModelRunner:
@@ -26,12 +76,35 @@ class ModelRunner:
         self.max_blocks = -(-max_model_len // cache.block_size)
         self.max_num_seqs = max_num_seqs
         # On CPU the graph bookkeeping can still be exercised (tests set this True):
-        # _EagerGraph replays by re-running the decode on the same static buffers.
+        # _EagerGraph replays the decode as captured, on the same static buffers.
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
         self.graphs: dict[int, "torch.cuda.CUDAGraph | _EagerGraph"] = {}
         self.graph_logits: dict[int, torch.Tensor] = {}  # each graph's static output
-        self.graph_key: tuple = ()  # storage the captured graphs read; new storage needs new graphs
+        self.captured: GraphAddresses | None = None  # what the graphs read; anything else needs new graphs
         self.storage_may_have_moved = True  # set by the engine at each generate()
+        self.captures, self.capture_seconds = 0, 0.0  # graph sets captured so far, and their wall time
+        # Highest priority (the lowest number): decode kernels go before the prefix work's side stream.
+        self.decode_stream = (torch.cuda.Stream(self.device, priority=min(torch.cuda.Stream.priority_range()))
+                              if self.device.type == "cuda" else None)
+
+    @contextlib.contextmanager
+    def on_decode_stream(self) -> Iterator[None]:
+        """Run the enclosed work (a decode step: KV block copies, input copies, graph
+        replay, sampling) on the decode stream. It starts after the caller's stream's
+        earlier work (prefill's KV writes) and the caller's later work starts after it.
+        Tensors made inside are allocated, used and freed on the decode stream only
+        (no record_stream needed); the pool and the weights, made on the caller's
+        stream, may be freed there because of the final wait. A no-op on CPU."""
+        if self.decode_stream is None:
+            yield
+            return
+        caller = torch.cuda.current_stream(self.device)
+        self.decode_stream.wait_stream(caller)
+        try:
+            with torch.cuda.stream(self.decode_stream):
+                yield
+        finally:
+            caller.wait_stream(self.decode_stream)
 
     # ------------------------------------------------------------------ prefill
 
@@ -71,7 +144,7 @@ class ModelRunner:
         if not self.use_cuda_graphs or batch > self.max_num_seqs:
             return self._decode_eager(*inputs).float()
         if self.storage_may_have_moved:
-            if self._storage_key() != self.graph_key:
+            if self.addresses() != self.captured:
                 self.capture()
             self.storage_may_have_moved = False
         bucket = next(b for b in sorted(self.graphs) if b >= batch)
@@ -105,8 +178,9 @@ class ModelRunner:
                 torch.tensor(tables, dtype=torch.int32, device=dev),
                 torch.tensor([len(s) for s in seqs], dtype=torch.int32, device=dev))
 
-    def _decode_eager(self, ids, positions, slots, tables, lens) -> torch.Tensor:
-        attn = PagedAttention(self.cache, slots, block_tables=tables, context_lens=lens,
+    def _decode_eager(self, ids, positions, slots, tables, lens, cache: KVCache | None = None) -> torch.Tensor:
+        """The decode forward, on the engine's pool or on `cache` (a graph's captured view of it)."""
+        attn = PagedAttention(cache or self.cache, slots, block_tables=tables, context_lens=lens,
                               backend=self.model.attn_backend)
         return self.model.logits(self.model.forward_generated(ids, positions, attn))
 
@@ -123,6 +197,7 @@ class ModelRunner:
 
     def capture(self) -> None:
         """Capture one decode graph per batch-size bucket, largest first, sharing one memory pool."""
+        start = time.perf_counter()
         dev, n = self.device, self.max_num_seqs
         self.static = s = {
             "ids": torch.zeros(n, dtype=torch.long, device=dev),
@@ -138,7 +213,7 @@ class ModelRunner:
             args = (s["ids"][:b], s["positions"][:, :b], s["slots"][:b], s["tables"][:b], s["lens"][:b])
             self._decode_eager(*args)  # warm-up: lazy allocations happen outside the capture
             if dev.type != "cuda":
-                self.graphs[b] = _EagerGraph(lambda args=args: self._decode_eager(*args))
+                self.graphs[b] = _EagerGraph(self, args)
                 self.graph_logits[b] = self.graphs[b].out
                 continue
             graph = torch.cuda.CUDAGraph()
@@ -146,25 +221,45 @@ class ModelRunner:
                 self.graph_logits[b] = self._decode_eager(*args)
             pool = graph.pool()
             self.graphs[b] = graph
-        self.graph_key = self._storage_key()
+        self.captured = self.addresses()
         if dev.type == "cuda":
             torch.cuda.synchronize()
+        self.captures += 1
+        self.capture_seconds += time.perf_counter() - start
 
-    def _storage_key(self) -> tuple:
-        """Addresses a graph has baked in: the KV pool's and every weight's. The pool
-        is re-allocated each rollout, and the trainer's gathered weights may land
-        elsewhere after each update (FSDP unshard), so both are checked once per generate()."""
-        weights = (p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters())
-        return (self.cache.data.data_ptr(), *(w.data_ptr() for w in weights))
+    def addresses(self) -> GraphAddresses:
+        """What a graph captured now would read by address: the KV pool (re-allocated
+        each generate(), at a size that depends on the batch) and every weight (the
+        trainer's gathered weights may land elsewhere after each update). Checked
+        once per generate()."""
+        return GraphAddresses(PoolGeometry.of(self.cache.data), self.weight_addresses())
+
+    def weight_addresses(self) -> tuple[int, ...]:
+        tensors = itertools.chain(self.model.parameters(), self.model.buffers())
+        return tuple((t.to_local() if hasattr(t, "to_local") else t).data_ptr() for t in tensors)
+
 
 class _EagerGraph:
-    """A CUDA graph's stand-in on CPU: same static inputs, same static output
-    tensor, so the runner's buffer filling, padding and bucket choice run (and
-    are tested) unchanged."""
+    """A CUDA graph's stand-in on CPU, replaying what was captured as a graph does:
+    the decode on the same static inputs into the same static output, through the
+    pool geometry and the weights of capture time. A graph kept across a pool of
+    another geometry at the same address reads the wrong slots here as on a GPU;
+    one whose pool or weights have moved (on a GPU: reads of freed memory) is an
+    error. So the runner's buffer filling, padding, bucket choice and recapture
+    rule run, and are tested, unchanged."""
 
-    def __init__(self, fn):
-        self.fn = fn
-        self.out = fn()
+    def __init__(self, runner: ModelRunner, inputs: tuple[torch.Tensor, ...]):
+        self.runner, self.inputs = runner, inputs
+        self.captured = runner.addresses()
+        self.out = self._run()
 
     def replay(self) -> None:
-        self.out.copy_(self.fn())
+        self.out.copy_(self._run())
+
+    def _run(self) -> torch.Tensor:
+        runner = self.runner
+        if runner.weight_addresses() != self.captured.weights:
+            raise RuntimeError("stale CUDA graph: the weights moved since capture; "
+                               "on a GPU it would read the old (freed or stale) weights")
+        pool = self.captured.pool.laid_on(runner.cache.data)
+        return runner._decode_eager(*self.inputs, cache=runner.cache.with_data(pool))
