@@ -1,14 +1,21 @@
 """Process group and device mesh.
 
 One process per device, started by torchrun (or plain `python` for one
-process). NCCL on CUDA, gloo on CPU, chosen from the device. The mesh has two
-dimensions, ("dp_shard", "tp"): FSDP shards over the first, tensor parallelism
-splits over the second (adjacent ranks, so TP stays inside a node).
+process). NCCL on CUDA, gloo on CPU, chosen from the device. A single process
+joins a group of one, so that it trains through the same FSDP path as many
+(fp32 master weights, compute in model.dtype). The mesh has two dimensions,
+("dp_shard", "tp"): FSDP shards over the first, tensor parallelism splits over
+the second (adjacent ranks, so TP stays inside a node).
+
+Small host-side reductions (counts, metrics) go through `all_reduce_values`,
+which puts them on the device the group's backend takes: NCCL takes only CUDA
+tensors, gloo CPU ones.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,9 +42,10 @@ class ParallelDims:
 
 
 def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
-    """Join the process group torchrun set up (if any). `device`: auto (CUDA when
-    available), cpu, cuda (this process's LOCAL_RANK GPU) or cuda:N. Returns
-    (rank, world size, device)."""
+    """Join the process group torchrun set up, or form a group of one without
+    torchrun (an existing group is kept). `device`: auto (CUDA when available),
+    cpu, cuda (this process's LOCAL_RANK GPU) or cuda:N. Returns (rank, world
+    size, device)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -50,9 +58,28 @@ def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
     device = torch.device("cpu") if device == "cpu" else torch.device("cuda", int(device[5:] or local_rank))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if world > 1:
+            dist.init_process_group(backend, rank=rank, world_size=world)
+        else:  # torchrun's rendezvous variables are absent: an in-process store serves a group of one
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return rank, world, device
+
+
+def collective_device(backend: str) -> torch.device:
+    """The device a collective of `backend` takes its tensors on: NCCL only CUDA
+    tensors (this process's current GPU), the others (gloo) CPU ones."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == dist.Backend.NCCL else torch.device("cpu")
+
+
+def all_reduce_values(values: Sequence[float], op: dist.ReduceOp = dist.ReduceOp.SUM,
+                      group: dist.ProcessGroup | None = None) -> list[float]:
+    """Reduce a few host numbers (float64: integers up to 2**53 stay exact) over
+    `group` (None: every rank); every rank of it passes as many values."""
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device(dist.get_backend(group)))
+    dist.all_reduce(t, op=op, group=group)
+    return t.tolist()
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:

@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from rollplex.config import load_config
 from rollplex.rl.loop import RLTrainer
@@ -22,7 +23,8 @@ def live_tensor_bytes() -> int:
         warnings.simplefilter("ignore", FutureWarning)
         tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
     for t in tensors:
-        if t.device.type != "meta":
+        # A DTensor (FSDP's sharded parameters) has no storage of its own; gc finds its local tensor.
+        if t.device.type != "meta" and not isinstance(t, DTensor):
             storage = t.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())

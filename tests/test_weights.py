@@ -1,13 +1,15 @@
 """Weight sharing between trainer and engine (gloo, 2 processes): the engine generates
 what a plain copy of the trainer's current weights generates, before and after an
 optimizer step, while reading the trainer's gathered tensors in place (shared),
-slices of them (viewed) or its own buffers (rebuilt), as the report says."""
+slices of them (viewed) or its own buffers (rebuilt), as the report says. After a
+rollout every FSDP unit frees (or keeps) its gathered parameters after forward as before."""
 
 import json
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from distributed import run_distributed
@@ -53,11 +55,10 @@ def plain_copy_tokens(rank: int, model) -> list | None:
     return greedy(Engine(plain.eval(), CONFIG))
 
 
-def fsdp_unsharded_params(model) -> list[torch.Tensor]:
-    from torch.distributed.fsdp import FSDPModule
-
-    return [fp._unsharded_param for unit in model.modules() if isinstance(unit, FSDPModule)
-            for group in unit._get_fsdp_state()._fsdp_param_groups for fp in group.fsdp_params]
+def dp_sharded(p: torch.Tensor) -> bool:
+    """FSDP registers a parameter it holds sharded as a DTensor over dp_shard, and the
+    gathered one in its place while unsharded (a plain tensor, or a DTensor over tp)."""
+    return isinstance(p, DTensor) and "dp_shard" in p.device_mesh.mesh_dim_names
 
 
 def storage_relations(model, engine_model) -> dict[str, int]:
@@ -88,19 +89,20 @@ def rollouts(rank: int, world: int, trainer_tp: int, engine_tp: int, out: str) -
     parallelize(model, build_mesh(ParallelDims.resolve(world, -1, trainer_tp), "cpu"))
     shared = SharedWeights(model, trainer_tp, engine_tp)
     engine = None
-    result = {"engine_is_trainer": shared.engine_model is model, "rounds": []}
+    result = {"engine_is_trainer": shared.engine_model is model, "rounds": [],
+              "engine_has_fsdp_hooks": any(isinstance(m, FSDPModule) for m in shared.engine_model.modules())}
     for step in range(2):
         if step:
             sgd_step(model)
         model.eval()
+        assert all(dp_sharded(p) for p in model.parameters())
         with shared.for_rollout() as engine_model:
             assert engine_model is shared.engine_model
             # Built in here: it reads the KV head count and dtype off the gathered parameters
             # (outside, FSDP's dp shard of k_proj would give half the heads).
             engine = engine or Engine(engine_model, CONFIG)
-            # for_rollout gathered the trainer's parameters: they are FSDP's unsharded tensors
-            assert {local(p).data_ptr() for p in fsdp_unsharded_params(model)} == \
-                {local(p).data_ptr() for p in model.parameters()}
+            # for_rollout gathered the trainer's parameters: FSDP put its unsharded tensors in place
+            assert not any(dp_sharded(p) for p in model.parameters())
             tokens = greedy(engine)
             relations = storage_relations(model, engine_model)
             engine_bytes = sum(nbytes(p) for p in engine_model.parameters())
@@ -126,10 +128,11 @@ def run(tmp_path, trainer_tp: int, engine_tp: int) -> dict:
 
 
 def test_aligned_engine_reads_the_gathered_parameters(tmp_path):
-    """trainer tp=1 dp_shard=2, engine tp=1: the engine runs on the trainer's model itself."""
+    """trainer tp=1 dp_shard=2, engine tp=1: the engine runs on a hook-free skeleton whose
+    every parameter is the trainer's gathered tensor itself (so decode can be captured)."""
     result = run(tmp_path, trainer_tp=1, engine_tp=1)
     total = sum(nbytes(p) for p in build_model(tiny_args()).parameters())
-    assert result["engine_is_trainer"]
+    assert not result["engine_is_trainer"] and not result["engine_has_fsdp_hooks"]
     for r in result["rounds"]:
         assert r["relations"] == {"same": total, "view": 0, "own": 0}
         assert r["report"]["weights/bytes_shared"] == total
@@ -142,7 +145,7 @@ def test_engine_tp_differs_from_trainer_tp(tmp_path, trainer_tp, engine_tp, kind
     ones. Engine tp=1 on trainer tp=2: they are rebuilt. Replicated ones (norms) are shared
     either way. Outside rollout, the engine's parameters hold no memory."""
     result = run(tmp_path, trainer_tp, engine_tp)
-    assert not result["engine_is_trainer"]
+    assert not result["engine_is_trainer"] and not result["engine_has_fsdp_hooks"]
     for r in result["rounds"]:
         report, relations = r["report"], r["relations"]
         assert relations[kind] > 0 and relations["same"] > 0
@@ -150,3 +153,35 @@ def test_engine_tp_differs_from_trainer_tp(tmp_path, trainer_tp, engine_tp, kind
                 "own": report["weights/bytes_rebuilt"]} == relations
         assert sum(relations.values()) == r["engine_bytes"]
         assert r["held_after"] == 0
+
+
+def test_forward_keeps_the_root_gathered_before_and_after_a_rollout():
+    """A micro-batch's forward frees the decoder layers' and vision blocks' gathered
+    parameters but keeps the root unit's (embedding, head, merger), which the head and
+    the backward read next, so they are gathered once per micro-batch. A rollout gives
+    every unit its setting back, and forward_packed (which enters the model through
+    encode_vision and forward) must not reshard the root at its end either.
+    One process: a group and mesh of one, as a single-GPU trainer has."""
+    from rollplex.dist import ParallelDims, build_mesh, init_distributed
+    from rollplex.models import SequenceInputs, pack_sequences
+    from rollplex.rl.weights import SharedWeights
+    from rollplex.train.parallelize import parallelize
+
+    init_distributed("cpu")
+    mesh = build_mesh(ParallelDims.resolve(1, -1, 1), "cpu")
+    model = parallelize(build_model(tiny_args(), seed=3, init_std=None), mesh)
+    batch = pack_sequences(model.args, [SequenceInputs(torch.tensor([1, 5, 9, 13, 2, 7]))])
+    units = {"root": model, "layer": model.language_model.layers[0], "vision block": model.visual.blocks[0]}
+
+    def sharded_after_forward() -> dict[str, bool]:
+        """Which units hold only their shard after a micro-batch's forward (the head, a root
+        parameter, is read next: had the root resharded, it would be gathered again)."""
+        hidden = model.forward_packed(batch)
+        sharded = {name: dp_sharded(next(unit.parameters())) for name, unit in units.items()}
+        model.logits(hidden).sum().backward()
+        return sharded
+
+    before = sharded_after_forward()
+    with SharedWeights(model).for_rollout():
+        pass
+    assert sharded_after_forward() == before == {"root": False, "layer": True, "vision block": True}

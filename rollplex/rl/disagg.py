@@ -74,10 +74,11 @@ class DisaggLayout:
 
 class WeightBroadcast:
     """Trainer rank 0 -> every rollout rank, one parameter at a time, in the
-    models' shared parameter order."""
+    models' shared parameter order, in `dtype` (the compute dtype the rollout
+    ranks hold; the trainers' master weights are fp32)."""
 
-    def __init__(self, layout: DisaggLayout, rank: int):
-        self.rank, self.layout = rank, layout
+    def __init__(self, layout: DisaggLayout, rank: int, dtype: torch.dtype):
+        self.rank, self.layout, self.dtype = rank, layout, dtype
         # Collective: every rank creates the group, members or not.
         self.group = dist.new_group([0, *range(layout.train_ranks, layout.world)])
 
@@ -89,7 +90,8 @@ class WeightBroadcast:
         for p in model.parameters():
             whole = p.full_tensor() if isinstance(p, DTensor) else p.detach()
             if self.rank == 0:
-                dist.broadcast(whole.contiguous(), src=0, group=self.group)
+                whole = whole.to(self.dtype).contiguous()
+                dist.broadcast(whole, src=0, group=self.group)
                 sent += whole.numel() * whole.element_size()
         return sent
 

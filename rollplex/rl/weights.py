@@ -4,22 +4,29 @@ At rollout start every FSDP2 unit of the trainer's model is unsharded (its
 parameters gathered over the dp_shard dimension). After rollout the units
 reshard, freeing the gathered memory before the training passes.
 
-With the engine's TP size equal to the trainer's, the engine runs on the
-trainer's model itself: every parameter is *shared*, and the units are told not
-to reshard after forward, so the engine's prefill and decode steps read the
-gathered parameters in place.
-
-With a different TP size, the engine runs on `engine_model`: a second
-Qwen2_5_VL built on the meta device (no weight memory) and sharded by `apply_tp`
-over an engine TP mesh. Each of its parameters gets its data from the trainer's
-gathered parameter, chosen by comparing which block of the global tensor each
-side holds on this rank:
-- shared: the same block; the engine's local tensor is the trainer's.
+The engine runs on `engine_model`: a second Qwen2_5_VL built on the meta
+device (no weight memory), split by `apply_tp` over an engine TP mesh of its own
+when rollout.tp > 1, and free of FSDP's hooks. That is what lets decode be
+captured in CUDA graphs: FSDP's pre-forward hook makes its all-gather streams
+wait on the current stream, and inside a capture nothing would join them again.
+Its own TP process groups also keep decode's collectives off the communicator
+that the trainer's prompt forwards use on the side stream (rollplex.rl.prefix).
+Each of its parameters gets its data from the trainer's gathered parameter,
+chosen by comparing which block of the global tensor each side holds on this
+rank:
+- shared: the same block; the engine's local tensor is the trainer's (every
+  parameter, when rollout.tp equals parallel.tp).
 - viewed: a sub-block; the engine's local tensor is a slice of the trainer's
   (a strided view for a column shard), same storage.
 - rebuilt: data another rank holds; a buffer of the engine's local shape,
   refilled by an all-gather on the trainer's TP group at each rollout start.
   Like the gathered parameters, the buffers hold memory during rollout only.
+During rollout the units are told not to reshard after forward: the vision
+encode and the prompt work run through the trainer's model (and its hooks)
+while the engine reads the same gathered tensors.
+
+A model without FSDP units (a disagg rollout rank's own copy) is the engine's
+model itself.
 
 Engine TP groups are `engine_tp` adjacent ranks, like the trainer's (so they
 stay inside a node). With trainer_tp=1 every engine shard lies inside the
@@ -52,8 +59,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from rollplex.dist import all_reduce_values
 from rollplex.models.qwen2_5_vl import Qwen2_5_VL
-from rollplex.train.parallelize import apply_tp
+from rollplex.train.parallelize import apply_tp, reshard_after_forward
 
 
 @dataclass
@@ -88,8 +96,8 @@ class SharedWeights:
         self.report = SharingReport()
         self.bindings: list[_Binding] = []
         self._engine_model = None
-        self.engine_tp_group: dist.ProcessGroup | None = None  # set when the engine has its own TP layout
-        if engine_tp != trainer_tp:
+        self.engine_tp_group: dist.ProcessGroup | None = None  # the engine's own TP group, when rollout.tp > 1
+        if self.units:
             self._engine_model, self.engine_tp_group = _engine_skeleton(model, engine_tp)
             with torch.no_grad():
                 self._gather()
@@ -101,8 +109,7 @@ class SharedWeights:
 
     @property
     def engine_model(self) -> Qwen2_5_VL:
-        """The model to build the Engine on (inside `for_rollout`): the trainer's model when
-        the TP sizes are equal. It has no FSDP hooks of its own."""
+        """The model to build the Engine on (inside `for_rollout`). It has no FSDP hooks."""
         return self.model if self._engine_model is None else self._engine_model
 
     @contextmanager
@@ -129,7 +136,8 @@ class SharedWeights:
     def _gather(self) -> None:
         for unit in self.units:
             unit.unshard()
-            # Aligned, the engine's forwards go through the FSDP hooks; they must not reshard between steps.
+            # The vision encode and the prompt work go through the FSDP hooks while the engine reads the
+            # gathered tensors: no unit may reshard before the rollout ends.
             unit.set_reshard_after_forward(False, recurse=False)
 
     def _release(self) -> None:
@@ -138,7 +146,8 @@ class SharedWeights:
                 b.buffer.untyped_storage().resize_(0)
         for unit in self.units:
             unit.reshard()
-            unit.set_reshard_after_forward(True, recurse=False)
+            # Each unit's own setting: the root stays gathered from forward to backward, the others do not.
+            unit.set_reshard_after_forward(reshard_after_forward(unit), recurse=False)
 
     # ------------------------------------------------------------------ engine side
 
@@ -153,10 +162,8 @@ class SharedWeights:
                           _block_within(trainer_param, layout)))
         # A rebuild all-gathers on the trainer's TP group, so every rank must rebuild the same
         # parameters; with uneven layouts one rank may hold its block while another does not.
-        needs_rebuild = torch.tensor([block is None for *_, block in found], dtype=torch.uint8,
-                                     device=self.model.device)
-        dist.all_reduce(needs_rebuild, op=dist.ReduceOp.MAX)
-        for (trainer_module, engine_module, name, layout, block), rebuild in zip(found, needs_rebuild.tolist()):
+        needs_rebuild = all_reduce_values([block is None for *_, block in found], dist.ReduceOp.MAX)
+        for (trainer_module, engine_module, name, layout, block), rebuild in zip(found, needs_rebuild):
             trainer_local = _local(trainer_module._parameters[name])
             if rebuild:
                 b = _Binding(trainer_module, engine_module, name, layout, "rebuilt", _global_block(layout),
@@ -186,14 +193,18 @@ class SharedWeights:
         self._engine_model.visual.attn_backend = self.model.visual.attn_backend
 
 
-def _engine_skeleton(model: Qwen2_5_VL, engine_tp: int) -> tuple[Qwen2_5_VL, dist.ProcessGroup]:
+def _engine_skeleton(model: Qwen2_5_VL, engine_tp: int) -> tuple[Qwen2_5_VL, dist.ProcessGroup | None]:
+    """The engine's hook-free model on the meta device, split over an engine TP mesh
+    of its own when engine_tp > 1; with its TP group (None without TP)."""
     world = dist.get_world_size()
     if world % engine_tp:
         raise ValueError(f"rollout.tp={engine_tp} does not divide the world size {world}")
-    mesh = init_device_mesh(model.device.type, (world // engine_tp, engine_tp), mesh_dim_names=("replica", "tp"))
     with torch.device("meta"):
-        skeleton = Qwen2_5_VL(model.args)
-    return apply_tp(skeleton, mesh["tp"]).eval(), mesh["tp"].get_group()
+        skeleton = Qwen2_5_VL(model.args).eval()
+    if engine_tp == 1:
+        return skeleton, None
+    mesh = init_device_mesh(model.device.type, (world // engine_tp, engine_tp), mesh_dim_names=("replica", "tp"))
+    return apply_tp(skeleton, mesh["tp"]), mesh["tp"].get_group()
 
 
 def _block_within(trainer_param: torch.Tensor, layout: torch.Tensor) -> tuple[slice, ...] | None:

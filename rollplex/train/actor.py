@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from rollplex.dist import all_reduce_values
 from rollplex.models.packing import GroupInputs, TrainBatch, pack_groups
 from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds
 from rollplex.train.flops import forward_flops, suffix_flops
@@ -139,10 +140,9 @@ class Actor:
     def _same_count_on_all_ranks(self, batches: list[list[_Unit]]) -> list[list[_Unit]]:
         if self.dp_size == 1:
             return batches
-        count = torch.tensor(len(batches))
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
+        [count] = all_reduce_values([len(batches)], dist.ReduceOp.MAX, self.dp_group)
         # Split the largest micro-batches until the count matches; repeat one (at zero weight) if units run out.
-        while len(batches) < int(count):
+        while len(batches) < count:
             batches.sort(key=lambda b: -sum(u.tokens for u in b))
             if len(batches[0]) > 1:
                 big = batches.pop(0)
@@ -193,11 +193,9 @@ class Actor:
         rollout_probs_diff_max is this rank's maximum."""
         cfg = self.config
         self.model.train()
-        local_tokens = sum(len(r) for g in batch.groups for r in g.responses)
-        totals = torch.tensor([float(local_tokens), float(len(batch.advantages))])
-        if self.dp_size > 1:
-            dist.all_reduce(totals, group=self.dp_group)
-        norm = dict(global_tokens=totals[0].item(), global_seqs=totals[1].item(), max_response_len=cfg.max_response_len)
+        local = [sum(len(r) for g in batch.groups for r in g.responses), len(batch.advantages)]
+        global_tokens, global_seqs = local if self.dp_size == 1 else all_reduce_values(local, group=self.dp_group)
+        norm = dict(global_tokens=global_tokens, global_seqs=global_seqs, max_response_len=cfg.max_response_len)
         sums = {k: 0.0 for k in ("pg_loss", "kl_loss", "entropy", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}
         probs_diff_sum, probs_diff_max, flops = 0.0, 0.0, 0.0
         for mb in self.micro_batches(batch.groups):

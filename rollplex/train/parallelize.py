@@ -1,7 +1,11 @@
 """Parallelism applied to the model from outside (as torchtitan does).
 
 `parallelize(model, mesh, ...)` applies, in this order: tensor parallelism on
-the "tp" mesh dimension, activation checkpointing, FSDP2 on "dp_shard".
+the "tp" mesh dimension, activation checkpointing, FSDP2 on "dp_shard". Every
+trainer goes through it, a single process too (on a mesh of one): the
+parameters FSDP shards are the fp32 master weights, and each unit gathers them
+in the compute dtype (MixedPrecisionPolicy.param_dtype) for its forward and
+backward, reducing gradients in fp32.
 
 Tensor parallelism splits each decoder layer Megatron-style: q/k/v and
 gate/up are column-parallel (each rank holds whole heads / a slice of the MLP
@@ -27,14 +31,19 @@ the same weight.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from rollplex.models.qwen2_5_vl import Qwen2_5_VL
+
+# Each FSDP unit's reshard_after_forward, as apply_fsdp set it: FSDP2 can set it at runtime but has no public getter.
+_RESHARD_AFTER_FORWARD: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
 def check_tp(model: Qwen2_5_VL, tp: int) -> None:
@@ -88,21 +97,34 @@ def apply_tp(model: Qwen2_5_VL, tp_mesh: DeviceMesh) -> Qwen2_5_VL:
     return model
 
 
-def apply_fsdp(model: Qwen2_5_VL, dp_mesh: DeviceMesh, mixed_precision: bool) -> Qwen2_5_VL:
+def apply_fsdp(model: Qwen2_5_VL, dp_mesh: DeviceMesh, compute_dtype: torch.dtype) -> Qwen2_5_VL:
     """FSDP2: every vision block and decoder layer is its own shard unit (gathered
-    just before it runs, freed after), the rest of the model the root unit.
-    Mixed precision (CUDA): bf16 parameters for compute, gradients reduced in fp32."""
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else \
-        MixedPrecisionPolicy()
-    for block in model.visual.blocks:
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp)
-    for layer in model.language_model.layers:
-        fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp)
-    # The model is also entered through these methods; each must gather the root's parameters.
-    for method in ("forward_packed", "forward_generated", "encode_vision", "logits", "hf_forward"):
+    just before it runs, freed after), the rest of the model the root unit (kept
+    gathered from its forward to its backward, which needs it first: FSDP2's
+    root default, stated here so that `reshard_after_forward` can report it).
+    Parameters are gathered in `compute_dtype`, gradients reduced in fp32."""
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for unit in (*model.visual.blocks, *model.language_model.layers):
+        _fully_shard(unit, dp_mesh, mp, reshard_after_forward=True)
+    _fully_shard(model, dp_mesh, mp, reshard_after_forward=False)
+    # The model is also entered through these methods; each must gather the root's parameters. Only methods
+    # that call no other entry: when entries nest, the outer one's end reshards the root (the inner one left
+    # FSDP's state idle). forward_packed, hf_forward and encode_vision reach the parameters through the
+    # entries they call.
+    for method in ("forward_generated", "encode_prepared", "embed_prompts", "logits"):
         register_fsdp_forward_method(model, method)
     return model
+
+
+def _fully_shard(module: torch.nn.Module, dp_mesh: DeviceMesh, mp: MixedPrecisionPolicy,
+                 reshard_after_forward: bool) -> None:
+    fully_shard(module, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    _RESHARD_AFTER_FORWARD[module] = reshard_after_forward
+
+
+def reshard_after_forward(unit: FSDPModule) -> bool:
+    """Whether `unit` (sharded by `apply_fsdp`) frees its gathered parameters after its forward."""
+    return _RESHARD_AFTER_FORWARD[unit]
 
 
 def apply_activation_checkpointing(model: Qwen2_5_VL) -> None:
@@ -113,12 +135,13 @@ def apply_activation_checkpointing(model: Qwen2_5_VL) -> None:
 
 
 def parallelize(model: Qwen2_5_VL, mesh: DeviceMesh, activation_checkpointing: bool = False,
-                freeze_vision: bool = False) -> Qwen2_5_VL:
-    """TP over mesh["tp"] (when > 1), activation checkpointing, then FSDP2 over mesh["dp_shard"]."""
+                freeze_vision: bool = False, compute_dtype: torch.dtype = torch.float32) -> Qwen2_5_VL:
+    """TP over mesh["tp"] (when > 1), activation checkpointing, then FSDP2 over
+    mesh["dp_shard"], computing in `compute_dtype` (the model holds the master weights)."""
     if freeze_vision:
         model.visual.requires_grad_(False)
     if mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"])
     if activation_checkpointing:
         apply_activation_checkpointing(model)
-    return apply_fsdp(model, mesh["dp_shard"], mixed_precision=mesh.device_type == "cuda")
+    return apply_fsdp(model, mesh["dp_shard"], compute_dtype)
