@@ -14,6 +14,7 @@ loader maps both naming styles.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
@@ -24,8 +25,8 @@ import torch.nn.functional as F
 from rollplex.models.rope import MRotaryEmbedding, RopeIndexSpec, apply_rotary, mrope_positions, vision_rotary
 if TYPE_CHECKING:
     from rollplex.models.packing import PackedBatch
-from rollplex.ops.attention import (AttentionBackend, SharedPrefixAttention, VarlenAttention, resolve_backend,
-                                    varlen_attention)
+from rollplex.ops.attention import (AttentionBackend, PackedSegments, SharedPrefixAttention, VarlenAttention,
+                                    resolve_backend)
 
 
 @dataclass
@@ -146,16 +147,13 @@ class VisionAttention(nn.Module):
         self.v = nn.Linear(args.hidden_size, args.hidden_size, bias=True)
         self.proj = nn.Linear(args.hidden_size, args.hidden_size, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
-                max_seqlen: int, backend: str) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: PackedSegments) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = (proj(x).view(T, -1, self.head_dim) for proj in (self.q, self.k, self.v))
         # Vision rotary is applied in float32 (as the reference does), then cast back.
         q = apply_rotary(q.float(), cos, sin).to(v.dtype)
         k = apply_rotary(k.float(), cos, sin).to(v.dtype)
-        out = varlen_attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=False,
-                               backend=backend)
-        return self.proj(out.reshape(T, -1))
+        return self.proj(attn(q, k, v).reshape(T, -1))
 
 
 class VisionBlock(nn.Module):
@@ -166,8 +164,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(args)
         self.mlp = SwiGLU(args.hidden_size, args.intermediate_size, bias=True)
 
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, backend):
-        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens, max_seqlen, backend)
+    def forward(self, x, cos, sin, attn):
+        x = x + self.attn(self.norm1(x), cos, sin, attn)
         return x + self.mlp(self.norm2(x))
 
 
@@ -188,13 +186,11 @@ class PatchMerger(nn.Module):
 @dataclass
 class VisionLayout:
     """Index bookkeeping of one vision forward: patches reordered so every
-    attention window is contiguous, and the window / full-attention boundaries."""
+    attention window is contiguous, and the window / full-attention segments."""
 
     window_index: torch.Tensor  # merged-token order with windows contiguous
-    cu_window: torch.Tensor
-    max_window: int
-    cu_full: torch.Tensor  # one segment per image / video frame
-    max_full: int
+    cu_window: list[int]  # patch boundaries of the windows, in that order
+    cu_full: list[int]  # one segment per image / video frame
 
 
 def vision_layout(grid_thw: torch.Tensor, args: VisionArgs) -> VisionLayout:
@@ -216,12 +212,26 @@ def vision_layout(grid_thw: torch.Tensor, args: VisionArgs) -> VisionLayout:
         offset += t * gh * gw
     window_index = torch.cat(index).to(grid_thw.device)
     frame_lengths = [h * w for t, h, w in grid_thw.tolist() for _ in range(t)]
-    return VisionLayout(window_index, _cu(window_lengths, grid_thw.device), max(window_lengths),
-                        _cu(frame_lengths, grid_thw.device), max(frame_lengths))
+    return VisionLayout(window_index, _cu(window_lengths), _cu(frame_lengths))
 
 
-def _cu(lengths: list[int], device) -> torch.Tensor:
-    return F.pad(torch.tensor(lengths, device=device).cumsum(0), (1, 0)).to(torch.int32)
+def _cu(lengths: list[int]) -> list[int]:
+    return [0, *itertools.accumulate(lengths)]
+
+
+class VisionPlan:
+    """What one tower forward reads besides its pixels and weights, on the
+    model's device: the window order of the merged tokens and its inverse, the
+    rotary tables in that order, and the windowed and full attention. Built by
+    `VisionTransformer.plan`, which reads the grids on the host; the forward that
+    takes it then waits on nothing. A plain class, not a dataclass: FSDP2 rebuilds
+    (and casts) dataclass arguments of a module call."""
+
+    def __init__(self, window_index: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 window_attention: PackedSegments, full_attention: PackedSegments):
+        self.window_index, self.restore_index = window_index, torch.argsort(window_index)
+        self.cos, self.sin = cos, sin
+        self.window_attention, self.full_attention = window_attention, full_attention
 
 
 class VisionTransformer(nn.Module):
@@ -234,27 +244,33 @@ class VisionTransformer(nn.Module):
         self.merger = PatchMerger(args)
         self.attn_backend = "torch"
 
-    def forward(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """pixels (patches, C*T*P*P) as the processor returns them, grid_thw (n, 3)
-        -> merged embeddings (patches / merge^2, out_hidden_size), in input order."""
+    def plan(self, grid_thw: torch.Tensor) -> VisionPlan:
+        """The `VisionPlan` of images or videos of grids `grid_thw` (n, 3), on the
+        grids' device. Reads the grids on the host."""
         args = self.args
-        unit = args.spatial_merge_size**2
         layout = vision_layout(grid_thw, args)
-        x = self.patch_embed(pixels)
         cos, sin = vision_rotary(grid_thw, args.spatial_merge_size, args.hidden_size // args.num_heads,
                                  args.rope_theta)
+        device = grid_thw.device
+        return VisionPlan(layout.window_index, self._windowed(cos, layout.window_index),
+                          self._windowed(sin, layout.window_index),
+                          PackedSegments(layout.cu_window, False, self.attn_backend, device),
+                          PackedSegments(layout.cu_full, False, self.attn_backend, device))
 
-        def windowed(t: torch.Tensor) -> torch.Tensor:  # group the m*m patches of a merged token together
-            return t.view(-1, unit, t.shape[-1])[layout.window_index].view(-1, t.shape[-1])
-
-        x, cos, sin = windowed(x), windowed(cos), windowed(sin)
+    def forward(self, pixels: torch.Tensor, plan: VisionPlan) -> torch.Tensor:
+        """pixels (patches, C*T*P*P) as the processor returns them, with the plan
+        of their grids -> merged embeddings (patches / merge^2, out_hidden_size), in
+        input order."""
+        x = self._windowed(self.patch_embed(pixels), plan.window_index)
         for i, block in enumerate(self.blocks):
-            if i in args.fullatt_block_indexes:
-                x = block(x, cos, sin, layout.cu_full, layout.max_full, self.attn_backend)
-            else:
-                x = block(x, cos, sin, layout.cu_window, layout.max_window, self.attn_backend)
-        merged = self.merger(x)
-        return merged[torch.argsort(layout.window_index)]
+            full = i in self.args.fullatt_block_indexes
+            x = block(x, plan.cos, plan.sin, plan.full_attention if full else plan.window_attention)
+        return self.merger(x)[plan.restore_index]
+
+    def _windowed(self, t: torch.Tensor, window_index: torch.Tensor) -> torch.Tensor:
+        """Per-patch rows with the m*m patches of a merged token together, merged tokens in window order."""
+        unit = self.args.spatial_merge_size**2
+        return t.view(-1, unit, t.shape[-1])[window_index].view(-1, t.shape[-1])
 
 
 # ----------------------------------------------------------------------------- language model
@@ -335,6 +351,38 @@ class VisionEmbeds:
         return cls(torch.cat(images) if images else None, torch.cat(videos) if videos else None)
 
 
+class VisionInputs:
+    """What the vision tower reads for a batch's images and videos, on the
+    model's device: each kind's pixels and `VisionPlan`, or None
+    (`Qwen2_5_VL.prepare_vision` makes it). A plain class, not a dataclass: FSDP2
+    would rebuild it, casting its pixels and rotary tables, at the model's entry."""
+
+    def __init__(self, image: tuple[torch.Tensor, VisionPlan] | None = None,
+                 video: tuple[torch.Tensor, VisionPlan] | None = None):
+        self.image, self.video = image, video
+
+
+@dataclass
+class VisionSlots:
+    """Where a packed input's vision features go: the token rows of its image and
+    of its video pad tokens (prompt tokens only), as index tensors on the input's device."""
+
+    image: torch.Tensor
+    video: torch.Tensor
+
+    @classmethod
+    def find(cls, args: ModelArgs, input_ids: torch.Tensor, prompt_mask: torch.Tensor | None = None) -> "VisionSlots":
+        """Reads the token ids on the host (nonzero): a prompt forward that must not
+        wait on the device finds its slots before it starts."""
+        rows = []
+        for token_id in (args.image_token_id, args.video_token_id):
+            mask = input_ids == token_id
+            if prompt_mask is not None:
+                mask &= prompt_mask
+            rows.append(mask.nonzero().flatten())
+        return cls(*rows)
+
+
 class Qwen2_5_VL(nn.Module):
     """Qwen2.5-VL for causal LM.
 
@@ -366,30 +414,43 @@ class Qwen2_5_VL(nn.Module):
                       video_grid_thw: torch.Tensor | None = None) -> VisionEmbeds:
         """Run the vision tower on a prompt's (or batch's) images and videos,
         wherever they are (they are moved to the model's device)."""
-        embeds = VisionEmbeds()
+        return self.encode_prepared(self.prepare_vision(pixel_values, image_grid_thw, pixel_values_videos,
+                                                        video_grid_thw))
+
+    def prepare_vision(self, pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
+                       pixel_values_videos: torch.Tensor | None = None,
+                       video_grid_thw: torch.Tensor | None = None) -> VisionInputs:
+        """The first half of `encode_vision`: checks the inputs and builds every
+        device tensor the tower reads (host reads and host-to-device copies), so
+        that `encode_prepared` issues none."""
+        inputs = VisionInputs()
         if pixel_values is not None:
             check_pixels(pixel_values, image_grid_thw, self.args.vision, "image")
-            embeds.image = self.visual(pixel_values.to(self.device), image_grid_thw.to(self.device))
+            inputs.image = (pixel_values.to(self.device), self.visual.plan(image_grid_thw.to(self.device)))
         if pixel_values_videos is not None:
             check_pixels(pixel_values_videos, video_grid_thw, self.args.vision, "video")
-            embeds.video = self.visual(pixel_values_videos.to(self.device), video_grid_thw.to(self.device))
-        return embeds
+            inputs.video = (pixel_values_videos.to(self.device), self.visual.plan(video_grid_thw.to(self.device)))
+        return inputs
+
+    def encode_prepared(self, inputs: VisionInputs) -> VisionEmbeds:
+        """The vision tower on inputs from `prepare_vision`."""
+        return VisionEmbeds(*(None if kind is None else self.visual(*kind) for kind in (inputs.image, inputs.video)))
 
     def embed(self, input_ids: torch.Tensor, vision: VisionEmbeds | None = None,
-              prompt_mask: torch.Tensor | None = None) -> torch.Tensor:
+              prompt_mask: torch.Tensor | None = None, slots: VisionSlots | None = None) -> torch.Tensor:
         """Token embeddings with vision features written at their pad tokens.
 
         Only prompt tokens carry vision features: a pad token id that a policy
         *generated* is embedded as plain text. `prompt_mask` (T,) marks the prompt
-        tokens; None means every token is part of a prompt.
+        tokens; None means every token is part of a prompt. The slots are found
+        here (reading the ids on the host) unless given (`VisionSlots.find`).
         """
         h = self.language_model.embed_tokens(input_ids)
-        for name, token_id, feats in (("image", self.args.image_token_id, vision.image if vision else None),
-                                      ("video", self.args.video_token_id, vision.video if vision else None)):
-            mask = input_ids == token_id
-            if prompt_mask is not None:
-                mask &= prompt_mask
-            n_tokens = int(mask.sum())
+        if slots is None:
+            slots = VisionSlots.find(self.args, input_ids, prompt_mask)
+        for name, rows, feats in (("image", slots.image, vision.image if vision else None),
+                                  ("video", slots.video, vision.video if vision else None)):
+            n_tokens = rows.shape[0]
             n_feats = 0 if feats is None else feats.shape[0]
             if n_tokens != n_feats:
                 raise ValueError(
@@ -398,8 +459,16 @@ class Qwen2_5_VL(nn.Module):
                     f"{name}, or a grid that does not belong to this prompt, causes this."
                 )
             if n_feats:
-                h = h.masked_scatter(mask[..., None], feats.to(h.dtype))
+                h = h.index_copy(0, rows, feats.to(h.dtype))
         return h
+
+    def embed_prompts(self, input_ids: torch.Tensor, vision: VisionEmbeds | None,
+                      slots: VisionSlots) -> torch.Tensor:
+        """`embed` as an entry of its own (FSDP2 gathers the root's parameters
+        there, see rollplex.train.parallelize): a prompt forward
+        (rollplex.train.kept_prefix) may start here, with cached vision features,
+        and its last slice reads the root's final norm."""
+        return self.embed(input_ids, vision, slots=slots)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn: AttentionBackend,
                 vision: VisionEmbeds | None = None, prompt_mask: torch.Tensor | None = None) -> torch.Tensor:

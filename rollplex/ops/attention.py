@@ -106,16 +106,26 @@ def varlen_attention(
 
 
 def _varlen_attention_torch(q, k, v, cu_q: list[int], cu_k: list[int], causal: bool) -> torch.Tensor:
-    out = torch.empty_like(q)
-    # Group segments by (query length, key length) so each group is one batched SDPA call.
+    return _attend_segment_groups(q, k, v, _segment_groups(cu_q, cu_k, q.device), causal)
+
+
+def _segment_groups(cu_q: list[int], cu_k: list[int],
+                    device: torch.device) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """Segments grouped by (query length, key length), so that each group is one
+    batched SDPA call: (lq, lk, query token indices, key token indices) per group."""
     groups: dict[tuple[int, int], list[int]] = {}
     for i in range(len(cu_q) - 1):
         lq, lk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
         if lq > 0:
             groups.setdefault((lq, lk), []).append(i)
-    for (lq, lk), segs in groups.items():
-        q_idx = _segment_index([cu_q[i] for i in segs], lq, q.device)
-        k_idx = _segment_index([cu_k[i] for i in segs], lk, q.device)
+    return [(lq, lk, _segment_index([cu_q[i] for i in segs], lq, device),
+             _segment_index([cu_k[i] for i in segs], lk, device)) for (lq, lk), segs in groups.items()]
+
+
+def _attend_segment_groups(q, k, v, groups: list[tuple[int, int, torch.Tensor, torch.Tensor]],
+                           causal: bool) -> torch.Tensor:
+    out = torch.empty_like(q)
+    for lq, lk, q_idx, k_idx in groups:
         # (segments, len, heads, dim) -> (segments, heads, len, dim)
         qs = q[q_idx].transpose(1, 2)
         ks = k[k_idx].transpose(1, 2)
@@ -258,17 +268,37 @@ class KeptPrefixAttention:
         return torch.cat(parts)
 
 
+class PackedSegments:
+    """Attention within each segment of packed sequences (each attends only to
+    itself), with every index tensor its kernel reads built once, on `device`, at
+    construction: from host boundaries, so building it reads nothing back from the
+    device, and calling it (once per layer or vision block) issues no host-device
+    transfer. A plain class, not a dataclass: FSDP2 rebuilds dataclass arguments
+    of a module call."""
+
+    def __init__(self, cu_seqlens: list[int], causal: bool, backend: str, device: torch.device):
+        self.causal, self.backend = causal, backend
+        if backend == "flash":
+            self.cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
+            self.max_seqlen = max(b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]))
+        else:
+            self.groups = _segment_groups(cu_seqlens, cu_seqlens, device)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.backend == "flash":
+            return varlen_attention(q, k, v, self.cu_seqlens, self.cu_seqlens, self.max_seqlen, self.max_seqlen,
+                                    causal=self.causal, backend=self.backend)
+        return _attend_segment_groups(q, k, v, self.groups, self.causal)
+
+
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int],
                      backend: str) -> torch.Tensor:
     """Causal attention within each prompt of packed prompts (no log-sum-exp
     needed): the kernel path (flash-attn varlen, or SDPA), which keeps no
     prompt_len^2 scores for backward, unlike attention_with_lse. The boundaries
-    come as a host list, so the torch path needs no device round trip."""
-    if backend != "flash":
-        return _varlen_attention_torch(q, k, v, cu_seqlens, cu_seqlens, causal=True)
-    cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=q.device)
-    longest = max(b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]))
-    return varlen_attention(q, k, v, cu, cu, longest, longest, causal=True, backend=backend)
+    come as a host list, so no device round trip; a forward that attends the same
+    prompts in every layer builds one `PackedSegments` instead."""
+    return PackedSegments(cu_seqlens, True, backend, q.device)(q, k, v)
 
 
 def responses_over_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor,

@@ -17,24 +17,35 @@ gradient into the tower read them (see RLTrainer._prefix_work).
 `PrefixScheduler` runs the items one slice (vision tower, embedding, one
 decoder layer, ...) at a time between the engine's steps, more slices per
 step as the decode batch shrinks in the long tail. On CUDA the slices run on a
-low-priority side stream, so the decode steps (CUDA graphs, main stream)
-keep the GPU first; events order the side stream after the main stream's
-inputs and the suffix passes after all prefix work. On CPU the same slices run
-inline between the steps. Items are admitted in order while their estimated
-state fits the byte budget; the rest are deferred to the serial path, which
-gives the same results. An item that runs out of memory all the same is
-dropped and takes the serial path too, when its forward issues no
-collectives (else its peers would wait for it).
+low-priority side stream, so the decode steps (CUDA graphs on the engine's
+high-priority decode stream) keep the GPU first; the side stream waits for the
+stream the scheduler was made on (its inputs: gathered weights, cached vision,
+prepared chunks) before its first slice, and that stream waits for the side
+stream before the suffix passes. On CPU the same slices run inline between the
+steps. Items are admitted in order while their estimated state fits the byte
+budget; the rest are deferred to the serial path, which gives the same results.
+An item that runs out of memory all the same is dropped and takes the serial
+path too, when its forward issues no collectives (else its peers would wait
+for it).
+
+A slice must never make the host wait for the GPU: the decode loop issues it
+between two steps, and a wait would hold the next decode step behind the slices
+queued before it. So the scheduler prepares every admitted item's device
+tensors when it is made, before decode (`prepare_prompts`), and the slices
+read nothing back and copy nothing to the device (tests/test_prefix_sync.py).
+
+The side stream is the trainer's, one for its lifetime: the caching allocator
+keeps freed blocks for reuse on the stream that allocated them, so a new stream
+per step would strand each step's prefix memory in the cache.
 
 Every dp rank runs the same items (one per chunk and kind) with the same
 slices, so the collectives inside them (FSDP gathers of the reference model)
 line up across ranks. Side-stream collectives need process groups of their
 own, so that the two streams' NCCL calls never meet on one communicator in an
 order that can differ between ranks: the reference model's FSDP gathers use
-the dp group, which decode does not use, and an engine with its own TP layout
-has its own TP group. When the engine runs on the trainer's TP-sharded model,
-the prompt forwards would share its TP group: the loop then runs the slices on
-the main stream (still between decode steps, without concurrency).
+the dp group, which decode does not use, and the engine's model has TP groups
+of its own (rollplex.rl.weights), apart from the trainer's that the prompt
+forwards use.
 """
 
 from __future__ import annotations
@@ -49,7 +60,7 @@ from rollplex.engine.engine import free_memory
 from rollplex.models.packing import SequenceInputs
 from rollplex.models.qwen2_5_vl import ModelArgs, Qwen2_5_VL, VisionEmbeds
 from rollplex.rl.memory import kv_bytes_per_token, layer_activation_elements
-from rollplex.train.kept_prefix import KeptPrefix, prompt_forward
+from rollplex.train.kept_prefix import KeptPrefix, PromptChunk, prepare_prompts, prompt_forward
 
 
 def prefix_work_bytes(args: ModelArgs, prompt_lens: list[int], keep_graph: bool, dtype: torch.dtype,
@@ -101,12 +112,17 @@ class PrefixWork:
     # issues no collectives (a peer would wait in one forever otherwise).
     may_drop_alone: bool = True
     result: KeptPrefix | None = None
+    inputs: PromptChunk | None = field(default=None, repr=False)  # from prepare()
     _slices: Iterator[KeptPrefix | None] | None = field(default=None, repr=False)
 
+    def prepare(self) -> None:
+        """Build the device tensors the slices read (before the decode window)."""
+        self.inputs = prepare_prompts(self.model, self.prompts, self.vision)
+
     def advance(self) -> bool:
-        """Run the next slice; True once the item is done."""
+        """Run the next slice (after `prepare`); True once the item is done."""
         if self._slices is None:
-            self._slices = prompt_forward(self.model, self.prompts, self.vision)
+            self._slices = prompt_forward(self.model, self.inputs)
         with torch.set_grad_enabled(self.keep_graph):
             out = next(self._slices)
         if out is not None:
@@ -131,8 +147,10 @@ class PrefixTiming:
 class PrefixScheduler:
     """Runs admitted prefix work in slices between decode steps (see the module docstring)."""
 
-    def __init__(self, items: list[PrefixWork], budget_bytes: int | None, device: torch.device,
-                 max_slices_per_step: int = 8, side_stream: bool = True):
+    def __init__(self, items: list[PrefixWork], budget_bytes: int | None,
+                 side_stream: torch.cuda.Stream | None = None, max_slices_per_step: int = 8):
+        """`side_stream`: the trainer's low-priority stream for the slices; None runs them inline
+        (on CPU, or where a side stream is refused, see RLTrainer.rollout)."""
         self.admitted: list[PrefixWork] = []
         self.deferred: list[PrefixWork] = []
         used = 0
@@ -143,15 +161,17 @@ class PrefixScheduler:
             else:
                 self.deferred.append(item)
         self.planned_bytes = used
+        for item in self.admitted:
+            item.prepare()
         self.queue = list(self.admitted)
         self.max_slices = max_slices_per_step
         self.peak_running = 0
         self.timing = PrefixTiming()
-        # On CPU, or when the side stream is refused (see RLTrainer.rollout), the slices run inline.
-        self.cuda = device.type == "cuda" and side_stream
-        # Lowest priority (0 is the lowest CUDA stream priority): decode kernels go first.
-        self.stream = torch.cuda.Stream(device, priority=0) if self.cuda else None
-        self.main_stream = torch.cuda.current_stream(device) if self.cuda else None
+        self.cuda = side_stream is not None
+        self.stream = side_stream
+        # Where the inputs were made (and the suffix passes will run): the caller's stream, not the engine's
+        # decode stream, which orders itself against the caller's stream at each step.
+        self.main_stream = torch.cuda.current_stream(side_stream.device) if self.cuda else None
         self.slice_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.started = False
         # Host-side timeline (time.perf_counter): each slice as (kind, start, end), and when each engine step
@@ -190,6 +210,9 @@ class PrefixScheduler:
             self.timing.hidden = max(0.0, side - exposed)
         else:
             self.timing.exposed += time.perf_counter() - start
+        # Made on the main stream, so freed only once it has waited for the slices that read them.
+        for item in self.admitted + self.deferred:
+            item.inputs = None
 
     def _run(self, slices: int | None) -> None:
         if not self.queue:

@@ -15,6 +15,12 @@ read detached copies of the kept tensors (`KeptPrefix.boundary`), leaves
 whose gradients accumulate over all micro-batches; `backward_into_prompt` then
 runs the prompt's backward once, into the prompt's layers, the projector and
 the vision tower.
+
+`prepare_prompts` builds every device tensor a prompt forward reads (inputs,
+positions, attention and vision indices) up front, and `prompt_forward` then
+reads nothing back from the device and copies nothing to it: the RL loop
+prepares before rollout and runs the forward in slices between decode steps,
+which must never wait on the GPU (rollplex.rl.prefix).
 """
 
 from __future__ import annotations
@@ -25,8 +31,8 @@ from typing import Iterator
 import torch
 
 from rollplex.models.packing import GroupInputs, SequenceInputs, pack_sequences
-from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds
-from rollplex.ops.attention import KeptPrefixAttention, SuffixGroup, prompt_attention
+from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds, VisionInputs, VisionSlots
+from rollplex.ops.attention import KeptPrefixAttention, PackedSegments, SuffixGroup
 from rollplex.train.flops import prompt_flops
 
 
@@ -83,44 +89,72 @@ class _CaptureKV:
     module call (to cast their tensors), which would give each layer a fresh
     copy of the lists being filled."""
 
-    def __init__(self, cu_seqlens: list[int], backend: str):
-        self.cu_seqlens, self.backend = cu_seqlens, backend
+    def __init__(self, attention: PackedSegments):
+        self.attention = attention
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.keys.append(k)
         self.values.append(v)
-        return prompt_attention(q, k, v, self.cu_seqlens, self.backend)
+        return self.attention(q, k, v)
 
 
-def prompt_forward(model: Qwen2_5_VL, prompts: list[SequenceInputs],
-                   vision: VisionEmbeds | None = None) -> Iterator[KeptPrefix | None]:
-    """The forward of a chunk of prompts in slices: yields None after the vision
-    tower, after the embedding and after each decoder layer, and the
-    `KeptPrefix` last. Runs the vision tower unless `vision` (the prompts'
-    cached embeddings, in order) is given. Grad mode is the caller's."""
+@dataclass
+class PromptChunk:
+    """A chunk of prompts packed end to end, with every device tensor its forward reads."""
+
+    lengths: list[int]
+    rope_deltas: list[int]
+    input_ids: torch.Tensor  # (T,), on the model's device, as every tensor below
+    position_ids: torch.Tensor  # (3, T)
+    slots: VisionSlots
+    attention: PackedSegments  # causal within each prompt
+    last: torch.Tensor  # (prompts,) each prompt's last token
+    cached_vision: VisionEmbeds | None  # the prompts' cached features, or None: the forward runs the tower
+    tower_inputs: VisionInputs | None  # the tower's inputs when it runs
+    flops: float
+
+
+def prepare_prompts(model: Qwen2_5_VL, prompts: list[SequenceInputs],
+                    vision: VisionEmbeds | None = None) -> PromptChunk:
+    """Pack `prompts` and build their device tensors (host reads and
+    host-to-device copies happen here). The forward runs the vision tower unless
+    `vision` (the prompts' cached embeddings, in order) is given."""
     batch = pack_sequences(model.args, prompts)
     device = model.device
-    encoded = vision is None
-    if encoded:
-        vision = model.encode_vision(batch.pixel_values, batch.image_grid_thw, batch.pixel_values_videos,
-                                     batch.video_grid_thw)
+    input_ids = batch.input_ids.to(device)
+    cu_seqlens = batch.cu_seqlens.tolist()
+    tower = None if vision is not None else model.prepare_vision(
+        batch.pixel_values, batch.image_grid_thw, batch.pixel_values_videos, batch.video_grid_thw)
+    return PromptChunk(
+        batch.lengths, batch.rope_deltas, input_ids, batch.position_ids.to(device),
+        slots=VisionSlots.find(model.args, input_ids),
+        attention=PackedSegments(cu_seqlens, True, model.attn_backend, device),
+        last=torch.tensor(cu_seqlens[1:], device=device) - 1, cached_vision=vision, tower_inputs=tower,
+        flops=prompt_flops(model.args, batch, with_vision=vision is None))
+
+
+def prompt_forward(model: Qwen2_5_VL, chunk: PromptChunk) -> Iterator[KeptPrefix | None]:
+    """The forward of a prepared chunk of prompts in slices: yields None after
+    the vision tower (when it runs), after the embedding and after each decoder
+    layer, and the `KeptPrefix` last. Grad mode is the caller's."""
+    vision = chunk.cached_vision
+    if chunk.tower_inputs is not None:
+        vision = model.encode_prepared(chunk.tower_inputs)
         yield None
-    h = model.embed(batch.input_ids.to(device), vision)
+    h = model.embed_prompts(chunk.input_ids, vision, chunk.slots)
     yield None
-    capture = _CaptureKV(batch.cu_seqlens.tolist(), model.attn_backend)
-    for h in model.language_model.layer_by_layer(h, batch.position_ids.to(device), capture):
+    capture = _CaptureKV(chunk.attention)
+    for h in model.language_model.layer_by_layer(h, chunk.position_ids, capture):
         yield None
-    last = batch.cu_seqlens[1:].long().to(device) - 1
-    yield KeptPrefix(capture.keys, capture.values, h[last], batch.lengths, batch.rope_deltas,
-                     prompt_flops(model.args, batch, with_vision=encoded))
+    yield KeptPrefix(capture.keys, capture.values, h[chunk.last], chunk.lengths, chunk.rope_deltas, chunk.flops)
 
 
 def run_prompt_forward(model: Qwen2_5_VL, prompts: list[SequenceInputs],
                        vision: VisionEmbeds | None = None) -> KeptPrefix:
     """`prompt_forward` in one go."""
-    for result in prompt_forward(model, prompts, vision):
+    for result in prompt_forward(model, prepare_prompts(model, prompts, vision)):
         pass
     return result
 
