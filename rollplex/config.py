@@ -135,6 +135,11 @@ class TinyModelConfig(_Section):
     """Vision encoder MLP width; 0 = 2 x vision_hidden_size (Qwen2.5-VL-3B/7B: 3420)."""
     vocab: Literal["words", "bytes"] = "words"
     """Tokenizer: 'words' = small word-level vocabulary (~64 tokens), 'bytes' = byte-level."""
+    vocab_size: int = 0
+    """Embedding rows; 0 = the tokenizer's length rounded up to 64. Qwen2.5-VL's 151936 gives the head and
+    sampler their real cost (ids past the tokenizer decode to nothing)."""
+    tie_word_embeddings: bool = False
+    """The LM head reads the embedding matrix (as Qwen2.5-VL-3B does)."""
     seed: int = 0
     """Seed for the random initial weights."""
 
@@ -145,6 +150,7 @@ class TinyModelConfig(_Section):
         ):
             self._require(getattr(self, name) >= 1, name, ">= 1")
         self._require(self.vision_intermediate_size >= 0, "vision_intermediate_size", ">= 0")
+        self._require(self.vocab_size >= 0, "vocab_size", ">= 0")
         self._require(
             self.hidden_size % self.num_heads == 0,
             "hidden_size", f"divisible by num_heads ({self.num_heads})",
@@ -168,7 +174,8 @@ class ModelConfig(_Section):
     path: str = ""
     """Hugging Face Qwen2.5-VL directory. Empty: build the tiny model (model.tiny) into <trainer.output_dir>/tiny_model."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter and compute dtype."""
+    """Compute dtype: of the weights forwards and the engine read (FSDP gathers them in it), activations, the KV
+    cache and the reference model. The trainer's master weights, gradients and AdamW state stay fp32 (one GPU too)."""
     attn_backend: Literal["auto", "torch", "flash"] = "auto"
     """Attention kernels: auto = flash-attn when available on GPU, else torch SDPA."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)

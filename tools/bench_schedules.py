@@ -1,10 +1,10 @@
 """Step time of the RL schedules on one workload, side by side.
 
-    python tools/bench_schedules.py --config configs/bench_h200_video.yaml --steps 1     # one H200, ~2 min
+    python tools/bench_schedules.py --config configs/bench_h200_video.yaml --steps 3 --no-trace  # one H200
     python tools/bench_schedules.py --steps 8 --data.task direction --data.num_frames 16 --data.image_size 112 \\
         --data.batch_size 4 --rollout.n 4 --rollout.min_tokens 8 --rollout.max_tokens 16 --rollout.ignore_eos true \\
         --algorithm.kl_coef 0.01 --rollout.kv_cache_memory 64e6                               # CPU, ~1 min
-    torchrun --nproc-per-node 8 tools/bench_schedules.py --config configs/bench_h200_video.yaml --steps 1  # + disagg
+    torchrun --nproc-per-node 8 tools/bench_schedules.py --config configs/bench_h200_video.yaml --steps 3  # + disagg
 
 Any other `--section.field value` goes to every schedule's config (see
 `python train.py --help`). Each schedule gets a fresh RLTrainer from the same
@@ -35,6 +35,12 @@ default fraction of free RAM makes every rollout zero-fill gigabytes of KV pool.
 
 Beside each schedule's measured peaks (CUDA) the memory plan the loop logs is
 printed (perf/planned_memory_gb/<phase>, perf/memory_plan_error/<phase>).
+
+On CUDA each step also gets `timing_s/gen_gpu`, the gen phase's GPU time from
+events, and the ratios add `decode_slowdown_gpu` (overlap's against
+serial-prefix's: the contention the side stream costs decode). Every run
+reports `prompt_work_share_serial_prefix`: serial-prefix's prompt work after
+rollout as a share of its step, the most that overlap can hide.
 
 The model has random weights: only the timings mean anything.
 """
@@ -93,6 +99,7 @@ class Recorder:
 
     def __init__(self, trainer: RLTrainer):
         self.steps: list[dict] = []
+        self.cuda = trainer.device.type == "cuda"
         rollout, encode, generate = trainer.rollout, trainer._encode, trainer.engine.generate
 
         def recording_rollout(*args, **kwargs):
@@ -120,18 +127,32 @@ class Recorder:
                     between_steps(running)
                 last[0] = time.perf_counter()
 
+            # GPU time of the generation (prefill + decode), from events on the caller's stream, which the
+            # engine orders around its own decode stream; the side stream's prefix slices are not waited for.
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.cuda else None
+            if events:
+                events[0].record()
             out = generate(requests, params, after_step)
             engine.append((last[0], time.perf_counter()))
+            if events and self.steps:
+                events[1].record()
+                self.steps[-1]["gen_events"] = events
             return out
 
         trainer.rollout, trainer._encode, trainer.engine.generate = recording_rollout, recording_encode, recording_generate
 
-    def finish(self) -> None:
-        """After the step: keep the scheduler's timestamps, drop the scheduler (it holds the kept K/V)."""
+    def finish(self) -> float | None:
+        """After the step: keep the scheduler's timestamps, drop the scheduler (it holds the kept K/V).
+        Returns the gen phase's GPU time in seconds (CUDA), else None."""
         rec = self.steps[-1]
+        events = rec.pop("gen_events", None)
         prefix = rec.pop("prefix")
         rec["spans"] = list(prefix.spans) if prefix is not None else []
         rec["step_ends"] = list(prefix.step_ends) if prefix is not None else []
+        if events is None:
+            return None
+        events[1].synchronize()
+        return events[0].elapsed_time(events[1]) / 1e3
 
     def timeline(self, index: int) -> dict:
         """Step `index`'s timeline, seconds from its rollout start."""
@@ -178,9 +199,12 @@ def run_schedule(name: str, overrides: list[str], base_argv: list[str], steps: i
                 prof.export_chrome_trace(str(out / f"trace_{name}.json.gz"))
             else:
                 metrics = trainer.train_step(batches[i])  # {} on a disagg rollout rank
+            row = {k: float(v) for k, v in metrics.items()}
             if recorder is not None:
-                recorder.finish()
-            rows.append({k: float(v) for k, v in metrics.items()})
+                gen_gpu = recorder.finish()
+                if gen_gpu is not None:
+                    row["timing_s/gen_gpu"] = gen_gpu
+            rows.append(row)
             if lead:
                 print(f"  {name} step {i} ({'warm-up' if i == 0 else 'traced' if i > steps else 'measured'}): "
                       f"{metrics['timing_s/step']:.3f} s", flush=True)
@@ -225,7 +249,11 @@ def ratios(results: dict) -> dict:
            "throughput_serial_prefix_over_serial_naive": tput["serial-prefix"] / tput["serial-naive"],
            # decode of the overlap step (its gen phase without the prefix work it left exposed) against the
            # decode-only gen phase of serial-prefix (same vision encode, same samples, no slices)
-           "decode_slowdown": (o["timing_s/gen"] - o.get("timing_s/prefix_exposed", 0.0)) / p["timing_s/gen"] - 1}
+           "decode_slowdown": (o["timing_s/gen"] - o.get("timing_s/prefix_exposed", 0.0)) / p["timing_s/gen"] - 1,
+           # the most overlap can gain: serial-prefix's prompt work after rollout, as a share of its step
+           "prompt_work_share_serial_prefix": p.get("timing_s/prefix", 0.0) / p["timing_s/step"]}
+    if "timing_s/gen_gpu" in o and "timing_s/gen_gpu" in p:  # CUDA: the decode contention itself
+        out["decode_slowdown_gpu"] = o["timing_s/gen_gpu"] / p["timing_s/gen_gpu"] - 1
     if "disagg" in tput:  # per GPU at equal GPU count: perf/throughput divides by every rank in each schedule
         out["throughput_disagg_over_overlap"] = tput["disagg"] / tput["overlap"]
         out["throughput_disagg_over_serial_naive"] = tput["disagg"] / tput["serial-naive"]
@@ -245,11 +273,12 @@ def same_samples(results: dict) -> tuple[bool, list[str]]:
 
 
 def print_table(results: dict, r: dict, cuda: bool) -> None:
-    cols = ("step s", *PHASES, "tok/s", "hidden", "exposed", "ovl eff", "deferred")
+    cols = ("step s", *PHASES, "gen gpu s", "tok/s", "hidden", "exposed", "ovl eff", "deferred")
     print(f"{'schedule':<14}" + "".join(f"{c:>13}" for c in cols))
     for name, res in results.items():
         m = res["mean"]
-        values = [m["timing_s/step"], *(m.get(f"timing_s/{p}") for p in PHASES), m["perf/throughput"],
+        values = [m["timing_s/step"], *(m.get(f"timing_s/{p}") for p in PHASES), m.get("timing_s/gen_gpu"),
+                  m["perf/throughput"],
                   m.get("timing_s/prefix_hidden"), m.get("timing_s/prefix_exposed"), m.get("perf/overlap_efficiency"),
                   m.get("prefix/deferred_items")]
         print(f"{name:<14}" + "".join(f"{'-':>13}" if v is None else f"{v:>13.4g}" for v in values))
@@ -269,6 +298,11 @@ def print_table(results: dict, r: dict, cuda: bool) -> None:
         print(f"throughput disagg / serial-naive    {r['throughput_disagg_over_serial_naive']:.3f}  "
               "(per GPU, equal GPU count)")
     print(f"decode slowdown (overlap gen - exposed) / serial-prefix gen - 1  {r['decode_slowdown']:+.3f}")
+    if "decode_slowdown_gpu" in r:
+        print(f"decode slowdown on the GPU (events): overlap gen / serial-prefix gen - 1  "
+              f"{r['decode_slowdown_gpu']:+.3f}")
+    print(f"prompt work share of the serial-prefix step (the most overlap can hide)  "
+          f"{r['prompt_work_share_serial_prefix']:.3f}")
 
 
 def print_memory(results: dict, cuda: bool) -> None:

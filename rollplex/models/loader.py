@@ -245,11 +245,16 @@ def build_model(args: ModelArgs, dtype: torch.dtype = torch.float32, device: tor
     biases 0, norm scales 1 (small weights give a near-uniform first policy,
     which a model trained from scratch by RL needs in order to explore).
     init_std=None: weights ~ N(0, 1/fan_in) and random biases, so every layer
-    moves the output: what parity tests need to catch a wrong layer."""
+    moves the output: what parity tests need to catch a wrong layer.
+
+    The values are drawn on `device` (a 3B model's weights take minutes with CPU
+    randn), so a seed gives the same weights on every device of one type, not
+    across types."""
     with torch.device("meta"):
         model = Qwen2_5_VL(args)
     model = model.to(dtype=dtype).to_empty(device=device)
-    gen = torch.Generator(device="cpu")
+    device = torch.device(device)
+    gen = torch.Generator(device=device)
     gen.manual_seed(0 if seed is None else seed)
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -258,12 +263,13 @@ def build_model(args: ModelArgs, dtype: torch.dtype = torch.float32, device: tor
             parts = [params[name] for name in hf_key_to_params(key)]
             shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
             if key.endswith(("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight", "layernorm.weight")):
-                value = torch.ones(shape)
+                value = torch.ones(shape, device=device)
             elif key.endswith("bias"):
-                value = torch.randn(shape, generator=gen) * 0.02 if init_std is None else torch.zeros(shape)
+                value = torch.randn(shape, generator=gen, device=device) * 0.02 if init_std is None else \
+                    torch.zeros(shape, device=device)
             else:
                 std = math.prod(shape[1:]) ** -0.5 if init_std is None else init_std
-                value = torch.randn(shape, generator=gen) * std
+                value = torch.randn(shape, generator=gen, device=device) * std
             for p, part in zip(parts, value.split([p.shape[0] for p in parts])):
                 p.copy_(part)
     return model

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from rollplex.config import Config, save_config
 from rollplex.data.processing import load_processor
 from rollplex.data.rewards import load_reward, score_all
-from rollplex.dist import ParallelDims, build_mesh, init_distributed
+from rollplex.dist import ParallelDims, all_reduce_values, build_mesh, init_distributed
 from rollplex.engine import Engine, EngineConfig, Request, SamplingParams
 from rollplex.engine.engine import mix_seed
 from rollplex.metrics import GpuSampler, MetricsLogger, Timer
@@ -96,17 +96,23 @@ class RLTrainer:
                              f"{fewest} prompt(s), fewer than algorithm.updates_per_batch "
                              f"{cfg.algorithm.updates_per_batch}: raise the batch size or lower updates_per_batch")
         path = self._model_path()
-        dtype = getattr(torch, cfg.model.dtype)
+        self.compute_dtype = getattr(torch, cfg.model.dtype)
         self.processor = load_processor(path)
         self.tokenizer = self.processor.tokenizer
-        self.model = from_pretrained(path, dtype=dtype, device=self.device, attn_backend=cfg.model.attn_backend)
+        # A trainer holds fp32 master weights and computes in model.dtype (FSDP gathers them in it, one process
+        # too). The frozen reference model, and a disagg rollout rank's engine copy, hold model.dtype only.
+        self.model = from_pretrained(path, dtype=torch.float32 if self.trains else self.compute_dtype,
+                                     device=self.device, attn_backend=cfg.model.attn_backend)
         self.ref_model = None
         if cfg.algorithm.kl_coef > 0 and self.trains:
-            self.ref_model = from_pretrained(path, dtype=dtype, device=self.device,
+            self.ref_model = from_pretrained(path, dtype=self.compute_dtype, device=self.device,
                                              attn_backend=cfg.model.attn_backend).requires_grad_(False)
         self._parallelize()
         r, a, t = cfg.rollout, cfg.algorithm, cfg.trainer
         self.engine = self._build_engine() if self.generates else None
+        # The prefix slices' side stream, one for the trainer's lifetime (see rollplex.rl.prefix), at priority 0,
+        # CUDA's lowest: the engine's decode stream goes first.
+        self.side_stream = torch.cuda.Stream(self.device, priority=0) if self.device.type == "cuda" else None
         self.actor = None
         if self.trains:
             self.actor = Actor(self.model, ActorConfig(
@@ -133,13 +139,13 @@ class RLTrainer:
         schedule alike."""
         r = self.cfg.rollout
         config = EngineConfig(block_size=r.block_size, kv_cache_memory=r.kv_cache_memory,
-                              max_num_seqs=r.max_num_seqs, enforce_eager=r.enforce_eager, progress=False)
+                              max_num_seqs=r.max_num_seqs, enforce_eager=r.enforce_eager,
+                              progress=False)
         with self.weights.for_rollout() as engine_model:
             engine = Engine(engine_model, config)
             if self.world > 1:
-                blocks = torch.tensor(engine.cache.capacity, device=self.device)
-                dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.engine_ranks)
-                if int(blocks) != engine.cache.capacity:
+                [blocks] = all_reduce_values([engine.cache.capacity], dist.ReduceOp.MIN, self.engine_ranks)
+                if blocks != engine.cache.capacity:
                     config.num_blocks = int(blocks)
                     engine = Engine(engine_model, config)
         return engine
@@ -160,13 +166,14 @@ class RLTrainer:
         return outputs[first:first + len(requests)]
 
     def _parallelize(self) -> None:
-        """Trainers: FSDP2 (+ TP) over their mesh, the reference model alike.
+        """Trainers: FSDP2 (+ TP) over their mesh, a single trainer too (a mesh of
+        one: the same mixed precision as many), the reference model alike.
         disagg rollout ranks: only the engine's TP over their replica."""
-        cfg, mesh = self.cfg, None
+        cfg = self.cfg
         self.dp_rank, self.dp_group, self.train_group, self.engine_ranks = 0, None, None, None
         if self.disagg is not None:
             mesh, rollout_mesh = self.disagg.meshes(self.dims.dp_shard, self.dims.tp, self.device.type)
-            self.weight_broadcast = WeightBroadcast(self.disagg, self.rank)
+            self.weight_broadcast = WeightBroadcast(self.disagg, self.rank, self.compute_dtype)
             self.train_group = dist.new_group(list(range(self.disagg.train_ranks)))  # checkpoints: trainers only
             self.engine_ranks = dist.new_group(list(range(self.disagg.train_ranks, self.world)))
             if self.generates:  # the engine's own copy, refilled by WeightBroadcast
@@ -174,18 +181,13 @@ class RLTrainer:
                     apply_tp(self.model, rollout_mesh["tp"])
                 self.weights = SharedWeights(self.model, cfg.rollout.tp, cfg.rollout.tp)
                 return
-            if self.dims.world_size == 1:
-                mesh = None
-        elif self.world > 1:
-            mesh = build_mesh(self.dims, self.device.type)
-        if mesh is None:
-            if cfg.parallel.freeze_vision:
-                self.model.visual.requires_grad_(False)
         else:
-            self.dp_rank, self.dp_group = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].get_group()
-            parallelize(self.model, mesh, cfg.parallel.activation_checkpointing, cfg.parallel.freeze_vision)
-            if self.ref_model is not None:
-                parallelize(self.ref_model, mesh)
+            mesh = build_mesh(self.dims, self.device.type)
+        self.dp_rank, self.dp_group = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].get_group()
+        parallelize(self.model, mesh, cfg.parallel.activation_checkpointing, cfg.parallel.freeze_vision,
+                    self.compute_dtype)
+        if self.ref_model is not None:
+            parallelize(self.ref_model, mesh, compute_dtype=self.compute_dtype)
         if self.disagg is None:
             self.weights = SharedWeights(self.model, cfg.parallel.tp, cfg.rollout.tp)
 
@@ -201,7 +203,8 @@ class RLTrainer:
                 vision_hidden_size=t.vision_hidden_size, vision_depth=t.vision_depth,
                 vision_num_heads=t.vision_num_heads,
                 vision_intermediate_size=t.vision_intermediate_size or 2 * t.vision_hidden_size,
-                vocab=t.vocab, mrope_section=default_mrope_section(t.hidden_size // t.num_heads)), seed=t.seed)
+                vocab=t.vocab, vocab_size=t.vocab_size or None, tie_word_embeddings=t.tie_word_embeddings,
+                mrope_section=default_mrope_section(t.hidden_size // t.num_heads)), seed=t.seed)
         if self.world > 1:
             dist.barrier()
         return out
@@ -340,12 +343,9 @@ class RLTrainer:
             vision = sum(int((e.prompt.input_ids == t).sum()) for e in examples
                          for t in (self.model.args.image_token_id, self.model.args.video_token_id)) // n_examples
             text = max(1, sum(len(e.prompt.input_ids) for e in examples) // n_examples - vision)
-            dtype = getattr(torch, cfg.model.dtype)
-            mixed = self.device.type == "cuda" and self.dims.world_size > 1  # FSDP computes in bf16
             total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
-            options = MemoryOptions(
-                param_dtype=torch.bfloat16 if mixed else dtype, master_dtype=dtype, grad_dtype=dtype,
-                optimizer_dtype=dtype, ref_model=self.ref_model is not None, ref_dtype=dtype,
+            options = MemoryOptions(  # master weights, gradients and moments: fp32 (the defaults)
+                param_dtype=self.compute_dtype, ref_model=self.ref_model is not None, ref_dtype=self.compute_dtype,
                 recompute_old_logprobs=cfg.algorithm.recompute_old_logprobs,
                 offload_optimizer=cfg.parallel.offload_optimizer,
                 activation_checkpointing=cfg.parallel.activation_checkpointing,
@@ -426,12 +426,8 @@ class RLTrainer:
                        for e, v, seed, limit in zip(examples, vision, seeds, limits)]
             if prefix_work:
                 pool = self.engine.cache.pool_bytes(self.engine.blocks_for(requests, params))
-                # A side stream only when its collectives have process groups of their own: not when the
-                # engine runs on the trainer's TP-sharded model, whose TP group the prompt forwards use too.
-                shared_tp_group = cfg.parallel.tp > 1 and cfg.rollout.tp == cfg.parallel.tp
                 budget = prefix_budget(cfg.schedule.prefix_memory_budget, self.device, pool)
-                prefix = PrefixScheduler(self._prefix_work(prompts, vision), budget, self.device,
-                                         side_stream=not shared_tp_group)
+                prefix = PrefixScheduler(self._prefix_work(prompts, vision), budget, self.side_stream)
             overlap = prefix is not None and cfg.schedule.kind == "overlap"
             outputs = self._generate(requests, params, prefix.between_steps if overlap else None)
             if overlap:
@@ -516,7 +512,7 @@ class RLTrainer:
         actor when the tower is frozen (the reference starts from the same one)."""
         cfg = self.cfg
         frozen = cfg.parallel.freeze_vision
-        dtype, tp = getattr(torch, cfg.model.dtype), cfg.parallel.tp
+        tp = cfg.parallel.tp
         items = []
         for c, chunk in enumerate(self.chunks(len(prompts))):
             if chunk.start == chunk.stop:
@@ -530,7 +526,7 @@ class RLTrainer:
                 # Collectives in the forward: TP all-reduces, or the sharded reference model's FSDP gathers.
                 alone = tp == 1 and not (kind == "ref" and self.dims.dp_shard > 1)
                 return PrefixWork(kind, c, model, ps, cached if reuse_vision else None, keep_graph,
-                                  prefix_work_bytes(self.model.args, lens, keep_graph, dtype, tp,
+                                  prefix_work_bytes(self.model.args, lens, keep_graph, self.compute_dtype, tp,
                                                     0 if reuse_vision else patches), may_drop_alone=alone)
 
             if self.ref_model is not None:
@@ -616,18 +612,10 @@ class RLTrainer:
         return metrics
 
     def _sum(self, values: list[float]) -> list[float]:
-        if self.dp_group is None:
-            return [float(v) for v in values]
-        t = torch.tensor(values, dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
-        dist.all_reduce(t, group=self.dp_group)
-        return t.tolist()
+        return all_reduce_values(values, dist.ReduceOp.SUM, self.dp_group)
 
     def _max(self, values: list[float]) -> list[float]:
-        if self.dp_group is None:
-            return [float(v) for v in values]
-        t = torch.tensor(values, dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
-        return t.tolist()
+        return all_reduce_values(values, dist.ReduceOp.MAX, self.dp_group)
 
     def _save(self) -> None:
         if self.trains:

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The one device command: every GPU check and the schedule benchmark, on the lent
+# GPU machine, from the repo root, inside one 10-minute call.
+#
+#   here, once:   bash tools/device_wheels.sh          # the wheels that machine lacks, into .whl/
+#   device call:  carry [".whl"], timeout_s 600, command:
+#                 ROLLPLEX_COMMIT=<sha of HEAD> bash tools/device_run.sh
+#
+# Writes under $OUT (default runs/device): gpu_check.json (rewritten after every
+# check), gpu_check.log, bench_schedules/report.json and bench_schedules/timeline.png:
+# four files, within the eight that come back. Options go to tools/gpu_check.py:
+# `--only NAME ...`, `--budget-s S` (default 480), `--device cpu` (the same run end
+# to end on a CPU at the smallest sizes: tests/test_gpu_check.py).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/device}
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/rollplex-wheels .whl/*.whl
+    export PYTHONPATH=/tmp/rollplex-wheels${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+python3 tools/gpu_check.py --out "$OUT/gpu_check.json" "$@" 2>&1 | tee "$OUT/gpu_check.log"
