@@ -56,13 +56,14 @@ def test_a_pool_of_another_size_at_the_same_address_gets_new_graphs(device, monk
     graphed, eager = graphed_and_eager(device)
     carve_pools_at_one_address(graphed.cache, monkeypatch)
     # A smaller pool, then a larger one, then the same one again.
-    pools = []
+    pools, captures = [], []
     for n in (2, 1, 3, 3):
         assert_same_samples(graphed.generate(requests(n), PARAMS), eager.generate(requests(n), PARAMS))
         pools.append((graphed.cache.data.data_ptr(), graphed.cache.num_blocks))
+        captures.append(graphed.stats["graph_captures"])  # what the RL loop logs per rollout
     assert len({address for address, _ in pools}) == 1
     assert len({blocks for _, blocks in pools}) == 3
-    assert graphed.runner.captures == 3  # the same pool again keeps its graphs
+    assert graphed.runner.captures == 3 and captures == [1, 1, 1, 0]  # the same pool again keeps its graphs
     assert graphed.runner.capture_seconds > 0
 
 

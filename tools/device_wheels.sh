@@ -5,9 +5,8 @@
 # pyproject.toml declares rises above 5.17.0: then as a wheel of that minimum, which
 # shadows the image's (the wheels go first on PYTHONPATH; installed without deps, so
 # check its tokenizers/huggingface-hub bounds against the image's). Run here, in the
-# repo root; then carry `.whl` in the device call and begin its command with:
-#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-#       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit;
+# repo root; then carry `.whl` in the device call, whose command
+# `bash tools/device_run.sh` installs them (pip --no-index --target, on PYTHONPATH).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEVICE_TRANSFORMERS=5.17.0

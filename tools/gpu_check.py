@@ -368,6 +368,8 @@ def check_bench_schedules(device: str) -> dict:
             "config": Path(argv[1]).name,
             "step_s": {name: s["mean"]["timing_s/step"] for name, s in schedules.items()},
             "gen_gpu_s": {name: s["mean"].get("timing_s/gen_gpu") for name, s in schedules.items()},
+            "cuda_graph_capture_s": {name: s["mean"].get("timing_s/cuda_graph_capture")
+                                     for name, s in schedules.items()},
             "throughput": {name: s["mean"]["perf/throughput"] for name, s in schedules.items()},
             "prompt_work_share_of_serial_prefix_step": prefix.get("timing_s/prefix", 0.0) / prefix["timing_s/step"],
             "prefix_deferred_items": schedules["overlap"]["mean"].get("prefix/deferred_items"),

@@ -69,7 +69,7 @@ class Engine:
                                   use_cuda_graphs=not cfg.enforce_eager)
         eos = model.args.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self.stats: dict[str, int] = {}
+        self.stats: dict[str, float] = {}
 
     def _num_blocks(self, kv_heads: int) -> int:
         cfg, text = self.config, self.model.args.text
@@ -109,6 +109,7 @@ class Engine:
             scheduler.add(Sequence(p, -1, list(p.request.prompt_ids)))
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
+        captures, capture_seconds = self.runner.captures, self.runner.capture_seconds
         progress = _Progress(sum(r.n for r in requests), enabled=self.config.progress and _is_rank0())
         samples_done = 0
         while scheduler.has_work():
@@ -135,6 +136,9 @@ class Engine:
                 between_steps(len(scheduler.running))
         progress.close()
         self.stats["preemptions"] = scheduler.num_preemptions
+        # A new pool (or moved weights) means new graphs: inside this generation's time.
+        self.stats["graph_captures"] = self.runner.captures - captures
+        self.stats["graph_capture_s"] = self.runner.capture_seconds - capture_seconds
         assert blocks.num_free == self.cache.num_blocks, "KV blocks leaked"
         return [RequestOutput(list(p.request.prompt_ids), list(p.samples), p.vision, p.rope_delta) for p in prompts]
 

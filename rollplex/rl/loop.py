@@ -272,9 +272,9 @@ class RLTrainer:
         cfg, timer = self.cfg, Timer()
         self.phase_memory: dict[str, float] = {}
         start = time.perf_counter()
-        disagg_metrics: dict[str, float] = {}
+        rollout_metrics: dict[str, float] = {}
         if self.disagg is not None:
-            rollout = self._disagg_rollout(examples, disagg_metrics)
+            rollout = self._disagg_rollout(examples, rollout_metrics)
             if rollout is None:
                 return {}  # a rollout rank: the trainers report the step
             mine = rollout.examples
@@ -282,6 +282,9 @@ class RLTrainer:
             mine = balanced_share(examples, self.dims.dp_shard, self.dp_rank)
             with self._phase(timer, "gen"):
                 rollout = self.rollout(mine, self.step, prefix_work=self.uses_prefix_work)
+            # Decode graphs are recaptured whenever the rollout's KV pool lands at another address or size.
+            rollout_metrics = {"perf/cuda_graph_captures": self.engine.stats["graph_captures"],
+                               "timing_s/cuda_graph_capture": self.engine.stats["graph_capture_s"]}
         prefix = rollout.prefix
         if prefix is not None and cfg.schedule.kind == "serial":
             with self._phase(timer, "prefix"), self.weights.for_rollout():
@@ -305,7 +308,9 @@ class RLTrainer:
             actor_metrics = self.update(rollout, advantages.tolist(), old, ref)
         metrics = self._gather_metrics(rollout, rewards, errors, actor_metrics)
         metrics.update(timer.as_metrics())
-        metrics.update(disagg_metrics if self.disagg is not None else self.weights.report.as_metrics())
+        metrics.update(rollout_metrics)
+        if self.disagg is None:
+            metrics.update(self.weights.report.as_metrics())
         if prefix is not None:
             metrics.update(prefix.timing.as_metrics())
             metrics["prefix/deferred_items"] = len(prefix.deferred)
