@@ -17,11 +17,13 @@ thousands of windows one by one.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from rollplex.ops.paged_decode_triton import paged_decode_attention_triton, triton_available
 
@@ -130,9 +132,12 @@ def _attend_segment_groups(q, k, v, groups: list[tuple[int, int, torch.Tensor, t
         qs = q[q_idx].transpose(1, 2)
         ks = k[k_idx].transpose(1, 2)
         vs = v[k_idx].transpose(1, 2)
-        mask = None
-        if causal and lq != lk:
-            mask = causal_mask(lq, lk, q.device)
+        # Bottom-right causal: the queries are the last lq of lk positions (a CUDA kernel applies it unmaterialised).
+        mask = causal_lower_right(lq, lk) if causal and lq != lk else None
+        if mask is not None and qs.device.type == "cuda" and qs.shape[1] != ks.shape[1]:
+            # torch's CUDA kernels for this mask (CausalBias._dispatch: flash, memory-efficient) are called
+            # without enable_gqa: give them K/V at the query's head count. The CPU kernel takes GQA as it is.
+            ks, vs = (t.repeat_interleave(qs.shape[1] // t.shape[1], dim=1) for t in (ks, vs))
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal and lq == lk,
                                            enable_gqa=qs.shape[1] != ks.shape[1])
         out[q_idx] = o.transpose(1, 2)
@@ -142,12 +147,6 @@ def _attend_segment_groups(q, k, v, groups: list[tuple[int, int, torch.Tensor, t
 def _segment_index(starts: list[int], length: int, device: torch.device) -> torch.Tensor:
     """(segments, length) token indices of equal-length segments starting at `starts`."""
     return torch.tensor(starts, device=device)[:, None] + torch.arange(length, device=device)[None, :]
-
-
-def causal_mask(len_q: int, len_k: int, device: torch.device) -> torch.Tensor:
-    """Boolean (len_q, len_k) mask, True where query i may see key j (bottom-right aligned)."""
-    offset = len_k - len_q
-    return torch.arange(len_k, device=device)[None, :] <= (torch.arange(len_q, device=device)[:, None] + offset)
 
 
 def paged_decode_attention(
@@ -205,30 +204,38 @@ class GroupLayout:
         return self.start + self.prompt_len + sum(self.response_lens)
 
 
-@dataclass
 class SharedPrefixAttention:
     """A group's prompt is computed once; each response attends to the prompt's
     keys/values plus its own tokens (causally).
 
-    Per layer and group: causal attention within the prompt; one attention of
-    every response query of the group over the prompt (non-causal: the whole
-    prompt precedes every response); one causal attention within each response;
-    the last two merged by log-sum-exp. The prompt's K/V are never copied per
-    response, and gradients reach the prompt (and through it the vision tower)
-    from every response.
+    Every prompt and every response is one query segment of the packed batch,
+    attended by a kernel (`PrefixedSegments`): a prompt causally over itself, a
+    response over [its prompt's K/V | its own K/V] with a bottom-right causal
+    mask. Gradients reach the prompt's K/V (and through them the vision tower)
+    from every response. A plain class, not a dataclass: FSDP2 rebuilds dataclass
+    arguments of a module call, which would drop the segments built on the first
+    layer's call.
     """
 
-    groups: list[GroupLayout]
-    backend: str = "torch"
+    def __init__(self, groups: list[GroupLayout], backend: str = "torch"):
+        self.groups, self.backend = groups, backend
+        self.segments: PrefixedSegments | None = None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        parts = []
-        for g in self.groups:
-            p0, p1 = g.start, g.start + g.prompt_len
-            parts.append(prompt_attention(q[p0:p1], k[p0:p1], v[p0:p1], [0, g.prompt_len], self.backend))
-            parts.append(responses_over_prefix(q[p1:g.end], k[p1:g.end], v[p1:g.end], k[p0:p1], v[p0:p1],
-                                               g.response_lens))
-        return torch.cat(parts)
+        if self.segments is None:  # built once per forward: every layer attends the same segments
+            self.segments = PrefixedSegments(_shared_prefix_segments(self.groups), self.backend, q.device)
+        return self.segments(q, k, v)
+
+
+def _shared_prefix_segments(groups: list[GroupLayout]) -> list[QuerySegment]:
+    segments = []
+    for g in groups:
+        segments.append(QuerySegment(g.start, g.prompt_len, g.start, 0))  # the prompt: causal over itself
+        offset = g.start + g.prompt_len
+        for n in g.response_lens:
+            segments.append(QuerySegment(offset, n, g.start, g.prompt_len))
+            offset += n
+    return segments
 
 
 @dataclass(frozen=True)
@@ -247,25 +254,97 @@ class SuffixGroup:
         return self.start + sum(self.response_lens)
 
 
-@dataclass
 class KeptPrefixAttention:
     """Suffix-only passes: the batch holds response tokens only; their prompts
     were computed earlier and left their per-layer K/V (`keys[layer]`,
-    `values[layer]`, rotary applied). Same math as SharedPrefixAttention's
-    response part, so the two paths agree; gradients flow into the kept K/V."""
+    `values[layer]`, rotary applied). Same kernels and segments as
+    SharedPrefixAttention's responses, so the two paths agree; gradients flow
+    into the kept K/V. A plain class for the reason SharedPrefixAttention is."""
 
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    groups: list[SuffixGroup]
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], groups: list[SuffixGroup],
+                 backend: str = "torch"):
+        self.keys, self.values, self.groups, self.backend = keys, values, groups, backend
+        self.segments: PrefixedSegments | None = None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kept_k, kept_v = self.keys[layer], self.values[layer]
-        parts = []
-        for g in self.groups:
-            p0, p1 = g.prompt_start, g.prompt_start + g.prompt_len
-            parts.append(responses_over_prefix(q[g.start:g.end], k[g.start:g.end], v[g.start:g.end],
-                                               kept_k[p0:p1], kept_v[p0:p1], g.response_lens))
-        return torch.cat(parts)
+        if self.segments is None:
+            self.segments = PrefixedSegments(_suffix_segments(self.groups, kept_k.shape[0]), self.backend, q.device)
+        # Keys are read from [kept prompt rows | this batch's rows]; the segments index that concatenation.
+        return self.segments(q, torch.cat([kept_k, k]), torch.cat([kept_v, v]))
+
+
+def _suffix_segments(groups: list[SuffixGroup], kept_rows: int) -> list[QuerySegment]:
+    segments = []
+    for g in groups:
+        offset = g.start
+        for n in g.response_lens:
+            segments.append(QuerySegment(offset, n, g.prompt_start, g.prompt_len, own_keys_offset=kept_rows))
+            offset += n
+    return segments
+
+
+@dataclass(frozen=True)
+class QuerySegment:
+    """Queries [start, start + length) of a packed batch, attending to key rows
+    [prefix_start, prefix_start + prefix_len) then, causally, to their own key rows
+    [own_keys_offset + start, ...): the causal mask is bottom-right aligned, so
+    every query sees the whole prefix."""
+
+    start: int
+    length: int
+    prefix_start: int
+    prefix_len: int
+    own_keys_offset: int = 0
+
+    def key_rows(self) -> list[int]:
+        own = self.own_keys_offset + self.start
+        return [*range(self.prefix_start, self.prefix_start + self.prefix_len), *range(own, own + self.length)]
+
+
+class PrefixedSegments:
+    """Attention of query segments that cover a packed batch in order, each over
+    its prefix plus itself (`QuerySegment`), on kernels: flash-attn varlen, whose
+    causal mask is bottom-right, or SDPA with segments of equal (length, prefix)
+    batched into one call, GQA without copying K/V per head. Each segment's keys
+    are gathered into a run of their own, so a prompt's K/V are copied once per
+    response reading them (small beside the scores a kernel never stores), and
+    the gather sums every response's gradient back into them. Index tensors are
+    built once, on `device`, at construction."""
+
+    def __init__(self, segments: list[QuerySegment], backend: str, device: torch.device):
+        self.backend = backend
+        if backend == "flash":
+            key_lens = [s.prefix_len + s.length for s in segments]
+            self.key_index = torch.tensor([r for s in segments for r in s.key_rows()], device=device)
+            self.cu_seqlens_q = _cumulative([s.length for s in segments], device)
+            self.cu_seqlens_k = _cumulative(key_lens, device)
+            self.max_seqlen_q = max(s.length for s in segments)
+            self.max_seqlen_k = max(key_lens)
+        else:
+            self.groups = _prefixed_segment_groups(segments, device)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: the packed queries; k/v: the key rows the segments index."""
+        if self.backend == "flash":
+            return varlen_attention(q, k[self.key_index], v[self.key_index], self.cu_seqlens_q, self.cu_seqlens_k,
+                                    self.max_seqlen_q, self.max_seqlen_k, causal=True, backend=self.backend)
+        return _attend_segment_groups(q, k, v, self.groups, causal=True)
+
+
+def _prefixed_segment_groups(segments: list[QuerySegment],
+                             device: torch.device) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """Segments grouped by (length, prefix length): (lq, lk, query indices, key
+    indices) per group, as `_attend_segment_groups` takes them."""
+    groups: dict[tuple[int, int], list[QuerySegment]] = {}
+    for s in segments:
+        groups.setdefault((s.length, s.prefix_len), []).append(s)
+    return [(lq, lq + lp, _segment_index([s.start for s in segs], lq, device),
+             torch.tensor([s.key_rows() for s in segs], device=device)) for (lq, lp), segs in groups.items()]
+
+
+def _cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
 
 
 class PackedSegments:
@@ -289,59 +368,3 @@ class PackedSegments:
             return varlen_attention(q, k, v, self.cu_seqlens, self.cu_seqlens, self.max_seqlen, self.max_seqlen,
                                     causal=self.causal, backend=self.backend)
         return _attend_segment_groups(q, k, v, self.groups, self.causal)
-
-
-def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int],
-                     backend: str) -> torch.Tensor:
-    """Causal attention within each prompt of packed prompts (no log-sum-exp
-    needed): the kernel path (flash-attn varlen, or SDPA), which keeps no
-    prompt_len^2 scores for backward, unlike attention_with_lse. The boundaries
-    come as a host list, so no device round trip; a forward that attends the same
-    prompts in every layer builds one `PackedSegments` instead."""
-    return PackedSegments(cu_seqlens, True, backend, q.device)(q, k, v)
-
-
-def responses_over_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor,
-                          prefix_v: torch.Tensor, response_lens: tuple[int, ...]) -> torch.Tensor:
-    """Attention of a group's responses (packed back to back in q/k/v) over their
-    shared prefix plus, causally, their own tokens: one non-causal call of all
-    response queries over the prefix, one causal call per response, merged by
-    log-sum-exp."""
-    prefix_out, prefix_lse = attention_with_lse(q, prefix_k, prefix_v, causal=False)
-    own_out, own_lse = [], []
-    offset = 0
-    for n in response_lens:
-        o, lse = attention_with_lse(q[offset:offset + n], k[offset:offset + n], v[offset:offset + n], causal=True)
-        own_out.append(o)
-        own_lse.append(lse)
-        offset += n
-    return merge_attention(prefix_out, prefix_lse, torch.cat(own_out), torch.cat(own_lse, dim=1))
-
-
-def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one segment that also returns the log-sum-exp of its scores.
-
-    q: (Lq, Hq, D), k/v: (Lk, Hkv, D) -> out (Lq, Hq, D), lse (Hq, Lq) in float32.
-    Computed in float32 with explicit scores (differentiable through both
-    outputs); causal masks are bottom-right aligned.
-    """
-    rep = q.shape[1] // k.shape[1]
-    kf = k.float().repeat_interleave(rep, dim=1)
-    vf = v.float().repeat_interleave(rep, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * q.shape[-1] ** -0.5
-    if causal:
-        scores = scores.masked_fill(~causal_mask(q.shape[0], k.shape[0], q.device), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.einsum("hqk,khd->qhd", torch.exp(scores - lse[..., None]), vf)
-    return out.to(q.dtype), lse
-
-
-def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-                    lse_b: torch.Tensor) -> torch.Tensor:
-    """Combine attention over two disjoint key sets: each part weighted by its
-    share of the total softmax mass, exp(lse_part - lse_total)."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    wa = torch.exp(lse_a - lse).transpose(0, 1)[..., None]  # (L, H, 1)
-    wb = torch.exp(lse_b - lse).transpose(0, 1)[..., None]
-    return (out_a.float() * wa + out_b.float() * wb).to(out_a.dtype)

@@ -184,6 +184,7 @@ def suffix_hidden(model: Qwen2_5_VL, kept: KeptPrefix, units: list[SuffixUnit]) 
             rows.append((u.prompt, offset, len(r)))
             offset += len(r)
     hidden = model.forward_generated(torch.cat(ids).to(device), torch.cat(positions).expand(3, -1).to(device),
-                                     KeptPrefixAttention(kept.keys, kept.values, groups))
+                                     KeptPrefixAttention(kept.keys, kept.values, groups,
+                                                         model.attn_backend))
     return torch.cat([piece for prompt, start, n in rows
                       for piece in (kept.last_hidden[prompt:prompt + 1], hidden[start:start + n - 1])])
