@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from rollplex.models.rope import MRotaryEmbedding, RopeIndexSpec, apply_rotary, mrope_positions, vision_rotary
+from rollplex.models.rope import (MRotaryEmbedding, RopeIndexSpec, apply_rotary, mrope_positions, vision_positions,
+                                  vision_rotary)
 if TYPE_CHECKING:
     from rollplex.models.packing import PackedBatch
 from rollplex.ops.attention import (AttentionBackend, PackedSegments, SharedPrefixAttention, VarlenAttention,
@@ -204,11 +205,10 @@ def vision_layout(grid_thw: torch.Tensor, args: VisionArgs) -> VisionLayout:
         nh, nw = -(-gh // win), -(-gw // win)
         padded = F.pad(ids, (0, nw * win - gw, 0, nh * win - gh), value=-1)
         windows = padded.reshape(t, nh, win, nw, win).permute(0, 1, 3, 2, 4).reshape(t * nh * nw, win * win)
-        for window in windows:
-            members = window[window >= 0]
-            if members.numel():  # windows fully in the padding hold nothing
-                index.append(members + offset)
-                window_lengths.append(members.numel() * unit)
+        members = windows >= 0
+        index.append(windows[members] + offset)
+        sizes = members.sum(1)
+        window_lengths += (sizes[sizes > 0] * unit).tolist()  # windows fully in the padding hold nothing
         offset += t * gh * gw
     window_index = torch.cat(index).to(grid_thw.device)
     frame_lengths = [h * w for t, h, w in grid_thw.tolist() for _ in range(t)]
@@ -229,7 +229,9 @@ class VisionPlan:
 
     def __init__(self, window_index: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  window_attention: PackedSegments, full_attention: PackedSegments):
-        self.window_index, self.restore_index = window_index, torch.argsort(window_index)
+        self.window_index = window_index
+        self.restore_index = torch.empty_like(window_index)
+        self.restore_index[window_index] = torch.arange(window_index.numel(), device=window_index.device)
         self.cos, self.sin = cos, sin
         self.window_attention, self.full_attention = window_attention, full_attention
 
@@ -249,11 +251,11 @@ class VisionTransformer(nn.Module):
         grids' device. Reads the grids on the host."""
         args = self.args
         layout = vision_layout(grid_thw, args)
-        cos, sin = vision_rotary(grid_thw, args.spatial_merge_size, args.hidden_size // args.num_heads,
-                                 args.rope_theta)
+        # Positions are put in window order before the tables are computed: 2 ints a patch to gather, not 2 tables.
+        positions = self._windowed(vision_positions(grid_thw, args.spatial_merge_size), layout.window_index)
+        cos, sin = vision_rotary(positions, args.hidden_size // args.num_heads, args.rope_theta)
         device = grid_thw.device
-        return VisionPlan(layout.window_index, self._windowed(cos, layout.window_index),
-                          self._windowed(sin, layout.window_index),
+        return VisionPlan(layout.window_index, cos, sin,
                           PackedSegments(layout.cu_window, False, self.attn_backend, device),
                           PackedSegments(layout.cu_full, False, self.attn_backend, device))
 

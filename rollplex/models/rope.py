@@ -60,11 +60,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
 
 
-def vision_rotary(grid_thw: torch.Tensor, spatial_merge_size: int, head_dim: int,
-                  theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin (patches, head_dim) in float32 for the vision tower's patches, in
-    the processor's patch order (spatial-merge blocks of m x m patches, row-major).
-    Half of the rotary dims rotate by the patch row, half by the column."""
+def vision_positions(grid_thw: torch.Tensor, spatial_merge_size: int) -> torch.Tensor:
+    """(patches, 2) (row, column) of the vision tower's patches, in the processor's
+    patch order (spatial-merge blocks of m x m patches, row-major); every frame of
+    a video repeats its image's positions."""
     device = grid_thw.device
     rows = []
     for t, h, w in grid_thw.tolist():
@@ -73,11 +72,17 @@ def vision_rotary(grid_thw: torch.Tensor, spatial_merge_size: int, head_dim: int
         hpos = hpos.reshape(block).transpose(1, 2).flatten()
         wpos = wpos.reshape(block).transpose(1, 2).flatten()
         rows.append(torch.stack([hpos, wpos], dim=-1).repeat(t, 1))
-    pos = torch.cat(rows)  # (patches, 2)
-    inv_freq = inv_frequencies(head_dim // 2, theta, device)  # (head_dim/4,)
-    freqs = (pos[..., None].float() * inv_freq).flatten(1)  # (patches, head_dim/2): [row freqs | col freqs]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    return torch.cat(rows)
+
+
+def vision_rotary(positions: torch.Tensor, head_dim: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin (patches, head_dim) in float32 of patches at `positions` (patches, 2)
+    (`vision_positions`, in any order). Half of the rotary dims rotate by the patch
+    row, half by the column."""
+    inv_freq = inv_frequencies(head_dim // 2, theta, positions.device)  # (head_dim/4,)
+    freqs = (positions[..., None].float() * inv_freq).flatten(1)  # (patches, head_dim/2): [row freqs | col freqs]
+    cos, sin = freqs.cos(), freqs.sin()  # each half of the table repeats: take the trig once
+    return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
 
 @dataclass(frozen=True)
