@@ -19,33 +19,6 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError("run with TRITON_INTERPRET=1 on CPU (see tests/test_paged_decode_triton.py)")
 
 
-def _patch_interpreter_index() -> None:
-    """Give Triton's interpreter the loop-bound fix of triton-lang/triton#9171.
-
-    The interpreter holds a runtime scalar as a 1-element 1-d numpy array and, before
-    that fix (triton 3.6 has it not, 3.9 has it), converted it with int(array) for
-    `range(start, end)`; numpy >= 2.4 refuses that ("only 0-dimensional arrays can be
-    converted to Python scalars"). The fault is the interpreter's: a runtime loop bound
-    is valid Triton and compiles on the GPU, so the kernel is left as it is. Patched
-    here, under the interpreter only, with the upstream fix (a no-op where it is in).
-    """
-    from triton.runtime import interpreter
-
-    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
-    if patch_tensor is None:  # the interpreter was reorganised; nothing to patch
-        return
-
-    def patch_tensor_with_index_fix(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interpreter._patch_lang_tensor = patch_tensor_with_index_fix
-
-
-if DEVICE == "cpu":
-    _patch_interpreter_index()
-
-
 @pytest.fixture(scope="module")
 def kernel_env():
     pdt._kernels.cache_clear()  # kernels are built on first use, under this module's setting

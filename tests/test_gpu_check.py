@@ -15,7 +15,7 @@ import gpu_check  # noqa: E402
 
 
 def run_device_command(out: Path, *options: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OUT=str(out), ROLLPLEX_COMMIT="test-commit")
+    env = dict(os.environ, OUT=str(out), ROLLPLEX_COMMIT="test-commit", PYTHON=sys.executable)
     return subprocess.run(["bash", str(REPO / "tools/device_run.sh"), "--device", "cpu", *options], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=900)
 

@@ -10,15 +10,17 @@
 # check), gpu_check.log, bench_schedules/report.json and bench_schedules/timeline.png:
 # four files, within the eight that come back. Options go to tools/gpu_check.py:
 # `--only NAME ...`, `--budget-s S` (default 480), `--device cpu` (the same run end
-# to end on a CPU at the smallest sizes: tests/test_gpu_check.py).
+# to end on a CPU at the smallest sizes: tests/test_gpu_check.py). PYTHON picks the
+# interpreter (default python3, the GPU machine's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/device}
+PYTHON=${PYTHON:-python3}
 if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/rollplex-wheels .whl/*.whl
     export PYTHONPATH=/tmp/rollplex-wheels${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
-python3 tools/gpu_check.py --out "$OUT/gpu_check.json" "$@" 2>&1 | tee "$OUT/gpu_check.log"
+"$PYTHON" tools/gpu_check.py --out "$OUT/gpu_check.json" "$@" 2>&1 | tee "$OUT/gpu_check.log"

@@ -30,9 +30,9 @@ do no work.
 
 Triton is optional: this module imports without it; the kernels are built on
 the first call. With TRITON_INTERPRET=1 set before triton is imported, the
-same kernels run on CPU tensors (that is how the tests check them; the
-interpreter of triton 3.6 under numpy >= 2.4 cannot take the runtime loop
-bounds, and tests/paged_decode_triton_cases.py patches it with the upstream fix).
+same kernels run on CPU tensors (that is how the tests and gpu_check's CPU dry
+run check them; the interpreter of triton 3.6 under numpy >= 2.4 cannot take the
+runtime loop bounds, and `_patch_interpreter_index` gives it the upstream fix).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import os
 
 import torch
 
@@ -61,11 +62,38 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+def _patch_interpreter_index() -> None:
+    """Give Triton's interpreter the loop-bound fix of triton-lang/triton#9171.
+
+    The interpreter holds a runtime scalar as a 1-element 1-d numpy array and, before
+    that fix (triton 3.6 has it not, 3.9 has it), converted it with int(array) for
+    `range(start, end)`; numpy >= 2.4 refuses that ("only 0-dimensional arrays can be
+    converted to Python scalars"). The fault is the interpreter's: a runtime loop bound
+    is valid Triton and compiles on the GPU, so the kernel is left as it is. Applied
+    under the interpreter only, with the upstream fix (a no-op where it is in).
+    """
+    from triton.runtime import interpreter
+
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None or getattr(patch_tensor, "index_fixed", False):  # reorganised, or patched already
+        return
+
+    def patch_tensor_with_index_fix(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_tensor_with_index_fix.index_fixed = True
+    interpreter._patch_lang_tensor = patch_tensor_with_index_fix
+
+
 @functools.cache
 def _kernels():
     """Define the Triton kernels (only when first needed, so importing this module never needs triton)."""
     import triton
     import triton.language as tl
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        _patch_interpreter_index()
 
     @triton.jit
     def _paged_decode_kernel(
