@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
@@ -29,3 +30,43 @@ def test_report_structure(tmp_path, capsys):
     assert json.loads(out.read_text()) == report
     printed = capsys.readouterr().out
     assert "random" in printed and "ratio rollplex / transformers" in printed
+
+
+def test_useful_tokens_stop_at_the_first_stop_token():
+    generated = torch.tensor([[7, 3, 9, 9],   # stops at its 2nd token, then padding
+                              [7, 7, 7, 7],   # no stop token: the whole row
+                              [3, 0, 3, 0],   # the first stop token counts, not a later one
+                              [9, 7, 5, 3]])  # any of the stop ids
+    assert bench_engine.useful_tokens(generated, [3, 5]) == 2 + 4 + 1 + 3
+    assert bench_engine.useful_tokens(generated, []) == 16
+
+
+def test_rl_workload_counts_useful_tokens(capsys):
+    # Many stop ids, so that some of the 8 samples stop well before the 16-token cap.
+    report = bench_engine.main(["--prompts", "2", "--n", "4", "--batch-size", "2", "--hidden", "64", "--layers", "1",
+                                "--image-patches", "4", "--stop-tokens", "64", "--output-len", "16"])
+    samples, cap = 2 * 4, 16
+    assert report["stop_token_ids"] == [4 * i for i in range(64)]
+    r, t = report["rollplex"], report["transformers"]
+    # Each sample's first token comes from the prefill, each later one from a decode step.
+    assert r["output_tokens"] == r["computed_tokens"] == report["engine_stats"]["decode_tokens"] + samples
+    assert samples <= r["output_tokens"] < samples * cap
+    # generate keeps finished rows in its one batch until the longest ends: rows x the longest.
+    assert t["computed_tokens"] % samples == 0 and t["computed_tokens"] // samples <= cap
+    assert samples <= t["output_tokens"] < t["computed_tokens"]
+    assert report["ratio"] == pytest.approx(r["tokens_per_s"] / t["tokens_per_s"])
+    assert "mean len" in capsys.readouterr().out
+
+
+def test_host_overhead_fits_step_time_against_depth(capsys):
+    report = bench_engine.main(["--prompts", "2", "--n", "2", "--batch-size", "2", "--hidden", "64",
+                                "--image-patches", "4", "--output-len", "3", "--host-overhead",
+                                "--host-overhead-layers", "1", "3"])
+    h = report["host_overhead"]
+    assert [m["layers"] for m in h["models"]] == h["layers"] == [1, 3]
+    (s1, s3) = [s["decode_step_ms"] for s in h["steps"]]
+    assert all(s["decode_steps"] == 2 and s["mean_decode_batch"] == 4 for s in h["steps"])
+    # Two points: the line passes through both.
+    assert h["slope_ms_per_layer"] == pytest.approx((s3 - s1) / 2)
+    assert h["intercept_ms"] == pytest.approx(s1 - h["slope_ms_per_layer"])
+    assert "rollplex" not in report and "depth-independent" in capsys.readouterr().out

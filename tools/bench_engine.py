@@ -4,6 +4,8 @@
     python tools/bench_engine.py --prompts 64 --n 4 --output-len 64 --json bench.json
     python tools/bench_engine.py --prompt-source processor         # real chat-template + image-processor prompts
     python tools/bench_engine.py --device cuda --hidden 1024 --layers 8 --prompts 128
+    python tools/bench_engine.py --n 8 --stop-tokens 10 --output-len 128   # RL-shaped: lengths vary per sample
+    python tools/bench_engine.py --n 8 --output-len 64 --host-overhead     # host time per decode step (engine only)
 
 Both sides generate the same workload from the same random tiny checkpoint
 (built into a temp dir with rollplex.models.tiny.make_tiny_checkpoint, bytes
@@ -11,6 +13,14 @@ vocabulary, so 320 embedding rows): `--prompts` prompts of `--prompt-len` text
 tokens and `--images` images each, `--n` samples per prompt, exactly
 `--output-len` new tokens per sample (EOS ignored), sampled at temperature 1
 with no top-k/top-p. The weights are random, so only the timings mean anything.
+
+With `--stop-tokens K` the workload is RL-shaped instead: each response ends at
+the first of K stop token ids (byte tokens spread over the byte range, the same
+on both sides) or at `--output-len` tokens, so lengths vary per sample. The
+engine frees a finished sequence at once; `generate` keeps a finished row in its
+batch, padding it, until the batch's longest row ends. Each side then reports its
+useful output tokens (each response up to and including its stop token) per
+second, and the tokens it computed including that padding.
 
 - Rollplex: `Engine.generate` on all requests at once (continuous batching),
   with at most `--batch-size` x `--n` sequences decoding together and a KV pool
@@ -23,6 +33,12 @@ timed runs, interleaved (Rollplex, transformers, Rollplex, ...) so that machine
 noise hits both alike; the median wall time is reported. Wall time covers the
 generate calls only (vision encoding, prefill, decode, sampling), not model
 loading, engine construction or input building.
+
+`--host-overhead` measures only the engine (no transformers): its decode step
+time on models of `--host-overhead-layers` layers (other sizes the same), and
+the least-squares line of step time against layer count. The intercept is the
+time per decode step that does not depend on depth: scheduling, block tables,
+sampling bookkeeping, per-sequence appends, the embedding and the head.
 
 On CUDA the tool also measures the engine's decode step time, with CUDA graphs
 and with `enforce_eager`, against a memory-bandwidth floor (see
@@ -38,7 +54,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -66,14 +82,21 @@ class Workload:
     n: int
     batch_size: int  # prompts per transformers generate call; Rollplex decodes batch_size * n sequences at once
     prompt_source: str  # "random" (token ids + random pixel rows) or "processor" (prepare_prompt output)
+    stop_tokens: int = 0  # > 0: responses end at the first of this many stop ids (output_len is then a cap)
+
+    @property
+    def stop_ids(self) -> list[int]:
+        """Byte tokens spread over the byte range: the model samples them as it samples any other."""
+        return [i * 256 // self.stop_tokens for i in range(self.stop_tokens)]
 
 
 @dataclass
 class RunResult:
     wall_s: float  # median over the timed repeats
-    output_tokens: int
+    output_tokens: int  # useful tokens: each response up to and including its stop token
     tokens_per_s: float
     all_wall_s: list[float]
+    computed_tokens: int  # also counting the padding generate adds to rows that finished before their batch
 
 
 # ------------------------------------------------------------------------------------------------ arguments
@@ -97,7 +120,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     w.add_argument("--images", type=int, default=1, help="images per prompt")
     w.add_argument("--image-patches", type=int, default=8,
                    help="image side in 14-px patches (even); tokens per image = (patches / 2)^2")
-    w.add_argument("--output-len", type=int, default=32, help="new tokens per sample (EOS ignored)")
+    w.add_argument("--output-len", type=int, default=32,
+                   help="new tokens per sample (EOS ignored); with --stop-tokens, the most per sample")
+    w.add_argument("--stop-tokens", type=int, default=0,
+                   help="RL-shaped workload: responses end at the first of this many stop token ids")
     w.add_argument("--n", type=int, default=1, help="samples per prompt")
     w.add_argument("--batch-size", type=int, default=32, help="prompts per transformers generate call")
     w.add_argument("--prompt-source", choices=["random", "processor"], default="random",
@@ -112,6 +138,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     r.add_argument("--max-model-len", default="engine",
                    help="engine max_model_len: 'engine' (EngineConfig's default, capped by the model's positions), "
                         "'workload' (its longest prompt + output) or a number")
+    r.add_argument("--host-overhead", action="store_true",
+                   help="instead of the comparison: the engine's depth-independent host time per decode step")
+    r.add_argument("--host-overhead-layers", type=int, nargs="+", default=[1, 2, 4],
+                   help="layer counts of the models --host-overhead fits its line over")
     r.add_argument("--json", type=Path, default=None, help="also write the report here")
     a = p.parse_args(argv)
     for name in ("prompts", "prompt_len", "output_len", "n", "batch_size", "repeats", "image_patches"):
@@ -119,6 +149,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.images < 0:
         p.error("--images must be >= 0")
+    if not 0 <= a.stop_tokens <= 256:
+        p.error("--stop-tokens must be in [0, 256] (they are byte tokens)")
+    if a.host_overhead and (a.stop_tokens or a.output_len < 2 or len(set(a.host_overhead_layers)) < 2):
+        p.error("--host-overhead times fixed-length decoding: it needs no --stop-tokens, --output-len >= 2 "
+                "and at least two distinct --host-overhead-layers")
     if a.max_model_len not in ("workload", "engine") and not a.max_model_len.isdigit():
         p.error("--max-model-len must be 'workload', 'engine' or a number")
     if a.image_patches % 2:
@@ -128,15 +163,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def workload_of(a: argparse.Namespace) -> Workload:
     return Workload(a.prompts, a.prompt_len, a.images, a.image_patches, a.output_len, a.n, a.batch_size,
-                    a.prompt_source)
+                    a.prompt_source, a.stop_tokens)
 
 
 # ------------------------------------------------------------------------------------------------ model
 
 
-def build_checkpoint(out_dir: Path, a: argparse.Namespace) -> Path:
+def build_checkpoint(out_dir: Path, a: argparse.Namespace, layers: int) -> Path:
     side_px = a.image_patches * 14
-    spec = TinySpec(hidden_size=a.hidden, num_layers=a.layers, num_heads=a.heads, num_kv_heads=a.kv_heads,
+    spec = TinySpec(hidden_size=a.hidden, num_layers=layers, num_heads=a.heads, num_kv_heads=a.kv_heads,
                     intermediate_size=a.intermediate or 2 * a.hidden, vision_hidden_size=a.vision_hidden,
                     vision_depth=a.vision_depth, vision_num_heads=a.vision_heads,
                     vision_intermediate_size=2 * a.vision_hidden, vocab="bytes",
@@ -246,33 +281,51 @@ def make_engine(model: Qwen2_5_VL, requests: list[Request], wl: Workload, a: arg
     return Engine(model, config)
 
 
-def rollplex_generate(engine: Engine, requests: list[Request], max_tokens: int) -> int:
-    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=max_tokens, ignore_eos=True, seed=SEED)
+def rollplex_generate(engine: Engine, requests: list[Request], max_tokens: int,
+                      stop_ids: Iterable[int] = ()) -> int:
+    """Output tokens, each sample's stop token included: the engine keeps no padding."""
+    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=max_tokens,
+                            stop_token_ids=list(stop_ids), ignore_eos=True, seed=SEED)
     outputs = engine.generate(requests, params)
     return sum(len(s.token_ids) for o in outputs for s in o.samples)
 
 
 @torch.no_grad()
-def transformers_generate(hf, batches: list[dict], wl: Workload) -> int:
+def transformers_generate(hf, batches: list[dict], wl: Workload) -> tuple[int, int]:
+    """(useful, computed) output tokens; computed also counts the padding of rows that finished early."""
     torch.manual_seed(SEED)
-    tokens = 0
+    # min = max new tokens is transformers' ignore_eos; otherwise the stop ids replace the model's EOS.
+    ending = {"eos_token_id": wl.stop_ids} if wl.stop_tokens else {"min_new_tokens": wl.output_len}
+    useful = computed = 0
     for kw in batches:
-        # min = max new tokens is transformers' ignore_eos; top_k=0 turns off its default top-50.
+        # top_k=0 turns off transformers' default top-50.
         out = hf.generate(**kw, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, num_return_sequences=wl.n,
-                          min_new_tokens=wl.output_len, max_new_tokens=wl.output_len)
-        tokens += out.shape[0] * (out.shape[1] - kw["input_ids"].shape[1])
-    return tokens
+                          max_new_tokens=wl.output_len, **ending)
+        generated = out[:, kw["input_ids"].shape[1]:]
+        useful += useful_tokens(generated, wl.stop_ids)
+        computed += generated.numel()
+    return useful, computed
 
 
-def result_of(times: list[float], tokens: int) -> RunResult:
+def useful_tokens(generated: torch.Tensor, stop_ids: list[int]) -> int:
+    """Tokens of each row of `generated` (rows x new tokens) up to and including its
+    first stop token, or all of the row if it has none; after a row's stop token,
+    generate only pads it while the rest of its batch goes on."""
+    is_stop = torch.isin(generated, torch.tensor(stop_ids, dtype=generated.dtype, device=generated.device))
+    # argmax returns the first maximal index: the first stop token.
+    lengths = torch.where(is_stop.any(dim=1), is_stop.int().argmax(dim=1) + 1, generated.shape[1])
+    return int(lengths.sum())
+
+
+def result_of(times: list[float], tokens: int, computed: int) -> RunResult:
     wall = statistics.median(times)
-    return RunResult(wall, tokens, tokens / wall, times)
+    return RunResult(wall, tokens, tokens / wall, times, computed)
 
 
 def compare(engine: Engine, requests: list[Request], hf, batches: list[dict], wl: Workload, repeats: int,
             device: torch.device) -> tuple[RunResult, RunResult]:
     """Warm-up each side once, then alternate timed runs so drift in machine load hits both."""
-    run_r = functools.partial(rollplex_generate, engine, requests, wl.output_len)
+    run_r = functools.partial(rollplex_generate, engine, requests, wl.output_len, wl.stop_ids)
     run_t = functools.partial(transformers_generate, hf, batches, wl)
     run_r()
     run_t()
@@ -280,9 +333,9 @@ def compare(engine: Engine, requests: list[Request], hf, batches: list[dict], wl
     for _ in range(repeats):
         t, tokens_r = timed(run_r, device)
         times_r.append(t)
-        t, tokens_t = timed(run_t, device)
+        t, (tokens_t, computed_t) = timed(run_t, device)
         times_t.append(t)
-    return result_of(times_r, tokens_r), result_of(times_t, tokens_t)
+    return result_of(times_r, tokens_r, tokens_r), result_of(times_t, tokens_t, computed_t)
 
 
 # ------------------------------------------------------------------------------------------------ CUDA: decode floor
@@ -347,25 +400,61 @@ def decode_step_report(model: Qwen2_5_VL, requests: list[Request], wl: Workload,
     report: dict[str, Any] = {"copy_bandwidth_GBps": bandwidth / 1e9, "decode_weight_bytes": weights}
     for name, eager in (("cuda_graphs", False), ("eager", True)):
         engine = make_engine(model, requests, wl, a, enforce_eager=eager)
-        rollplex_generate(engine, requests, wl.output_len)  # warm-up (and graph capture)
-        short, long_ = [], []
-        for _ in range(a.repeats):
-            short.append(timed(functools.partial(rollplex_generate, engine, requests, 1), device)[0])
-            steps_short = engine.stats["steps"]
-            long_.append(timed(functools.partial(rollplex_generate, engine, requests, wl.output_len), device)[0])
-            steps_long, decode_tokens = engine.stats["steps"], engine.stats["decode_tokens"]
-        # Prefill steps are the same in both runs when every sequence fits in one batch
-        # (prompts x n <= batch size x n, as in the defaults); otherwise this is approximate.
-        decode_steps = steps_long - steps_short
-        step_s = (statistics.median(long_) - statistics.median(short)) / decode_steps
-        kv = kv_bytes_per_decode_step(model, requests, wl, decode_steps)
+        (step,) = decode_step_times([engine], requests, wl.output_len, a.repeats, device)
+        kv = kv_bytes_per_decode_step(model, requests, wl, step["decode_steps"])
         floor_s = (weights + kv) / bandwidth
-        report[name] = {"decode_step_ms": step_s * 1e3, "decode_steps": decode_steps,
-                        "mean_decode_batch": decode_tokens / decode_steps, "kv_bytes_per_step": kv,
-                        "floor_ms": floor_s * 1e3, "step_over_floor": step_s / floor_s}
+        report[name] = {**step, "kv_bytes_per_step": kv, "floor_ms": floor_s * 1e3,
+                        "step_over_floor": step["decode_step_ms"] / 1e3 / floor_s}
         engine.release_kv()
         del engine
     return report
+
+
+def decode_step_times(engines: list[Engine], requests: list[Request], output_len: int, repeats: int,
+                      device: torch.device) -> list[dict]:
+    """Each engine's whole decode step time: (generate(max_tokens=L) - generate(max_tokens=1))
+    / the decode steps between them, after a warm-up (and graph capture). The timed runs
+    alternate between the engines, so drift in machine load hits all of them alike.
+    Returns per engine the median step and the step of each repeat (its spread)."""
+    for engine in engines:
+        rollplex_generate(engine, requests, output_len)
+    results = [{"all_step_ms": []} for _ in engines]
+    for _ in range(repeats):
+        for engine, result in zip(engines, results):
+            short = timed(functools.partial(rollplex_generate, engine, requests, 1), device)[0]
+            steps_short = engine.stats["steps"]
+            long_ = timed(functools.partial(rollplex_generate, engine, requests, output_len), device)[0]
+            # Prefill steps are the same in both runs when every sequence fits in one batch
+            # (prompts x n <= batch size x n, as in the defaults); otherwise this is approximate.
+            decode_steps = engine.stats["steps"] - steps_short
+            result["all_step_ms"].append((long_ - short) / decode_steps * 1e3)
+            result.update(decode_steps=decode_steps, mean_decode_batch=engine.stats["decode_tokens"] / decode_steps)
+    for result in results:
+        result["decode_step_ms"] = statistics.median(result["all_step_ms"])
+    return results
+
+
+def host_overhead_report(a: argparse.Namespace, wl: Workload, device: torch.device, dtype: torch.dtype) -> dict:
+    """The engine's decode step time against layer count, over random models that differ
+    only in depth, and its least-squares line: the intercept is the time per step that
+    does not depend on depth, the slope the time per layer. Fitted on the median steps,
+    and on each repeat's steps for the spread."""
+    layers = a.host_overhead_layers
+    engines, requests = [], None
+    with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
+        for n_layers in layers:
+            path = build_checkpoint(Path(tmp) / str(n_layers), a, n_layers)
+            model = from_pretrained(path, dtype=dtype, device=device)
+            # The requests depend on the vision config and token ids only, the same at every depth.
+            requests = requests or build_requests(path, model, wl)
+            engines.append(make_engine(model, requests, wl, a))
+    steps = decode_step_times(engines, requests, wl.output_len, a.repeats, device)
+    slope, intercept = np.polyfit(layers, [s["decode_step_ms"] for s in steps], 1)
+    per_repeat = [np.polyfit(layers, [s["all_step_ms"][i] for s in steps], 1) for i in range(a.repeats)]
+    return {"layers": layers, "models": [model_summary(e.model) for e in engines], "steps": steps,
+            "slope_ms_per_layer": float(slope), "intercept_ms": float(intercept),
+            "all_slope_ms_per_layer": [float(f[0]) for f in per_repeat],
+            "all_intercept_ms": [float(f[1]) for f in per_repeat]}
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -373,18 +462,28 @@ def decode_step_report(model: Qwen2_5_VL, requests: list[Request], wl: Workload,
 
 def format_report(report: dict) -> str:
     """The compact table printed at the end of a run."""
+    if "host_overhead" in report:
+        return format_host_overhead(report)
     wl, r, t = report["workload"], report["rollplex"], report["transformers"]
+    samples = wl["prompts"] * wl["n"]
+    rl = bool(wl["stop_tokens"])
+    ending = (f"ending at {wl['stop_tokens']} stop tokens {report['stop_token_ids']} or at {wl['output_len']} tokens"
+              if rl else f"{wl['output_len']} new tokens each")
     lines = [
         f"NOTE: {report['note']}",
         f"model: {report['model']['summary']}; {report['device']} {report['dtype']}, {report['threads']} threads",
         f"workload: {wl['prompts']} prompts x n={wl['n']} ({wl['prompt_source']}, mean prompt "
         f"{report['mean_prompt_tokens']:.0f} tokens incl. {report['image_tokens_per_prompt']} image tokens), "
-        f"{wl['output_len']} new tokens each, batch {wl['batch_size']}, median of {report['repeats']} after warm-up",
+        f"{ending}, batch {wl['batch_size']}, median of {report['repeats']} after warm-up",
         "",
-        f"{'':<14}{'wall s':>9}{'out tokens':>12}{'tokens/s':>11}",
+        f"{'':<14}{'wall s':>9}{'out tokens':>12}{'tokens/s':>11}" + (f"{'mean len':>10}{'computed':>10}" if rl else ""),
     ]
     for name, res in (("rollplex", r), ("transformers", t)):
-        lines.append(f"{name:<14}{res['wall_s']:>9.3f}{res['output_tokens']:>12d}{res['tokens_per_s']:>11.1f}")
+        lines.append(f"{name:<14}{res['wall_s']:>9.3f}{res['output_tokens']:>12d}{res['tokens_per_s']:>11.1f}"
+                     + (f"{res['output_tokens'] / samples:>10.1f}{res['computed_tokens']:>10d}" if rl else ""))
+    if rl:
+        lines.append("(out tokens: useful ones, up to and including each stop token; computed: also the padding "
+                     "generate keeps on finished rows)")
     lines.append(f"ratio rollplex / transformers: {report['ratio']:.2f}x")
     s = report["engine_stats"]
     lines.append(f"engine: prefill {s['prefill_tokens']} tokens, decode {s['decode_tokens']} tokens, "
@@ -404,6 +503,28 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def format_host_overhead(report: dict) -> str:
+    wl, h = report["workload"], report["host_overhead"]
+    lines = [
+        f"NOTE: {report['note']}",
+        f"models: {'; '.join(m['summary'] for m in h['models'])}",
+        f"{report['device']} {report['dtype']}, {report['threads']} threads",
+        f"workload: {wl['prompts']} prompts x n={wl['n']} ({wl['prompt_source']}), {wl['output_len']} new tokens each, "
+        f"batch {wl['batch_size']}, median of {report['repeats']} after warm-up",
+        "decode step = (generate(max_tokens=L) - generate(max_tokens=1)) / decode steps, a whole engine step",
+        "",
+        f"{'layers':>6}{'step ms':>10}{'mean batch':>12}  per repeat ms",
+    ]
+    for layers, step in zip(h["layers"], h["steps"]):
+        lines.append(f"{layers:>6}{step['decode_step_ms']:>10.3f}{step['mean_decode_batch']:>12.1f}  "
+                     + " ".join(f"{x:.3f}" for x in step["all_step_ms"]))
+    lines += [f"least squares over layers: {h['slope_ms_per_layer']:.3f} ms per layer, "
+              f"depth-independent {h['intercept_ms']:.3f} ms per step",
+              "  per repeat: intercept " + " ".join(f"{x:.3f}" for x in h["all_intercept_ms"])
+              + " ms; slope " + " ".join(f"{x:.3f}" for x in h["all_slope_ms_per_layer"]) + " ms"]
+    return "\n".join(lines)
+
+
 def model_summary(model: Qwen2_5_VL) -> dict:
     text = model.args.text
     params = sum(p.numel() for p in model.parameters())
@@ -420,7 +541,7 @@ def side_by_side(model: Qwen2_5_VL, hf, requests: list[Request], wl: Workload, a
     batches = hf_batches(requests, wl.batch_size, model.args, hf.generation_config.pad_token_id, a.device)
     rollplex, transformers = compare(engine, requests, hf, batches, wl, a.repeats, device)
     expected = wl.prompts * wl.n * wl.output_len
-    if rollplex.output_tokens != expected or transformers.output_tokens != expected:
+    if not wl.stop_tokens and (rollplex.output_tokens != expected or transformers.output_tokens != expected):
         raise RuntimeError(f"output tokens differ from the workload's {expected}: rollplex "
                            f"{rollplex.output_tokens}, transformers {transformers.output_tokens}")
     result = {"engine_max_model_len": engine.max_model_len, "max_model_len_option": a.max_model_len,
@@ -428,6 +549,29 @@ def side_by_side(model: Qwen2_5_VL, hf, requests: list[Request], wl: Workload, a
               "ratio": rollplex.tokens_per_s / transformers.tokens_per_s, "engine_stats": dict(engine.stats)}
     engine.release_kv()  # (on CUDA its graphs go with the engine when this returns)
     return result
+
+
+def comparison_report(a: argparse.Namespace, wl: Workload, device: torch.device, dtype: torch.dtype) -> dict:
+    """The engine against transformers on one model (and, on CUDA, the decode step against its floor)."""
+    with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
+        path = build_checkpoint(Path(tmp), a, a.layers)
+        model = from_pretrained(path, dtype=dtype, device=device)
+        hf = load_transformers(path, dtype, a.device)
+        requests = build_requests(path, model, wl)
+    report: dict[str, Any] = {
+        "model": model_summary(model),
+        "mean_prompt_tokens": statistics.mean(len(r.prompt_ids) for r in requests),
+        "image_tokens_per_prompt": sum(t == model.args.image_token_id for t in requests[0].prompt_ids),
+        **side_by_side(model, hf, requests, wl, a, device),
+    }
+    del hf  # free its memory before the decode measurement
+    if device.type == "cuda":
+        report["cuda_decode"] = decode_step_report(model, requests, wl, a, device)
+    return report
+
+
+def build_requests(path: Path, model: Qwen2_5_VL, wl: Workload) -> list[Request]:
+    return processor_requests(path, wl) if wl.prompt_source == "processor" else random_requests(model, wl)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -438,22 +582,15 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(a.device)
     dtype = getattr(torch, a.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     wl = workload_of(a)
-    with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
-        path = build_checkpoint(Path(tmp), a)
-        model = from_pretrained(path, dtype=dtype, device=device)
-        hf = load_transformers(path, dtype, a.device)
-        requests = processor_requests(path, wl) if wl.prompt_source == "processor" else random_requests(model, wl)
     report: dict[str, Any] = {
         "note": RANDOM_WEIGHTS_NOTE,
         "device": str(device), "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-        "model": model_summary(model), "workload": asdict(wl), "repeats": a.repeats,
-        "mean_prompt_tokens": statistics.mean(len(r.prompt_ids) for r in requests),
-        "image_tokens_per_prompt": sum(t == model.args.image_token_id for t in requests[0].prompt_ids),
-        **side_by_side(model, hf, requests, wl, a, device),
+        "workload": asdict(wl), "stop_token_ids": wl.stop_ids, "repeats": a.repeats,
     }
-    del hf  # free its memory before the decode measurement
-    if device.type == "cuda":
-        report["cuda_decode"] = decode_step_report(model, requests, wl, a, device)
+    if a.host_overhead:
+        report["host_overhead"] = host_overhead_report(a, wl, device, dtype)
+    else:
+        report.update(comparison_report(a, wl, device, dtype))
     print(format_report(report))
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
