@@ -55,7 +55,26 @@ def run_pass(attention: AttentionBackend, tokens: int, q_heads: int, kv_heads: i
         v = torch.randn(tokens, kv_heads, HEAD_DIM, device=device, dtype=dtype, requires_grad=True)
         attention(0, q, k, v).float().square().sum().backward()
 
-    return _measure_cuda(forward_backward, device) if device.type == "cuda" else _measure_cpu(forward_backward)
+    return measure(forward_backward, device)
+
+
+def measure(fn: Callable[[], None], device: torch.device) -> Measured:
+    """One call of `fn`: its wall time and its peak of live tensor bytes on `device`."""
+    return _measure_cuda(fn, device) if device.type == "cuda" else _measure_cpu(fn)
+
+
+def add_device_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="default: float32 on CPU (as issue 12 measured), bfloat16 on CUDA")
+    parser.add_argument("--backend", default="auto", help="attention backend: auto, torch or flash")
+
+
+def device_options(args: argparse.Namespace) -> tuple[torch.device, torch.dtype, str]:
+    """(device, dtype, attention backend) from `add_device_options`' arguments."""
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    return device, dtype, resolve_backend(args.backend, device)
 
 
 def _measure_cuda(fn: Callable[[], None], device: torch.device) -> Measured:
@@ -95,14 +114,9 @@ def bench_one(q_heads: int, kv_heads: int, prompt_len: int, n: int, response_len
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="only 7B geometry, 2k prompt, 8 x 512 responses")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                        help="default: float32 on CPU (as issue 12 measured), bfloat16 on CUDA")
-    parser.add_argument("--backend", default="auto", help="attention backend: auto, torch or flash")
+    add_device_options(parser)
     args = parser.parse_args()
-    device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    backend = resolve_backend(args.backend, device)
+    device, dtype, backend = device_options(args)
     geometries, prompts, responses = QUICK if args.quick else (tuple(GEOMETRIES), PROMPT_LENS, RESPONSES)
     print(f"one attention layer, forward + backward, head_dim {HEAD_DIM}, {dtype}, {device}, backend {backend}")
     print(f"{'model':>5} {'prompt':>6} {'responses':>9} | {'shared s':>8} {'shared GB':>9} | "

@@ -28,14 +28,10 @@ from typing import Callable
 
 import torch
 
-from bench_train_attention import Measured, _measure_cpu, _measure_cuda
+from bench_train_attention import Measured, add_device_options, device_options, measure
 from rollplex.models.qwen2_5_vl import VisionArgs, VisionBlock, VisionTransformer, vision_layout
 from rollplex.models.rope import vision_positions, vision_rotary
-from rollplex.ops.attention import PackedSegments, resolve_backend
-
-
-def measure(fn: Callable[[], None], device: torch.device) -> Measured:
-    return _measure_cuda(fn, device) if device.type == "cuda" else _measure_cpu(fn)
+from rollplex.ops.attention import PackedSegments
 
 
 def host_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
@@ -80,16 +76,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--grid", type=int, nargs=3, default=(4, 36, 64), metavar=("T", "H", "W"),
                         help="video grid_thw in patches (default: 8 frames of 504 x 896 px)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                        help="default: float32 on CPU, bfloat16 on CUDA")
-    parser.add_argument("--backend", default="auto", help="attention backend: auto, torch or flash")
+    add_device_options(parser)
     args = parser.parse_args()
-    device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    device, dtype, backend = device_options(args)
     vision = VisionArgs(depth=1)  # the 3B tower's geometry; one block is what is timed
     tower = VisionTransformer(vision)
-    tower.attn_backend = resolve_backend(args.backend, device)
+    tower.attn_backend = backend
     grid = torch.tensor([args.grid], device=device)
     patches = int(grid.prod())
     block = VisionBlock(vision).to(device, dtype)

@@ -150,7 +150,7 @@ class PrefixScheduler:
     def __init__(self, items: list[PrefixWork], budget_bytes: int | None,
                  side_stream: torch.cuda.Stream | None = None, max_slices_per_step: int = 8):
         """`side_stream`: the trainer's low-priority stream for the slices; None runs them inline
-        (on CPU, or where a side stream is refused, see RLTrainer.rollout)."""
+        (on CPU)."""
         self.admitted: list[PrefixWork] = []
         self.deferred: list[PrefixWork] = []
         used = 0
