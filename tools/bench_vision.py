@@ -97,12 +97,12 @@ def main() -> None:
           f"{host_seconds(lambda: vision_layout(grid, vision)) * 1e3:.1f} ms, vision_positions + vision_rotary "
           f"{host_seconds(rotary) * 1e3:.1f} ms)")
     plan = tower.plan(grid)
-    print(f"{'pass':>16} | {'time s':>7} {'peak GB':>8} | segments")
+    print(f"{'pass':>16} | {'time ms':>9} {'peak GB':>8} | segments")
     for kind, attention in (("window", plan.window_attention), ("full", plan.full_attention)):
         attn = attention_pass(attention, patches, vision, device, dtype)
         whole = block_pass(block, attention, plan.cos, plan.sin, vision, device, dtype)
         for what, m in ((f"{kind} attention", attn), (f"{kind} block", whole)):
-            print(f"{what:>16} | {m.seconds:>7.2f} {m.peak_bytes / 1e9:>8.2f} | {segment_counts(attention)}",
+            print(f"{what:>16} | {m.seconds * 1e3:>9.1f} {m.peak_bytes / 1e9:>8.2f} | {segment_counts(attention)}",
                   flush=True)
 
 
