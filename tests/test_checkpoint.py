@@ -1,13 +1,18 @@
 """Training checkpoints: resuming is exact (1 and 2 ranks), a 2-rank checkpoint
-loads into 1 process, half-written saves are never picked, and the HF export
-loads in transformers.
+loads into 1 process, half-written and damaged saves are never picked, a failed
+save raises on every rank and leaves the earlier ones, and the HF export loads
+in transformers.
 
 transformers (also pulled in by test_model) is imported inside the tests that
 need it: the spawned ranks import this module, and would otherwise spend most
 of their time importing it.
 """
 
+import contextlib
+import errno
 import random
+from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -18,7 +23,8 @@ from distributed import run_distributed
 from rollplex.models import ModelArgs, SequenceInputs, build_model, from_pretrained, pack_sequences
 from rollplex.dist import ParallelDims, build_mesh
 from rollplex.models.tiny import make_tiny_checkpoint
-from rollplex.train.checkpoint import MARKER, export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
+from rollplex.train.checkpoint import (MARKER, CheckpointSaveError, export_hf, latest_checkpoint, load_checkpoint,
+                                       save_checkpoint)
 from rollplex.train.parallelize import parallelize
 
 # Text only, so the vision tower gets no gradients and no optimizer state: the
@@ -122,6 +128,42 @@ def test_half_written_checkpoints_are_ignored_and_old_ones_pruned(tmp_path, args
     assert len(list(tmp_path.iterdir())) == 4
 
 
+def test_a_damaged_checkpoint_is_passed_over_for_the_newest_complete_one(tmp_path, args):
+    model, optimizer, scheduler = make_trainer(args, seed=0)
+    train_step(model, optimizer, scheduler)
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, model, optimizer, keep_last=0)
+    shard = next((tmp_path / "step_00000003").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-10])  # truncated, say by a full disk or a copy cut short
+    (tmp_path / "step_00000002" / MARKER).write_text('{"step": 2')  # the marker itself cut short
+    with pytest.warns(UserWarning) as warned:
+        assert latest_checkpoint(tmp_path) == tmp_path / "step_00000001"
+    messages = " ".join(str(w.message) for w in warned)
+    assert f"{shard.name} has" in messages and "step_00000002" in messages
+    with pytest.raises(ValueError, match=f"step_00000003 is damaged: {shard.name} has"):
+        load_checkpoint(tmp_path / "step_00000003", *make_trainer(args, seed=1)[:2])
+
+    # Pruning counts complete checkpoints only: step 1 stays beside the new step 4,
+    # and the damaged ones are left for a person to look at.
+    save_checkpoint(tmp_path, 4, model, optimizer, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step_0000000{i}" for i in (1, 2, 3, 4)]
+
+
+def disk_full():
+    return mock.patch("torch.save", side_effect=OSError(errno.ENOSPC, "No space left on device"))
+
+
+def test_a_failed_save_raises_and_leaves_the_earlier_checkpoints(tmp_path, args):
+    model, optimizer, scheduler = make_trainer(args, seed=0)
+    train_step(model, optimizer, scheduler)
+    save_checkpoint(tmp_path, 1, model, optimizer, keep_last=1)
+    with disk_full(), pytest.raises(CheckpointSaveError, match="step 2 .*No space left on device.*step_00000001"):
+        save_checkpoint(tmp_path, 2, model, optimizer, keep_last=1)
+    with pytest.warns(UserWarning, match="tmp-step_00000002"):  # the half-written folder, never published
+        assert latest_checkpoint(tmp_path) == tmp_path / "step_00000001"
+    assert load_checkpoint(tmp_path / "step_00000001", *make_trainer(args, seed=1)[:2]).step == 1
+
+
 def test_saving_before_the_first_step_keeps_the_optimizer_stateless(tmp_path, args):
     model, optimizer, scheduler = make_trainer(args, seed=0)
     path = save_checkpoint(tmp_path, 0, model, optimizer, scheduler)
@@ -147,9 +189,12 @@ def resume_on_two_ranks(rank: int, world: int, args: ModelArgs, root: str, out: 
     resumed_loss = train_step(model2, optimizer2, scheduler2)
     expected, resumed = full_params(model), full_params(model2)  # collectives: every rank gathers
     export_hf(model2, f"{root}/hf", source_dir=None)
+    # A save that fails on one rank raises on both: neither waits for the other in a collective.
+    with disk_full() if rank == 1 else contextlib.nullcontext(), pytest.raises(CheckpointSaveError, match="step 3"):
+        save_checkpoint(root, 3, model2, optimizer2, scheduler2)
     if rank == 0:
         torch.save({"loss": loss, "resumed_loss": resumed_loss, "expected": expected, "resumed": resumed,
-                    "saved": saved}, out)
+                    "saved": saved, "complete": sorted(p.name for p in Path(root).glob("step_*"))}, out)
 
 
 def test_resume_on_two_fsdp_ranks_and_load_on_one(tmp_path, args):
@@ -157,6 +202,7 @@ def test_resume_on_two_fsdp_ranks_and_load_on_one(tmp_path, args):
     run_distributed(resume_on_two_ranks, 2, args, str(tmp_path / "ckpt"), str(out))
     result = torch.load(out)
     assert result["resumed_loss"] == result["loss"]
+    assert result["complete"] == ["step_00000002"]
     assert_all_equal(result["resumed"], result["expected"])
     assert_all_equal(full_params(from_pretrained(tmp_path / "ckpt" / "hf", dtype=torch.float32)), result["resumed"])
 

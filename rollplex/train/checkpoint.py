@@ -6,14 +6,22 @@ A training checkpoint is a torch.distributed.checkpoint (DCP) directory:
         .metadata, __0_0.distcp, ...   model + optimizer (each rank writes its own shards)
                                        and the LR scheduler state
         rng_rank0.pt, rng_rank1.pt     RNG states (python, numpy, torch CPU, CUDA), one file per rank
-        COMPLETE.json                  step, `extra`, world size; written last
+        COMPLETE.json                  step, `extra`, world size and every other file's size; written last
 
 Every rank writes into `root/.tmp-step_00000100`; after all ranks are done,
 rank 0 writes COMPLETE.json and renames the folder. A crash mid-save leaves a
 `.tmp-` folder, which `latest_checkpoint` skips, never a `step_` folder that
-looks valid. `root` must be on a filesystem every rank sees, where renaming a
-directory is atomic (a local disk or a POSIX shared filesystem, not an object
-store).
+looks valid. A save that fails on any rank (a full disk, say) raises on every
+rank and leaves the earlier checkpoints as they were. `root` must be on a
+filesystem every rank sees, where renaming a directory is atomic (a local disk
+or a POSIX shared filesystem, not an object store).
+
+A checkpoint is complete when its COMPLETE.json reads and every file it lists
+is there at its size: `latest_checkpoint` passes over a truncated or damaged
+one, with a warning, to the newest complete one, and pruning counts complete
+ones only, so it never deletes the last one. Sizes, not checksums: hashing
+every shard on every save and load costs a full read of the checkpoint; a file
+damaged in place at its size fails in `load_checkpoint` instead.
 
 Resuming needs the model and optimizer built and parallelised the same way as
 when saving: the same model args, optimizer class and param groups, and the
@@ -38,14 +46,16 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from rollplex.dist import all_reduce_values
 from rollplex.models import Qwen2_5_VL, save_pretrained
 
 MARKER = "COMPLETE.json"
@@ -131,18 +141,65 @@ def save_checkpoint(root: str | Path, step: int, model: torch.nn.Module, optimiz
                     group: dist.ProcessGroup | None = None) -> Path:
     """Save model, optimizer, scheduler, RNG and `extra` (JSON-serialisable, e.g. the
     data position; rank 0's copy is kept) as `root/step_{step:08d}`. Collective:
-    every rank of `group` (default: all) calls it; global rank 0 must be one. Keeps the newest `keep_last` checkpoints (0: all).
-    Returns the checkpoint's path."""
+    every rank of `group` (default: all) calls it; global rank 0 must be one. Keeps
+    the newest `keep_last` complete checkpoints (0: all). Returns the checkpoint's
+    path; raises `CheckpointSaveError` on every rank when any rank's part failed."""
     root = Path(root)
     tmp = root / f"{TMP_PREFIX}{step_dir_name(step)}"
     final = root / step_dir_name(step)
     # Serialise before any work, on every rank, so a bad `extra` fails everywhere
     # at once instead of leaving the other ranks waiting in a barrier.
-    marker = json.dumps({"step": step, "world_size": _world_size(group), "extra": extra or {}}, indent=2) + "\n"
+    marker = {"step": step, "world_size": _world_size(group), "extra": extra or {}}
+    json.dumps(marker)
     if _rank() == 0 and tmp.exists():
         shutil.rmtree(tmp)  # left by a crashed save of this step; may hold shards of another world size
     _barrier(group)
+    _every_rank_or_raise(lambda: _write_shards(tmp, model, optimizer, lr_scheduler, group), root, step, group)
 
+    def publish() -> None:  # every rank's files are on disk: rank 0 lists them in the marker, renames the folder
+        if _rank() == 0:
+            _publish(tmp, final, marker, keep_last)
+
+    _every_rank_or_raise(publish, root, step, group)  # no rank returns (and, say, loads it) before the rename
+    return final
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save failed on some rank; the checkpoints already on disk are untouched."""
+
+
+def _every_rank_or_raise(work: Callable[[], None], root: Path, step: int, group: dist.ProcessGroup | None) -> None:
+    """Run this rank's part of a save, then agree with the other ranks whether
+    every part succeeded, and raise on every rank if not: a rank that gave up
+    must not leave the others waiting in the save's next collective."""
+    failure: BaseException | None = None
+    try:
+        work()
+    except (Exception, CheckpointException) as e:  # DCP's derives from BaseException; re-raised below
+        failure = e
+    failed = failure is not None
+    if dist.is_initialized():
+        failed = all_reduce_values([failed], dist.ReduceOp.MAX, group)[0] > 0
+    if failed:
+        complete = _scan(root)[0]
+        raise CheckpointSaveError(
+            f"saving the checkpoint of step {step} under {root} failed {_where(failure)}. The checkpoints already "
+            f"there are untouched (the newest complete one: {complete[max(complete)] if complete else 'none'}); "
+            "fix the cause (a full disk?) and resume"
+        ) from failure
+
+
+def _where(failure: BaseException | None) -> str:
+    if failure is None:
+        return "on another rank"
+    if isinstance(failure, CheckpointException):  # DCP's: the causes by rank, with tracebacks we leave out
+        return "; ".join(f"on rank {rank}: {cause!r}" for rank, (cause, _) in failure.failures.items())
+    return f"on rank {_rank()}: {failure!r}"
+
+
+def _write_shards(tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None, group: dist.ProcessGroup | None) -> None:
+    """This rank's model and optimizer shards, the scheduler and its RNG, into `tmp`."""
     had_state = bool(optimizer.state)
     model_state, optim_state = get_state_dict(model, optimizer)
     if not had_state:
@@ -157,41 +214,59 @@ def save_checkpoint(root: str | Path, step: int, model: torch.nn.Module, optimiz
     with _single_process_is_intended():
         dcp.save(state, checkpoint_id=tmp, process_group=group)  # creates `tmp`; collective
     torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
-    _barrier(group)  # every rank's files are on disk
-
-    if _rank() == 0:
-        with open(tmp / MARKER, "w") as f:
-            f.write(marker)
-            f.flush()
-            os.fsync(f.fileno())  # the marker must not reach the disk after the rename does
-        if final.exists():
-            # Saving a step twice (e.g. right after resuming from it): the new one wins.
-            shutil.rmtree(final)
-        tmp.rename(final)
-        _prune(root, step, keep_last)
-    _barrier(group)  # no rank returns (and, say, loads it) before the rename
-    return final
 
 
-def _scan(root: Path) -> tuple[dict[int, Path], list[tuple[int, Path]]]:
-    """(step -> complete checkpoint, [(step, half-written folder)]) under `root`."""
-    complete, partial = {}, []
+def _publish(tmp: Path, final: Path, marker: dict[str, Any], keep_last: int) -> None:
+    """Rank 0: write the marker with every file's size, rename `tmp` to `final`, prune."""
+    files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+    with open(tmp / MARKER, "w") as f:
+        f.write(json.dumps({**marker, "files": files}, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())  # the marker must not reach the disk after the rename does
+    if final.exists():
+        # Saving a step twice (e.g. right after resuming from it): the new one wins.
+        shutil.rmtree(final)
+    tmp.rename(final)
+    _prune(final.parent, marker["step"], keep_last)
+
+
+def _damage(path: Path) -> str | None:
+    """Why `path`, which has a marker, is not a complete checkpoint; None when it is."""
+    try:
+        files = json.loads((path / MARKER).read_text())["files"]
+        sizes = {str(name): int(size) for name, size in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"its {MARKER} does not read as a file list ({e!r})"
+    for name, size in sizes.items():
+        if not (path / name).is_file():
+            return f"{name} is missing"
+        if (found := (path / name).stat().st_size) != size:
+            return f"{name} has {found} bytes where {size} were written"
+    return None
+
+
+def _scan(root: Path) -> tuple[dict[int, Path], list[tuple[int, Path]], list[tuple[Path, str]]]:
+    """(step -> complete checkpoint, [(step, half-written folder)], [(damaged checkpoint, why)]) under `root`."""
+    complete, partial, damaged = {}, [], []
     for p in sorted(root.iterdir()) if root.is_dir() else []:
         m = STEP_DIR.fullmatch(p.name.removeprefix(TMP_PREFIX))
         if not (m and p.is_dir()):
             continue
         if p.name.startswith(TMP_PREFIX) or not (p / MARKER).is_file():
             partial.append((int(m.group(1)), p))
+        elif (why := _damage(p)) is not None:
+            damaged.append((p, why))
         else:
             complete[int(m.group(1))] = p
-    return complete, partial
+    return complete, partial, damaged
 
 
 def _prune(root: Path, step: int, keep_last: int) -> None:
     """Rank 0, after saving `step`: delete complete checkpoints beyond the newest
     `keep_last` (never `step` itself), and the temporary folders of crashed saves
-    of earlier steps, which no writer is left to finish."""
-    complete, partial = _scan(root)
+    of earlier steps, which no writer is left to finish. Damaged checkpoints are
+    left for a person to look at, and do not count."""
+    complete, partial, _ = _scan(root)
     if keep_last > 0:
         for old in sorted(complete)[:-keep_last]:
             if old != step:
@@ -206,10 +281,12 @@ def _prune(root: Path, step: int, keep_last: int) -> None:
 
 def latest_checkpoint(root: str | Path) -> Path | None:
     """The complete checkpoint with the highest step under `root`, or None.
-    Half-written folders are skipped with a warning naming them."""
-    complete, partial = _scan(Path(root))
+    Half-written and damaged folders are skipped with a warning naming them."""
+    complete, partial, damaged = _scan(Path(root))
     for _, p in partial:
         warnings.warn(f"ignoring incomplete checkpoint {p} (no {MARKER}: its save did not finish)", stacklevel=2)
+    for p, why in damaged:
+        warnings.warn(f"ignoring damaged checkpoint {p}: {why}; an earlier complete one is used", stacklevel=2)
     return complete[max(complete)] if complete else None
 
 
@@ -234,6 +311,8 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     path = Path(path)
     if not (path / MARKER).is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint: {MARKER} is missing")
+    if (why := _damage(path)) is not None:
+        raise ValueError(f"{path} is damaged: {why}")
     meta = json.loads((path / MARKER).read_text())
 
     model_state, optim_state = get_state_dict(model, optimizer)
