@@ -371,6 +371,8 @@ class TrainerConfig(_Section):
     """torch CPU threads; 0 = leave torch's default."""
     resume: bool = True
     """Resume from the latest checkpoint in output_dir if there is one."""
+    collective_timeout_s: float = 1800.0
+    """A collective that waits longer than this for a peer (hung or dead) fails the run instead of hanging it."""
 
     def _check_ranges(self) -> None:
         for name in ("total_steps", "warmup_steps", "save_every", "keep_last", "eval_every", "num_threads"):
@@ -378,6 +380,7 @@ class TrainerConfig(_Section):
         self._require(self.lr >= 0, "lr", ">= 0")
         self._require(self.weight_decay >= 0, "weight_decay", ">= 0")
         self._require(self.grad_clip >= 0, "grad_clip", ">= 0")
+        self._require(self.collective_timeout_s > 0, "collective_timeout_s", "> 0")
         self._require(self.max_tokens_per_micro_batch >= 1, "max_tokens_per_micro_batch", ">= 1")
 
 

@@ -14,6 +14,7 @@ tensors, gloo CPU ones.
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,11 +42,13 @@ class ParallelDims:
         return cls(world_size, dp_shard, tp)
 
 
-def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
+def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> tuple[int, int, torch.device]:
     """Join the process group torchrun set up, or form a group of one without
     torchrun (an existing group is kept). `device`: auto (CUDA when available),
-    cpu, cuda (this process's LOCAL_RANK GPU) or cuda:N. Returns (rank, world
-    size, device)."""
+    cpu, cuda (this process's LOCAL_RANK GPU) or cuda:N. A collective that waits
+    more than `timeout_s` for a peer raises (gloo) or is aborted by NCCL's watchdog,
+    which takes the process down, so torchrun can restart the group: a hung or
+    dead peer becomes an error, not a hang. Returns (rank, world size, device)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -60,10 +63,11 @@ def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
         if world > 1:
-            dist.init_process_group(backend, rank=rank, world_size=world)
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
         else:  # torchrun's rendezvous variables are absent: an in-process store serves a group of one
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return rank, world, device
 
 

@@ -1,8 +1,9 @@
 """Process groups: small host-side reductions (micro-batch counts, metrics, KV
 block counts) go through one helper that puts them on the device the group's
 backend takes (NCCL takes only CUDA tensors; gloo, which the other tests run
-on, takes CPU ones and would hide a CPU tensor sent to NCCL), and a single
-process trains in a group of one."""
+on, takes CPU ones and would hide a CPU tensor sent to NCCL), a single
+process trains in a group of one, and a peer that hangs turns into an error
+after the collective timeout instead of a hang."""
 
 import torch
 import torch.distributed as dist
@@ -21,3 +22,41 @@ def test_one_process_reduces_in_a_group_of_one():
     assert dist.get_world_size() == 1 and dist.get_backend() == "gloo"
     assert init_distributed("cpu")[:2] == (0, 1)  # joining again keeps the group
     assert all_reduce_values([3, 2.5, True], dist.ReduceOp.MAX) == [3.0, 2.5, 1.0]
+
+
+def _join_then(rank: int, port: int, timeout_s: float, results) -> None:
+    """Rank 1 joins and then hangs; rank 0 joins and waits for it in a collective."""
+    import os
+    import time
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    init_distributed("cpu", timeout_s=timeout_s)
+    if rank == 1:
+        time.sleep(60)  # hung: the test kills this process
+        return
+    start = time.perf_counter()
+    try:
+        all_reduce_values([1.0])
+        results.put(("returned", time.perf_counter() - start))
+    except RuntimeError as e:
+        results.put((str(e), time.perf_counter() - start))
+
+
+def test_a_hung_peer_becomes_an_error_after_the_collective_timeout():
+    from distributed import _free_port
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    results, port = ctx.SimpleQueue(), _free_port()
+    ranks = [ctx.Process(target=_join_then, args=(rank, port, 2.0, results)) for rank in (0, 1)]
+    for p in ranks:
+        p.start()
+    try:
+        ranks[0].join(timeout=60)
+        assert not results.empty(), "rank 0 neither returned nor raised"
+        message, waited = results.get()
+    finally:
+        for p in ranks:
+            p.kill()
+    assert "timed out" in message.lower(), message
+    assert 2.0 <= waited < 10.0

@@ -77,7 +77,7 @@ class Rollout:
 class RLTrainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.rank, self.world, self.device = init_distributed(cfg.trainer.device)
+        self.rank, self.world, self.device = init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
         torch.manual_seed(cfg.trainer.seed)
