@@ -65,10 +65,22 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> tuple[i
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
         if world > 1:
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+            dist.init_process_group(backend, store=_attempt_store(timeout), rank=rank, world_size=world,
+                                    timeout=timeout)
         else:  # torchrun's rendezvous variables are absent: an in-process store serves a group of one
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return rank, world, device
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store:
+    """torchrun's rendezvous store, under a prefix of its own for this restart attempt.
+
+    torchrun (static rendezvous) keeps one store across the restarts of a group,
+    where each rank of the first attempt published its address. Without the
+    prefix, a restarted rank can read a dead rank's address before the new one
+    overwrites it, and gloo's mesh fails with "Connection refused"."""
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    return dist.PrefixStore(f"rollplex/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def collective_device(backend: str) -> torch.device:

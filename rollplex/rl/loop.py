@@ -26,6 +26,8 @@ whatever rank or world size handles it.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -60,6 +62,16 @@ from rollplex.train.loss import group_advantages
 from rollplex.train.parallelize import apply_tp, parallelize
 
 GLOBAL_ACTOR_METRICS = ("actor/grad_norm", "actor/lr", "actor/skipped_steps")
+
+
+def _kill_if_asked(step: int, rank: int) -> None:
+    """Fault injection for the restart tests: ROLLPLEX_KILL_AT_STEP="STEP:RANK" makes
+    that rank SIGKILL itself as it starts that step (its peers are then inside the
+    step's collectives), in torchrun's first attempt only, so the restarted group
+    runs through."""
+    target = os.environ.get("ROLLPLEX_KILL_AT_STEP")
+    if target and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and target == f"{step}:{rank}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass
@@ -252,6 +264,7 @@ class RLTrainer:
         while self.step < cfg.trainer.total_steps:
             examples = next(batches)
             self.step += 1
+            _kill_if_asked(self.step, self.rank)
             metrics = self.train_step(examples)
             last = self.step == cfg.trainer.total_steps
             if cfg.trainer.eval_every and (self.step % cfg.trainer.eval_every == 0 or last):
