@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
-from rollplex.engine.sampler import SamplingParams, _to_unit, sample, uniform_noise
+from rollplex.engine.sampler import SamplingParams, _cumulative_weights, _invert, _to_unit, _uniform, sample
+from test_prefix_sync import HostSyncGuard
 
 
-def run(logits, temperature=1.0, top_p=1.0, top_k=-1, seeds=None, positions=0):
+def run(logits, temperature=1.0, top_p=1.0, top_k=-1, seeds=None, positions=0, truncate=True):
     """sample() with per-row tensors built from scalars (or given as lists), as the engine batches them."""
     B = logits.shape[0]
 
@@ -25,6 +26,7 @@ def run(logits, temperature=1.0, top_p=1.0, top_k=-1, seeds=None, positions=0):
         col(top_k, torch.long),
         col(seeds, torch.long),
         col(positions, torch.long),
+        truncate=truncate,
     )
 
 
@@ -46,6 +48,7 @@ def test_sampling_params_defaults_and_validation():
     for kwargs, field in [
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": 0}, "top_k"),
@@ -61,8 +64,8 @@ def test_sampling_params_defaults_and_validation():
 # ----------------------------------------------------------------------------- noise
 
 
-def splitmix64_reference(seed: int, position: int, v: int) -> int:
-    """uniform_noise's hash in plain Python uint64 arithmetic."""
+def splitmix64_reference(seed: int, position: int) -> int:
+    """_uniform's hash in plain Python uint64 arithmetic."""
     mask = 2**64 - 1
 
     def mix(x: int) -> int:
@@ -71,30 +74,49 @@ def splitmix64_reference(seed: int, position: int, v: int) -> int:
         return x ^ (x >> 31)
 
     state = mix(mix(seed) ^ position)
-    return mix((state + (v + 1) * 0x9E3779B97F4A7C15) & mask)
+    return mix((state + 0x9E3779B97F4A7C15) & mask)
 
 
-def test_noise_is_the_uint64_hash_bit_for_bit():
+def test_uniform_is_the_uint64_hash_bit_for_bit():
     seeds = torch.tensor([0, 1, 2**62 + 12345, 2**63 - 1])
     positions = torch.tensor([0, 7, 100_000, 3])
-    u = uniform_noise(seeds, positions, 50)
-    for row, (s, p) in enumerate(zip(seeds.tolist(), positions.tolist())):
-        expected = [((splitmix64_reference(s, p, v) >> 41) + 0.5) / 2**23 for v in range(50)]
-        assert u[row].tolist() == expected
+    expected = [((splitmix64_reference(s, p) >> 12) + 0.5) / 2**52 for s, p in zip(seeds.tolist(), positions.tolist())]
+    assert _uniform(seeds, positions).tolist() == expected
 
 
-def test_noise_strictly_inside_unit_interval_and_uniform():
+def test_uniform_strictly_inside_unit_interval_and_uniform():
     extremes = _to_unit(torch.tensor([0, -1, 2**63 - 1, -(2**63)]))  # all-zero, all-one and sign bits
-    assert extremes.min() > 0 and extremes.max() < 1
-    assert extremes.tolist() == [2**-24, 1 - 2**-24, 0.5 - 2**-24, 0.5 + 2**-24]
+    assert extremes.dtype == torch.float64
+    assert extremes.tolist() == [2**-53, 1 - 2**-53, 0.5 - 2**-53, 0.5 + 2**-53]
 
-    u = uniform_noise(torch.arange(64), torch.arange(64) * 3, 4096)
-    assert u.dtype == torch.float32 and u.shape == (64, 4096)
+    n = 2**18
+    u = _uniform(torch.arange(n) % 512, torch.arange(n) // 512)  # 512 seeds x 512 positions
     assert 0 < u.min() and u.max() < 1
-    assert abs(u.mean().item() - 0.5) < 0.005
-    assert abs(u.var().item() - 1 / 12) < 0.002
-    histogram = torch.histc(u, bins=10, min=0, max=1) / u.numel()
-    assert (histogram - 0.1).abs().max() < 0.005
+    assert abs(u.mean().item() - 0.5) < 0.002
+    assert abs(u.var().item() - 1 / 12) < 0.001
+    histogram = torch.histc(u, bins=16, min=0, max=1) / n
+    assert (histogram - 1 / 16).abs().max() < 0.002
+
+
+def test_invert_draws_only_tokens_of_nonzero_weight_even_at_the_ends_of_u():
+    cdf = torch.tensor([0.0, 0.0, 2.0, 2.0, 5.0, 5.0, 5.0], dtype=torch.float64).expand(4, 7).clone()
+    u = torch.tensor([2**-53, 0.3, 1 - 2**-53, 1.0], dtype=torch.float64)  # 1.0 is past _uniform's range
+    assert _invert(cdf, cdf[:, -1], u).tolist() == [2, 2, 4, 4]
+    # A cut at the first index reaching mass 2 (top-k/top-p) keeps the draw at or before it.
+    assert _invert(cdf, torch.full((4,), 2.0, dtype=torch.float64), u).tolist() == [2, 2, 2, 2]
+
+
+def test_cumulative_weights_keep_the_tail_mass_of_a_real_vocab():
+    # One likely token and 151935 tokens of probability ~1e-8: in float32 each
+    # addition would fall below the running sum's ulp and the tail, 0.15% of
+    # the mass, would never be drawn.
+    V = 151936
+    logits = torch.full((1, V), -18.4)
+    logits[0, 0] = 0.0
+    cdf = _cumulative_weights(logits, logits[:, 0], torch.ones(1))
+    exact = math.fsum(logits[0].exp().double().tolist())
+    assert abs(cdf[0, -1].item() - exact) < 1e-12
+    assert (cdf[0, -1] - cdf[0, 0]).item() > 1e-3
 
 
 # ----------------------------------------------------------------------------- sample
@@ -128,37 +150,44 @@ def test_top_k_1_is_greedy():
     assert torch.equal(tokens, logits.argmax(-1))
 
 
-def test_same_seed_and_position_same_token_whatever_the_batch():
+@pytest.mark.parametrize("truncate", [True, False])
+def test_same_seed_and_position_same_token_whatever_the_batch(truncate):
     torch.manual_seed(0)
     B, V = 12, 300
     logits = torch.randn(B, V)
     temperature = torch.tensor([0.0, 1.0, 0.5, 1.3] * 3)
-    top_p = torch.tensor([1.0, 0.9, 0.8] * 4)
-    top_k = torch.tensor([-1, 50, V, 7] * 3)
+    # Without truncate, the caller promises no row uses top-k or top-p.
+    top_p = torch.tensor([1.0, 0.9, 0.8] * 4) if truncate else torch.ones(B)
+    top_k = torch.tensor([-1, 50, V, 7] * 3) if truncate else torch.full((B,), -1)
     seeds = torch.randint(0, 2**62, (B,))
     positions = torch.randint(0, 4096, (B,))
-    tokens, logprobs = sample(logits, temperature, top_p, top_k, seeds, positions)
+
+    def draw(rows, others=0):
+        """The rows' tokens and logprobs, after `others` unrelated rows in the same batch."""
+        extra = torch.arange(others)
+        tokens, logprobs = sample(
+            torch.cat([torch.randn(others, V), logits[rows]]),
+            torch.cat([torch.full((others,), 0.9), temperature[rows]]),
+            torch.cat([torch.full((others,), 0.5 if truncate else 1.0), top_p[rows]]),
+            torch.cat([torch.full((others,), 3 if truncate else -1), top_k[rows]]),
+            torch.cat([extra, seeds[rows]]),
+            torch.cat([extra * 9, positions[rows]]),
+            truncate=truncate,
+        )
+        return tokens[others:], logprobs[others:]
+
+    everything = torch.arange(B)
+    tokens, logprobs = draw(everything)
+    assert len(set(tokens.tolist())) > 6
+    again, again_lp = draw(everything)
+    assert torch.equal(again, tokens) and torch.equal(again_lp, logprobs)  # deterministic
 
     perm = torch.randperm(B)
-    shuffled, shuffled_lp = sample(
-        logits[perm], temperature[perm], top_p[perm], top_k[perm], seeds[perm], positions[perm]
-    )
+    shuffled, shuffled_lp = draw(perm)
     assert torch.equal(shuffled, tokens[perm]) and torch.equal(shuffled_lp, logprobs[perm])
-
     # Row 5 alone, and beside rows it was never batched with.
-    rows = [5]
-    alone, _ = sample(logits[rows], temperature[rows], top_p[rows], top_k[rows], seeds[rows], positions[rows])
-    assert alone.item() == tokens[5].item()
-    others = torch.randn(3, V)
-    mixed, _ = sample(
-        torch.cat([others, logits[rows]]),
-        torch.tensor([1.0, 0.0, 0.9, temperature[5]]),
-        torch.tensor([1.0, 1.0, 0.5, top_p[5]]),
-        torch.tensor([-1, -1, 3, top_k[5]]),
-        torch.cat([torch.tensor([1, 2, 3]), seeds[rows]]),
-        torch.cat([torch.tensor([9, 9, 9]), positions[rows]]),
-    )
-    assert mixed[-1].item() == tokens[5].item()
+    assert draw([5])[0].item() == tokens[5].item()
+    assert draw([5], others=3)[0].item() == tokens[5].item()
 
 
 def test_different_seeds_or_positions_sample_differently():
@@ -189,11 +218,40 @@ def test_top_p_restricts_to_the_nucleus():
     assert set(tokens.tolist()) == {0}  # the top token is always kept
 
 
-def test_empirical_distribution_matches_softmax():
-    n = 4000
-    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
-    tokens, _ = run(repeat(probs.tolist(), n), temperature=1.0, positions=17)
-    assert (frequencies(tokens, 6) - probs).abs().max() < 0.03
+@pytest.mark.parametrize("truncate", [True, False])
+def test_empirical_distribution_matches_softmax(truncate):
+    # One row per seed, over probabilities from 0.3 down to 0.005 in shuffled
+    # vocab order, so sorted and vocab order differ; top_p = 1 keeps them all.
+    n = 20000
+    probs = torch.tensor([0.005, 0.3, 0.02, 0.1, 0.01, 0.2, 0.05, 0.015, 0.15, 0.08, 0.07])
+    tokens, _ = run(repeat(probs.tolist(), n), temperature=1.0, positions=17, truncate=truncate)
+    expected = probs / probs.sum() * n
+    chi_square = ((tokens.bincount(minlength=len(probs)) - expected) ** 2 / expected).sum().item()
+    degrees = len(probs) - 1
+    assert chi_square < degrees + 5 * math.sqrt(2 * degrees)  # a false alarm has odds of about 1e-5
+
+
+@pytest.mark.parametrize("truncate", [True, False])
+def test_masked_tokens_are_never_drawn(truncate):
+    # -inf at both ends and inside, where a draw that ran past the kept mass would land.
+    n, V = 4000, 12
+    logits = torch.zeros(n, V)
+    masked = [0, 3, 4, 10, 11]
+    logits[:, masked] = float("-inf")
+    for temperature in (0.3, 1.0, 5.0):
+        tokens, logprobs = run(logits, temperature=temperature, truncate=truncate)
+        assert set(tokens.tolist()) == set(range(V)) - set(masked)
+        assert torch.isfinite(logprobs).all()
+
+
+def test_tiny_temperature_is_argmax_and_draws_among_tied_maxima():
+    n = 400
+    logits = torch.tensor([[1.0, 3.0, 3.0 - 1e-6, -2.0], [1e4, -1e4, 0.0, 1e4]]).repeat(n, 1)
+    for temperature in (1e-30, 1e-45):  # logits / temperature overflows float32 in the second
+        for truncate in (True, False):
+            tokens, _ = run(logits, temperature=temperature, seeds=torch.arange(2 * n), truncate=truncate)
+            assert set(tokens[0::2].tolist()) == {1}
+            assert set(tokens[1::2].tolist()) == {0, 3}
 
 
 def test_temperature_sharpens_and_flattens():
@@ -207,3 +265,32 @@ def test_temperature_sharpens_and_flattens():
     cold = frequencies(run(logits, temperature=0.5)[0], 6)[0]
     hot = frequencies(run(logits, temperature=2.0)[0], 6)[0]
     assert cold > 0.4 > hot
+
+
+@pytest.mark.parametrize("truncate", [True, False])
+def test_sampling_never_makes_the_host_wait(truncate):
+    B = 8
+    inputs = [torch.randn(B, 500), torch.tensor([0.0, 0.7] * 4), torch.full((B,), 0.9 if truncate else 1.0),
+              torch.full((B,), 20 if truncate else -1), torch.arange(B), torch.arange(B)]
+    with HostSyncGuard() as guard:
+        sample(*inputs, truncate=truncate)
+    assert guard.calls == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+@pytest.mark.parametrize("truncate", [True, False])
+def test_cuda_draws_what_cpu_draws_without_a_sync(truncate):
+    torch.manual_seed(0)
+    B, V = 64, 151936
+    logits = (torch.randn(B, V) * 3).bfloat16()
+    rows = [torch.full((B,), 0.8), torch.full((B,), 0.9 if truncate else 1.0),
+            torch.full((B,), 50 if truncate else -1), torch.arange(B) * 7919, torch.arange(B)]
+    on_cpu, _ = sample(logits, *rows, truncate=truncate)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        on_cuda, _ = sample(logits.cuda(), *(r.cuda() for r in rows), truncate=truncate)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(_uniform(rows[3].cuda(), rows[4].cuda()).cpu(), _uniform(rows[3], rows[4]))
+    # The float sums may round differently: a token moves only when U falls at a boundary.
+    assert (on_cuda.cpu() != on_cpu).sum() <= 1

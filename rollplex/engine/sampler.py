@@ -1,12 +1,28 @@
 """Token sampling with reproducible per-sequence randomness, and per-token logprobs.
 
-Randomness is a pure function of (seed, position, vocab index): an integer
-hash, not a torch Generator. A sequence therefore samples the same tokens
-whatever else is in the batch, in whatever order, after preemption and
-recompute, and on CPU or CUDA (the noise is bitwise equal; the float math
-after it may differ by rounding). Sampling uses the exponential race (Gumbel
-max): token = argmax(p / E) = argmax(log p - log E) with E ~ Exp(1) per vocab
-entry, which draws exactly from p.
+Sampling is inverse transform sampling with one uniform per row:
+
+    token = min{i : sum_{j <= i} p_j > U},   U ~ U(0, 1)
+
+where p is the tempered (and, with top-k/top-p, truncated) distribution, in
+vocab order, or in decreasing-logit order when truncating (the sort is there
+already, and the kept tokens are a prefix of it). The sum runs over the
+unnormalized weights exp((x - max x) / T) of logits x at temperature T and U
+is scaled by their total, so no division by the normalizer is needed. It draws exactly from p: token i is
+drawn when U falls in an interval of width p_i. The running sum is float64:
+in float32 its rounding step near the total is ~6e-8 of it, more than most
+of a real vocabulary's ~150k tail probabilities, which would each get an
+interval of 0 or one step, and the rounding would pile up along the row.
+One float64 pass over the row replaces a random number per vocab entry.
+
+U is a pure function of (seed, position): an integer hash (splitmix64), not a
+torch Generator. A sequence therefore samples the same tokens whatever else is
+in the batch, in whatever order, and after preemption and recompute. U is
+bitwise equal on CPU and CUDA; the softmax weights and their sum are float
+math whose rounding may differ across devices and batch shapes, which moves a
+token only when U lands within that rounding of an interval's boundary.
+The token does depend on `truncate` (vocab or sorted order): the engine
+passes the same value for every step of a request.
 
 The returned logprob is that of the unmodified distribution, log_softmax of
 the raw logits, not of the tempered/truncated one: RL compares it with the
@@ -15,6 +31,7 @@ trainer's logprob of the same token.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -38,8 +55,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # `not x >= 0` rather than `x < 0` also rejects NaN.
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (self.top_k == -1 or self.top_k >= 1):
@@ -75,41 +92,58 @@ def _mix64(x: torch.Tensor) -> torch.Tensor:
 
 
 def _to_unit(bits: torch.Tensor) -> torch.Tensor:
-    """Random int64 words -> float32 strictly inside (0, 1).
+    """Random int64 words -> float64 strictly inside (0, 1).
 
-    The top 23 bits u give (u + 0.5) / 2^23 = (2u + 1) / 2^24, exact in float32:
-    at least 2^-24 and at most 1 - 2^-24, so log U and log(-log U) stay finite.
+    The top 52 bits u give (u + 0.5) / 2^52 = (2u + 1) / 2^53, exact in float64:
+    at least 2^-53 and at most 1 - 2^-53. 52 bits, not float32's 24, so that
+    probabilities far below 2^-24 are drawn at their rate.
     """
-    return (_srl(bits, 41).float() + 0.5) * 2.0**-23
+    return (_srl(bits, 12).double() + 0.5) * 2.0**-52
 
 
-def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """U(seed, position, v) in (0, 1) for each row's (seed, position) and every v < vocab_size: (B, V) float32.
-
-    Each row is the splitmix64 stream started from a hash of (seed, position);
-    entry v is that stream's (v + 1)-th output.
-    """
+def _uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """U(seed, position) in (0, 1) per row: (B,) float64, splitmix64's first output from a hash of (seed, position)."""
     state = _mix64(_mix64(seeds.long()) ^ positions.long())
-    v = torch.arange(1, vocab_size + 1, dtype=torch.long, device=seeds.device)
-    return _to_unit(_mix64(state[:, None] + v * _GAMMA))
+    return _to_unit(_mix64(state + _GAMMA))
 
 
-def _truncate(z: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Set to -inf every logit outside each row's top-k and top-p nucleus."""
-    V = z.shape[-1]
-    # Stable sort: among equal logits the lower vocab index ranks first, so the
-    # truncation does not depend on the sort implementation.
-    z_sorted, order = z.sort(dim=-1, descending=True, stable=True)
-    rank = torch.arange(V, device=z.device)
+def _cumulative_weights(ranked: torch.Tensor, top: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """Running sums in float64 of exp((logit - top) / temperature) along each row.
+
+    Shifting by the row's top logit first keeps every exponent <= 0 with the
+    top token's weight exactly 1, whatever the temperature: a tiny one sends
+    the others to 0 (argmax over ties), never to inf or NaN. -inf logits weigh 0.
+    """
+    weights = (ranked - top.float()[:, None]).div_(temperature[:, None]).exp_()
+    return weights.cumsum(dim=-1, dtype=torch.float64)
+
+
+def _invert(cdf: torch.Tensor, mass: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index i with cdf[i] > u * mass: a draw over the weights up to where cdf reaches mass.
+
+    For a point in [0, mass) the index found is one where cdf grows (a
+    positive weight) and comes no later than the first index whose cdf
+    reaches mass: zero-weight tokens and tokens cut off after mass are never
+    drawn. Clamping the point below mass keeps that true whatever u * mass
+    rounds to.
+    """
+    point = torch.minimum(u * mass, torch.nextafter(mass, torch.zeros_like(mass)))
+    return torch.searchsorted(cdf, point[:, None], right=True).squeeze(-1)
+
+
+def _kept_mass(cdf: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """The weight of each row's kept tokens, cdf sorted by decreasing logit: top_k of them, then its nucleus.
+
+    The kept tokens are a prefix of the ranking. A token is in the nucleus
+    when the top-k tokens ranked above it weigh < top_p of the top-k's weight;
+    the top token always is, and top_p = 1 keeps every token of nonzero weight.
+    """
+    V = cdf.shape[-1]
     k = torch.where((top_k <= 0) | (top_k >= V), V, top_k)
-    drop = rank[None, :] >= k[:, None]
-    z_sorted = z_sorted.masked_fill(drop, float("-inf"))
-    probs = z_sorted.softmax(dim=-1)
-    # A token is in the nucleus when the tokens ranked above it sum to < top_p;
-    # the top token always is. top_p = 1 keeps everything, whatever the rounding.
-    before = probs.cumsum(dim=-1) - probs
-    drop |= (before >= top_p.float()[:, None]) & (top_p < 1)[:, None]
-    return z.scatter(-1, order, z_sorted.masked_fill(drop, float("-inf")))
+    top_k_mass = cdf.gather(-1, (k - 1)[:, None])
+    # Ranks 0..n-1 are kept, n - 1 being the first rank whose cdf reaches top_p of the top-k mass.
+    last_kept = torch.searchsorted(cdf, top_p.double()[:, None] * top_k_mass)
+    return cdf.gather(-1, last_kept).squeeze(-1)
 
 
 def sample(
@@ -134,17 +168,21 @@ def sample(
     computed and selected per row. `truncate=False` tells that no row uses
     top-k or top-p (the caller knows it from its parameters), which skips the sort.
     """
-    logits = logits.float()
-    B, V = logits.shape
     greedy = temperature <= 0
-    z = logits / torch.where(greedy, 1.0, temperature.float())[:, None]
-
+    temperature = torch.where(greedy, 1.0, temperature.float())
+    u = _uniform(seeds, positions)
     if truncate:
-        z = _truncate(z, top_p, top_k)
-
-    # argmax(log p - log E) with E = -log U ~ Exp(1); log p = z up to a per-row constant.
-    noise = uniform_noise(seeds, positions, V)
-    sampled = (z - (-noise.log()).log()).argmax(dim=-1)
-    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
-    logprobs = logits.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+        # Stable sort: among equal logits the lower vocab index ranks first, so the
+        # truncation does not depend on the sort implementation. Drawing in sorted
+        # order and reading the token from `order` needs no scatter back.
+        ranked, order = logits.sort(dim=-1, descending=True, stable=True)
+        cdf = _cumulative_weights(ranked, ranked[:, 0], temperature)
+        sampled = order.gather(-1, _invert(cdf, _kept_mass(cdf, top_p, top_k), u)[:, None]).squeeze(-1)
+        argmax = order[:, 0]
+    else:
+        top, argmax = logits.max(dim=-1)
+        cdf = _cumulative_weights(logits, top, temperature)
+        sampled = _invert(cdf, cdf[:, -1], u)
+    tokens = torch.where(greedy, argmax, sampled)
+    logprobs = logits.log_softmax(dim=-1, dtype=torch.float32).gather(-1, tokens[:, None]).squeeze(-1)
     return tokens, logprobs

@@ -1,0 +1,70 @@
+"""The engine's sample() at a decode step's shape: time per call and peak workspace.
+
+    python tools/bench_sampler.py                                   # B=128, V=151936, bf16 logits
+    python tools/bench_sampler.py --compare /tmp/old_sampler.py     # beside another file's sample()
+
+Each row is one sample() call on random logits, every row sampled at temperature
+1, without truncation (`truncate=False`, the engine's call when no request uses
+top-k or top-p) and with top_k=50, top_p=0.9. Time and peak memory are measured
+as tools/bench_train_attention.py measures them (CUDA: median of five after a
+warm-up; CPU: one call's wall time after an untimed one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from typing import Callable
+
+import torch
+
+from bench_train_attention import measure
+from rollplex.engine.sampler import sample
+
+
+def load_sample(path: str) -> Callable:
+    """`sample` from a Python file with the same signature as rollplex.engine.sampler.sample."""
+    spec = importlib.util.spec_from_file_location("compared_sampler", path)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.sample
+
+
+def bench(sample_fn: Callable, batch: int, vocab: int, device: torch.device, dtype: torch.dtype,
+          truncate: bool) -> tuple[float, float]:
+    """(ms per call, peak MB) of sample_fn on one (batch, vocab) step."""
+    def column(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.full((batch,), value, dtype=dtype, device=device)
+
+    logits = (torch.randn(batch, vocab, device=device) * 3).to(dtype)
+    top_p, top_k = (column(0.9), column(50, torch.long)) if truncate else (column(1.0), column(-1, torch.long))
+    temperature, seeds, positions = column(1.0), torch.arange(batch, device=device), column(100, torch.long)
+
+    def call() -> None:
+        sample_fn(logits, temperature, top_p, top_k, seeds, positions, truncate=truncate)
+
+    call()
+    measured = measure(call, device)
+    return measured.seconds * 1e3, measured.peak_bytes / 2**20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="of the logits")
+    parser.add_argument("--compare", metavar="FILE", help="a file whose sample() to time beside rollplex's")
+    args = parser.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    samplers = {"rollplex": sample} | ({args.compare: load_sample(args.compare)} if args.compare else {})
+    print(f"B={args.batch} V={args.vocab} {args.dtype} logits on {device}")
+    for name, sample_fn in samplers.items():
+        for truncate in (False, True):
+            ms, mb = bench(sample_fn, args.batch, args.vocab, device, dtype, truncate)
+            print(f"{name:>24}  truncate={truncate!s:5}  {ms:9.2f} ms  peak {mb:8.1f} MB")
+
+
+if __name__ == "__main__":
+    main()
