@@ -456,15 +456,19 @@ def check_forward_timing(device: str) -> dict:
             "tokens": tokens, "forward_s": dt, "tokens_per_s": tokens / dt, "note": "random weights; timing only"}
 
 
-def check_triton_kernel_cases(device: str) -> dict:
-    """tests/paged_decode_triton_cases.py, compiled on the GPU (in the interpreter on the CPU)."""
+def check_gpu_tests(device: str) -> dict:
+    """tests/paged_decode_triton_cases.py, compiled on the GPU (in the interpreter on the CPU), and on
+    CUDA the test files with CUDA cases, which skip them on a CPU: none may be skipped there."""
+    files = ["tests/paged_decode_triton_cases.py"]
+    if _cuda(device):
+        files += ["tests/test_cuda_graphs.py", "tests/test_sampler.py"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          str(REPO / "tests/paged_decode_triton_cases.py")], cwd=REPO, env=env, capture_output=True,
-                         text=True)
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                          *(str(REPO / f) for f in files)], cwd=REPO, env=env, capture_output=True, text=True)
     summary = (res.stdout.strip().splitlines() or [""])[-1]
-    return {"ok": res.returncode == 0, "criterion": "every case passes", "summary": summary,
-            "output_tail": (res.stdout + res.stderr)[-1500:] if res.returncode else ""}
+    ok = res.returncode == 0 and not (_cuda(device) and "skipped" in summary)
+    return {"ok": ok, "criterion": "every case passes, none skipped on CUDA", "files": files, "summary": summary,
+            "output_tail": (res.stdout + res.stderr)[-1500:] if not ok else ""}
 
 
 CHECKS = {
@@ -475,9 +479,9 @@ CHECKS = {
     "bench_schedules": check_bench_schedules,
     "engine_throughput_3b": check_engine_throughput,
     "forward_timing_3b": check_forward_timing,
-    "triton_kernel_cases": check_triton_kernel_cases,
+    "gpu_tests": check_gpu_tests,
 }
-INTERPRETED_ON_CPU = ("paged_decode_triton", "triton_kernel_cases")  # Triton's interpreter on the CPU
+INTERPRETED_ON_CPU = ("paged_decode_triton", "gpu_tests")  # Triton's interpreter on the CPU
 ARTIFACTS = Path(".")  # where checks write files beyond the JSON report (set next to --out)
 
 
