@@ -229,8 +229,10 @@ class RolloutConfig(_Section):
     """Tensor-parallel degree of the rollout engine."""
     block_size: int = 16
     """Tokens per paged KV-cache block."""
-    kv_cache_memory: float = 0.3
-    """KV-cache size: fraction of free device memory if <= 1, else bytes."""
+    kv_cache_memory: float = 0.0
+    """The KV pool's capacity: bytes if > 1, else a fraction of the device's memory (trainer.device_memory);
+    0 = the memory plan's: what the batch needs at full length, at most what the rollout leaves beside the
+    weights and the optimizer state (README, "Memory plan")."""
     max_num_seqs: int = 256
     """Maximum sequences decoded at once."""
     enforce_eager: bool = False
@@ -245,7 +247,7 @@ class RolloutConfig(_Section):
         self._require(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "in [0, max_tokens]")
         self._require(self.tp >= 1, "tp", ">= 1")
         self._require(self.block_size >= 1, "block_size", ">= 1")
-        self._require(self.kv_cache_memory > 0, "kv_cache_memory", "> 0")
+        self._require(self.kv_cache_memory >= 0, "kv_cache_memory", ">= 0 (0 = the memory plan's)")
         self._require(self.max_num_seqs >= 1, "max_num_seqs", ">= 1")
 
 
@@ -324,7 +326,15 @@ class DataConfig(_Section):
     video_fps: float = 2.0
     """Frames per second sampled from videos."""
     reward: str = "exact_match"
-    """Reward function name."""
+    """Reward function: a built-in (exact_match, math, format) or a user function as module:function or
+    path/to/file.py:function."""
+    reward_workers: int = -1
+    """Worker processes that score rewards in parallel, each kept across steps; a hang or crash in one costs its
+    sample (scored 0, counted), not the run. 0 = in the trainer's process, one call after another (no time limit);
+    -1 = auto: 0 for a built-in reward, 2 for a user function."""
+    reward_timeout_s: float = 60.0
+    """Time limit of one reward call in a worker process: past it, the worker is killed and replaced, and the sample
+    scores 0 (counted in reward/timeouts). Calls in the trainer's process (reward_workers 0) cannot be time-limited."""
     seed: int = 0
     """Seed for shuffling and synthetic data."""
 
@@ -333,6 +343,8 @@ class DataConfig(_Section):
         self._require(self.batch_size >= 1, "batch_size", ">= 1")
         self._require(self.val_size >= 0, "val_size", ">= 0")
         self._require(self.video_fps > 0, "video_fps", "> 0")
+        self._require(self.reward_workers >= -1, "reward_workers", ">= -1 (-1 = auto)")
+        self._require(0 < self.reward_timeout_s < float("inf"), "reward_timeout_s", "> 0 and finite")
 
 
 @dataclass
@@ -355,8 +367,9 @@ class TrainerConfig(_Section):
     """Learning-rate schedule after warm-up."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 = off."""
-    max_tokens_per_micro_batch: int = 8192
-    """Token budget of one forward/backward micro-batch."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget of one forward/backward micro-batch; 0 = the memory plan's: the most tokens whose pass leaves
+    the update as much room for kept prompt state as the decode window has, at least one sequence."""
     save_every: int = 0
     """Save a checkpoint every this many steps; 0 = never."""
     keep_last: int = 2
@@ -371,6 +384,10 @@ class TrainerConfig(_Section):
     """torch CPU threads; 0 = leave torch's default."""
     resume: bool = True
     """Resume from the latest checkpoint in output_dir if there is one."""
+    device_memory: float = 0.0
+    """Bytes of one device's memory the memory plan sizes the run within; 0 = the device's own (CUDA: its total
+    memory; CPU: the available RAM). On CPU a value stands for a GPU's memory, and each phase's peak live tensor
+    bytes are then measured (torch profiler, steps ~3x slower) and logged against the plan."""
     collective_timeout_s: float = 1800.0
     """A collective that waits longer than this for a peer (hung or dead) fails the run instead of hanging it."""
 
@@ -381,7 +398,9 @@ class TrainerConfig(_Section):
         self._require(self.weight_decay >= 0, "weight_decay", ">= 0")
         self._require(self.grad_clip >= 0, "grad_clip", ">= 0")
         self._require(self.collective_timeout_s > 0, "collective_timeout_s", "> 0")
-        self._require(self.max_tokens_per_micro_batch >= 1, "max_tokens_per_micro_batch", ">= 1")
+        self._require(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch",
+                      ">= 0 (0 = the memory plan's)")
+        self._require(self.device_memory >= 0, "device_memory", ">= 0 (0 = the device's own)")
 
 
 @dataclass
@@ -399,12 +418,13 @@ class ScheduleConfig(_Section):
     rollout_ranks: int = 0
     """Ranks dedicated to rollout (disagg only)."""
     prefix_memory_budget: float = 0.0
-    """Memory for kept prompt state (K/V, graphs): bytes if > 1, else a fraction of the free memory left beside the
-    KV pool; 0 = automatic (half of it on CUDA, unlimited on CPU). Work that does not fit runs the serial path."""
+    """Memory for kept prompt state (K/V, graphs): bytes if > 1, else a fraction of the device's memory
+    (trainer.device_memory); 0 = the memory plan's, each step: what both the decode window (beside that step's KV
+    pool) and the update (beside its micro-batch) can hold. Work that does not fit runs the serial path."""
 
     def _check_ranges(self) -> None:
         self._require(self.rollout_ranks >= 0, "rollout_ranks", ">= 0")
-        self._require(self.prefix_memory_budget >= 0, "prefix_memory_budget", ">= 0")
+        self._require(self.prefix_memory_budget >= 0, "prefix_memory_budget", ">= 0 (0 = the memory plan's)")
 
 
 @dataclass

@@ -1,33 +1,42 @@
-"""Phase-aware memory on CPU: no tensor memory grows across steps, and layouts
-that cannot work fail before any work starts, naming the numbers."""
-
-import gc
-import warnings
+"""Phase-aware memory on CPU, measured: the memory plan sizes a run within a
+device-memory cap and predicts each phase's peak; the prefix scheduler admits
+prompt work by the plan's own estimate, which matches what a prompt forward
+keeps; no tensor memory grows across steps; a run that cannot fit fails before
+any work starts, naming the bytes and the settings to change."""
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity, profile
 
 from rollplex.config import load_config
-from rollplex.rl.loop import RLTrainer
+from rollplex.models import build_model
+from rollplex.models.packing import SequenceInputs
+from rollplex.models.qwen2_5_vl import ModelArgs, TextArgs, VisionArgs
+from rollplex.rl import memory, prefix
+from rollplex.rl.loop import RLTrainer, balanced_share
+from rollplex.rl.memory import (MemoryOptions, MemoryPlanError, PrefixItem, live_tensor_bytes, loop_phase_bytes,
+                                prefix_state)
+from rollplex.train.actor import Actor, ActorConfig
+from rollplex.train.kept_prefix import prepare_prompts, prompt_forward
+from rollplex.train.parallelize import apply_activation_checkpointing
+from test_model import IMG, VEND, VID, VSTART, image, tiny_args
+from test_shared_prefix import groups
 
 FAST = ["--data.batch_size", "4", "--rollout.n", "4", "--rollout.max_tokens", "4", "--trainer.eval_every", "0",
         "--trainer.save_every", "0", "--logging.no_console", "--algorithm.kl_coef", "0.01"]
 
-
-def live_tensor_bytes() -> int:
-    """Bytes of every distinct tensor storage the process still references."""
-    gc.collect()
-    storages = {}
-    with warnings.catch_warnings():  # isinstance() on some of gc's objects trips torch's deprecation shims
-        warnings.simplefilter("ignore", FutureWarning)
-        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
-    for t in tensors:
-        # A DTensor (FSDP's sharded parameters) has no storage of its own; gc finds its local tensor.
-        if t.device.type != "meta" and not isinstance(t, DTensor):
-            storage = t.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+# A run the plan sizes by itself (0 = the plan's) within a 33.5 MB device: a tiny model wide enough that the
+# plan's classes, not the process's own small tensors, make the peaks; every response at full length (the
+# plan's shapes). The decode window could hold all the prompt work, the update cannot beside its micro-batch
+# and gradients: the budget keeps the reference model's K/V and defers the actor's graph.
+CAP = 33_500_000
+CAPPED = ["--data.batch_size", "2", "--rollout.n", "2", "--rollout.max_tokens", "4", "--rollout.ignore_eos", "true",
+          "--data.val_size", "1", "--trainer.eval_every", "0", "--trainer.save_every", "0", "--logging.no_console",
+          "--algorithm.kl_coef", "0.01", "--schedule.kind", "overlap", "--model.tiny.hidden_size", "128",
+          "--model.tiny.intermediate_size", "512", "--model.tiny.vocab_size", "2048",
+          "--model.tiny.vision_hidden_size", "32", "--rollout.kv_cache_memory", "0",
+          "--trainer.max_tokens_per_micro_batch", "0", "--schedule.prefix_memory_budget", "0",
+          "--trainer.device_memory", str(CAP)]
 
 
 def test_memory_does_not_grow_over_50_steps(tmp_path):
@@ -45,6 +54,135 @@ def test_memory_does_not_grow_over_50_steps(tmp_path):
     assert trainer.engine.cache.nbytes == 0  # the KV pool is gone between rollouts
 
 
+def test_the_plan_sizes_a_capped_run_and_predicts_each_phase(tmp_path):
+    """20 overlap steps within the cap: every size is the plan's, every phase's
+    measured peak of live tensor bytes (trainer.device_memory on CPU turns the
+    measuring on) stays under the cap, and from step 2 the plan is within 10% of
+    each phase's peak. Step 1 holds no AdamW moments before its update: its gen
+    peak is the plan's less the moments."""
+    trainer = RLTrainer(load_config(CAPPED + ["--trainer.output_dir", str(tmp_path)]))
+    plan, sizes = trainer.memory, trainer.memory.sizes
+    assert trainer.engine.cache.pool_bytes() <= sizes.kv_pool
+    assert trainer.actor.config.max_tokens_per_micro_batch == sizes.micro_batch_tokens
+    assert plan.admitted == [True, False, True]  # ref chunk 0, actor chunk 0 (deferred), ref chunk 1
+    planned = loop_phase_bytes(plan)
+    assert planned.keys() == {"gen", "ref", "update_actor"}
+    batches = trainer._batches(0)
+    for step in range(1, 21):
+        trainer.step = step
+        metrics = trainer.train_step(next(batches))
+        measured = {k.rsplit("/", 1)[1]: v * 2**30 for k, v in metrics.items()
+                    if k.startswith("perf/max_memory_allocated_gb/")}
+        assert max(measured.values()) < CAP, measured
+        assert metrics["prefix/deferred_items"] == plan.admitted.count(False)
+        errors = {phase: measured[phase] / planned[phase] - 1 for phase in planned}
+        if step == 1:
+            moments = plan.rollplex.phases["optimizer"]["optimizer_state"]
+            assert abs(measured["gen"] / (planned["gen"] - moments) - 1) <= 0.1, measured
+        else:
+            assert all(abs(e) <= 0.1 for e in errors.values()), errors
+            assert errors == pytest.approx({p: metrics[f"perf/memory_plan_error/{p}"] for p in planned})
+
+
+def test_the_scheduler_admits_by_the_plans_estimate(tmp_path):
+    """One estimator: the loop's prompt work carries the plan's per-item estimates,
+    and the scheduler admits it by the plan's rule, so a step keeps exactly the
+    state the plan counted."""
+    trainer = RLTrainer(load_config(CAPPED + ["--trainer.output_dir", str(tmp_path)]))
+    plan = trainer.memory
+    assert prefix.admitted is memory.admitted
+    rollout = trainer.rollout(balanced_share(next(trainer._batches(0)), 1, 0), 1, prefix_work=True)
+    scheduler = rollout.prefix
+    items = scheduler.admitted + scheduler.deferred
+    assert sorted((w.kind, w.chunk) for w in items) == sorted((i.kind, i.chunk) for i in plan.prefix_items)
+    states = {(i.kind, i.chunk): s for i, s in zip(plan.prefix_items, plan.prefix_states)}
+    assert all(w.estimate == states[w.kind, w.chunk].total for w in items)
+    assert [(w.kind, w.chunk) for w in scheduler.deferred] == \
+        [(i.kind, i.chunk) for i, a in zip(plan.prefix_items, plan.admitted) if not a]
+
+
+# ----------------------------------------------------------------------------- one prompt forward, measured
+
+
+def prompt_args() -> ModelArgs:
+    return ModelArgs(
+        vision=VisionArgs(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
+                          window_size=56, fullatt_block_indexes=[1], tokens_per_second=2),
+        text=TextArgs(vocab_size=100, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, mrope_section=[4, 6, 6], rope_theta=10000.0),
+        image_token_id=IMG, video_token_id=VID, vision_start_token_id=VSTART, vision_end_token_id=VEND,
+        eos_token_id=94, bos_token_id=95)
+
+
+def prompts() -> list[SequenceInputs]:
+    out = []
+    for seed in range(3):
+        pixels, grid, n = image(1, 8, 8, seed=seed)
+        ids = [1, VSTART] + [IMG] * n + [VEND] + [j % 80 + 5 for j in range(150)]
+        out.append(SequenceInputs(torch.tensor(ids), pixel_values=pixels, image_grid_thw=grid))
+    return out
+
+
+def bytes_kept(fn) -> int:
+    """Bytes `fn` allocates and does not free (the torch profiler's memory events)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        kept = fn()
+    assert kept is not None
+    return sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("item", [PrefixItem("ref", 0, keep_graph=False, reuses_vision=True),
+                                  PrefixItem("actor", 0, keep_graph=True, reuses_vision=True),
+                                  PrefixItem("actor", 0, keep_graph=True, reuses_vision=False)])
+def test_prefix_state_estimate_matches_what_a_prompt_forward_keeps(item, checkpointing):
+    """The estimate the scheduler admits by is within 10% of the bytes a prompt
+    forward keeps: K/V once (not also in the graph), and with activation
+    checkpointing only each layer's input in the graph."""
+    model = build_model(prompt_args(), seed=0)
+    if checkpointing:
+        apply_activation_checkpointing(model)
+    ps = prompts()
+    vision = None
+    if item.reuses_vision:
+        with torch.no_grad():
+            vision = model.encode_vision(torch.cat([p.pixel_values for p in ps]),
+                                         torch.cat([p.image_grid_thw for p in ps]), None, None)
+    chunk = prepare_prompts(model, ps, vision)
+
+    def forward():
+        with torch.set_grad_enabled(item.keep_graph):
+            for result in prompt_forward(model, chunk):
+                pass
+        return result.boundary() if item.keep_graph else result
+
+    held = bytes_kept(forward)
+    options = MemoryOptions(param_dtype=torch.float32, activation_checkpointing=checkpointing)
+    estimate = prefix_state(model.args, item, len(ps), sum(len(p.input_ids) for p in ps),
+                            sum(p.pixel_values.shape[0] for p in ps), options).total
+    assert abs(estimate / held - 1) <= 0.1, (estimate, held)
+
+
+# ----------------------------------------------------------------------------- sizes and failures
+
+
+def test_sizes_set_in_the_config_override_the_plan(tmp_path):
+    trainer = RLTrainer(load_config(CAPPED + ["--trainer.output_dir", str(tmp_path), "--rollout.kv_cache_memory",
+                                              "300000", "--trainer.max_tokens_per_micro_batch", "200",
+                                              "--schedule.prefix_memory_budget", "1e6"]))
+    sizes = trainer.memory.sizes
+    assert (sizes.kv_pool, sizes.micro_batch_tokens, sizes.prefix_budget_for(12345)) == (300_000, 200, 1_000_000)
+    assert trainer.engine.cache.pool_bytes() <= 300_000 < trainer.engine.cache.pool_bytes() + \
+        trainer.engine.cache.pool_bytes(1)
+    assert trainer.actor.config.max_tokens_per_micro_batch == 200
+
+
+def test_a_run_that_cannot_fit_fails_before_any_work(tmp_path):
+    with pytest.raises(MemoryPlanError, match=r"training one sequence \(35 tokens\) needs .* MiB.*To fit:.*"
+                                              r"parallel.activation_checkpointing.*trainer.device_memory"):
+        RLTrainer(load_config(CAPPED + ["--trainer.output_dir", str(tmp_path), "--trainer.device_memory", "3e7"]))
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--schedule.kind", "disagg", "--schedule.rollout_ranks", "1"], r"rollout_ranks < world size 1"),
     (["--parallel.tp", "3"], r"tp=3 does not divide the world size 1"),
@@ -55,3 +193,15 @@ def test_impossible_layouts_fail_first(tmp_path, extra, message):
     with pytest.raises(ValueError, match=message):
         RLTrainer(load_config(FAST + ["--trainer.output_dir", str(tmp_path), *extra]))
     assert not (tmp_path / "tiny_model").exists()  # raised before any work
+
+
+def test_micro_batches_compute_at_most_their_token_budget():
+    """The plan sizes a pass's activations by its micro-batch's tokens: without
+    shared prompts every response's sequence computes its prompt again, and the
+    budget counts it each time."""
+    model = build_model(tiny_args(), seed=0)
+    for share_prefix in (True, False):
+        actor = Actor(model, ActorConfig(max_tokens_per_micro_batch=40, share_prefix=share_prefix))
+        for mb in actor.micro_batches(groups()):
+            prompts = sum(len(u.group.prompt.input_ids) * (1 if share_prefix else len(u.group.responses)) for u in mb)
+            assert prompts + sum(len(r) for u in mb for r in u.group.responses) <= 40

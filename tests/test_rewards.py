@@ -1,22 +1,21 @@
-"""Reward functions, by hand-written cases; user functions loaded from files and modules."""
+"""Reward functions, by hand-written cases; user functions loaded from files and modules;
+user functions scored in worker processes that survive hangs and crashes."""
 
 from __future__ import annotations
 
 import math
+import signal
+import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 
-from rollplex.data.rewards import (
-    exact_match,
-    extract_math_answer,
-    format_reward,
-    last_boxed,
-    load_reward,
-    math_answer,
-    score_all,
-)
+from rollplex.config import ConfigError, DataConfig
+from rollplex.data.reward_scoring import RewardScorer, score_all
+from rollplex.data.rewards import exact_match, extract_math_answer, format_reward, last_boxed, load_reward, math_answer
 
 
 @pytest.mark.parametrize(
@@ -160,3 +159,134 @@ def test_score_all_clean_and_mismatch(recwarn):
     assert not recwarn.list
     with pytest.raises(ValueError, match="2 responses but 1 answers"):
         score_all(exact_match, ["a", "b"], ["a"])
+
+
+# ----------------------------------------------------------------------------- worker processes
+
+USER_REWARD = """
+import math, os, time
+
+def score(response, answer):
+    if response == "hang":
+        time.sleep(3600)
+    if response == "abort":
+        os.abort()  # a crash in native code: no exception, the process is gone
+    if response == "raise":
+        raise RuntimeError("parser exploded")
+    if response == "nan":
+        return math.nan
+    if response.startswith("sleep"):  # "sleep <seconds> <score>"
+        _, seconds, value = response.split()
+        time.sleep(float(seconds))
+        return float(value)
+    return float(len(response))
+"""
+
+
+@pytest.fixture
+def user_reward(tmp_path) -> str:
+    path = tmp_path / "user_reward.py"
+    path.write_text(USER_REWARD)
+    return f"{path}:score"
+
+
+@pytest.fixture
+def time_limit():
+    """Fails a test that hangs rather than hang the suite."""
+    def fail(signum, frame):
+        raise TimeoutError("the test ran past its 60 s limit")
+    previous = signal.signal(signal.SIGALRM, fail)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def test_workers_by_default_for_user_functions_only(user_reward, time_limit):
+    assert RewardScorer("exact_match").workers == 0
+    with RewardScorer(user_reward) as scorer:
+        assert scorer.workers == 2 and scorer.timeout_s == 60.0
+        assert scorer.score(["ab", "abc"], ["", ""]).scores == [2.0, 3.0]
+
+
+def test_a_reward_that_never_returns_times_out(user_reward, time_limit):
+    with RewardScorer(user_reward, workers=2, timeout_s=0.5) as scorer:
+        start = time.monotonic()
+        with pytest.warns(UserWarning, match=r"did not return within 0.5 s on 1 of 4 responses"):
+            result = scorer.score(["a", "hang", "bb", "ccc"], [""] * 4)
+        assert time.monotonic() - start < 5
+        assert (result.scores, result.errors, result.timeouts) == ([1.0, 0.0, 2.0, 3.0], 0, 1)
+        # The hung worker was killed and replaced: the next batch uses both workers again.
+        assert scorer.score(["dddd", "e"], ["", ""]).scores == [4.0, 1.0]
+
+
+def test_a_crashing_worker_costs_its_sample_and_is_replaced(user_reward, time_limit):
+    with RewardScorer(user_reward, workers=2, timeout_s=10) as scorer:
+        with pytest.warns(UserWarning, match=r"failed on 1 of 3.*worker process died \(killed by SIGABRT\)"):
+            result = scorer.score(["a", "abort", "bb"], [""] * 3)
+        assert (result.scores, result.errors, result.timeouts) == ([1.0, 0.0, 2.0], 1, 0)
+        assert scorer.score(["abc", "abcd", "x"], [""] * 3).scores == [3.0, 4.0, 1.0]
+
+
+def test_raising_and_non_finite_rewards_are_errors_in_workers(user_reward, time_limit):
+    with RewardScorer(user_reward, workers=1) as scorer:
+        with pytest.warns(UserWarning, match=r"failed on 2 of 3.*first error: RuntimeError: parser exploded"):
+            result = scorer.score(["raise", "nan", "ok"], [""] * 3)
+    assert (result.scores, result.errors, result.timeouts) == ([0.0, 0.0, 2.0], 2, 0)
+
+
+def test_workers_score_in_parallel_and_keep_the_order(user_reward, time_limit):
+    # The later samples sleep less, so they finish first.
+    responses = [f"sleep {0.1 * (5 - i):.1f} {i}" for i in range(5)]
+    with RewardScorer(user_reward, workers=3) as scorer:
+        start = time.monotonic()
+        result = scorer.score(responses, [""] * 5)
+        elapsed = time.monotonic() - start
+    assert result.scores == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert elapsed < 1.2  # 1.5 s one after another; about 0.5 s on 3 workers
+
+
+def test_close_stops_the_workers(user_reward, tmp_path, time_limit):
+    scorer = RewardScorer(user_reward, workers=2, timeout_s=10)
+    processes = [worker.process for worker in scorer._pool.workers]
+    scorer.close()
+    assert all(process.returncode == 0 for process in processes)  # exited, and reaped
+    with pytest.raises(RuntimeError, match="closed"):
+        scorer.score(["a"], [""])
+    broken = tmp_path / "broken.py"
+    broken.write_text("import not_a_real_package_qq\n")
+    with pytest.raises(ImportError, match=r"in a worker process: ImportError.*not_a_real_package_qq"):
+        RewardScorer(f"{broken}:score", workers=1)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="workers die with the trainer through Linux's PR_SET_PDEATHSIG")
+def test_a_hung_worker_dies_with_a_killed_trainer(user_reward, time_limit):
+    trainer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        from rollplex.data.reward_scoring import RewardScorer
+        scorer = RewardScorer({user_reward!r}, workers=2)
+        print(*[worker.process.pid for worker in scorer._pool.workers], flush=True)
+        scorer.score(["hang", "hang"], ["", ""])
+    """)], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
+    workers = [int(pid) for pid in trainer.stdout.readline().split()]
+    time.sleep(0.5)  # both calls hang
+    trainer.kill()
+    trainer.wait()
+    deadline = time.monotonic() + 10
+    while any(map(running, workers)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(running, workers))
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie has exited: reaping an orphan is init's business)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("field, value", [("reward_workers", -2), ("reward_timeout_s", 0.0),
+                                          ("reward_timeout_s", math.nan), ("reward_timeout_s", math.inf)])
+def test_reward_worker_settings_are_checked(field, value):
+    with pytest.raises(ConfigError, match=f"data.{field} must be"):
+        DataConfig(**{field: value})

@@ -1,4 +1,6 @@
-"""Per-GPU memory by phase (rollout, prefix, train, optimizer): naive colocation against Rollplex.
+"""Per-GPU memory by phase (rollout, prefix, logprobs, train, optimizer), naive
+colocation against Rollplex, and the sizes the plan decides (KV pool,
+micro-batch, prefix budget) where they are not given.
 
     python tools/memory_plan.py --published          # Qwen2.5-VL-32B, 4 nodes x 8 GPUs, video batch
     python tools/memory_plan.py --model qwen2.5-vl-7b --gpus-per-node 8 --tp 2 --prompts 64 --n 8 \\
@@ -7,8 +9,8 @@
 
 Presets: qwen2.5-vl-3b, -7b, -32b, -72b (their hub config.json values), or any
 Qwen2.5-VL config.json (or the directory holding it). The plan comes from
-rollplex.rl.memory.plan_memory; the printed notes say which figures are exact
-and which are estimates.
+rollplex.rl.memory.plan_memory, as a run's does; the printed notes say which
+figures are exact and which are estimates.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import torch  # noqa: E402
 
 from rollplex.models.loader import args_from_hf_config, read_hf_config  # noqa: E402
 from rollplex.models.qwen2_5_vl import ModelArgs  # noqa: E402
-from rollplex.rl.memory import (GiB, PRESETS, BatchShape, MemoryOptions, MemoryPlan, ParallelLayout,  # noqa: E402
-                                format_plan, plan_memory)
+from rollplex.rl.memory import (GiB, PRESETS, SCHEDULES, BatchShape, MemoryOptions, MemoryPlan,  # noqa: E402
+                                ParallelLayout, format_plan, plan_memory)
 
 # The published case: Qwen2.5-VL-32B on 4 nodes x 8 GPUs, video RL, reported as ~165 GiB per GPU when
 # nothing is freed and under 80 GiB with phase-aware management. Its batch was not published; ours is
@@ -53,7 +55,7 @@ def published_comparison(plan: MemoryPlan) -> str:
             f"this plan: {plan.naive.peak / GiB:.1f} GiB naive, {plan.rollplex.peak / GiB:.1f} GiB Rollplex.\n"
             "Their batch was not published; ours is the batch line above. Our naive is the same tensors as "
             "Rollplex's, never freed, so it is lower than a typical colocated system's: the engine reads the "
-            "trainer's gathered weights (an engine with its own copy adds the params_unsharded_bf16 row again), "
+            "trainer's gathered weights (an engine with its own copy adds the rollout's params_gathered row again), "
             f"the KV pool is {o.kv_pool:g} x {o.device_memory / GiB:.0f} GiB and the prefix state is capped by the "
             f"same {o.prefix_budget / GiB:.0f} GiB budget. A bigger pool, batch or micro-batch, or no cap on the "
             "prefix state, moves naive toward the published figure; Rollplex's peak is set by the decode window "
@@ -87,12 +89,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="a reference model (kl_coef > 0)")
     g.add_argument("--ref-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     g.add_argument("--recompute-old-logprobs", action=argparse.BooleanOptionalAction, default=False)
-    g.add_argument("--micro-batch-tokens", type=int, default=8192, help="trainer token budget per micro-batch")
-    g.add_argument("--kv-pool", type=float, default=None,
-                   help="KV pool: <= 1 a fraction of --device-memory-gib, else bytes (default: what the batch needs)")
+    g.add_argument("--schedule", choices=SCHEDULES, default="overlap")
+    g.add_argument("--updates-per-batch", type=int, default=1, help="optimizer steps per batch")
+    g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the model's compute dtype")
+    g.add_argument("--attention", choices=["torch", "flash"], default="torch", help="training attention kernels")
+    g = p.add_argument_group("sizes (default: the plan decides them within --device-memory-gib)")
+    g.add_argument("--micro-batch-tokens", type=int, default=None, help="trainer token budget per micro-batch")
+    g.add_argument("--kv-pool", type=float, default=None, help="KV pool capacity: <= 1 a fraction of the device, "
+                   "else bytes")
     g.add_argument("--prefix-budget", type=float, default=None,
-                   help="prompt KV + prefix graph kept per GPU: <= 1 a fraction, else bytes (default: no limit)")
-    g.add_argument("--device-memory-gib", type=float, default=80, help="HBM per GPU")
+                   help="prompt K/V + prefix graph kept per GPU: <= 1 a fraction of the device, else bytes")
+    g.add_argument("--device-memory-gib", type=float, default=80, help="memory per GPU")
     return p.parse_args(argv)
 
 
@@ -111,14 +118,15 @@ def main(argv: list[str] | None = None) -> None:
                                 nodes=a.nodes, gpus_per_node=a.gpus_per_node)
         batch = BatchShape(prompts=a.prompts, n=a.n, prompt_tokens=a.prompt_tokens,
                            response_tokens=a.response_tokens, vision_tokens=a.vision_tokens)
-        options = MemoryOptions(ref_model=a.ref_model, ref_dtype=getattr(torch, a.ref_dtype),
-                                recompute_old_logprobs=a.recompute_old_logprobs,
+        options = MemoryOptions(param_dtype=getattr(torch, a.dtype), ref_model=a.ref_model,
+                                ref_dtype=getattr(torch, a.ref_dtype), recompute_old_logprobs=a.recompute_old_logprobs,
                                 offload_optimizer=a.offload_optimizer,
                                 activation_checkpointing=a.activation_checkpointing, freeze_vision=a.freeze_vision,
+                                schedule=a.schedule, updates_per_batch=a.updates_per_batch, attention=a.attention,
                                 micro_batch_tokens=a.micro_batch_tokens, kv_pool=a.kv_pool,
                                 prefix_budget=a.prefix_budget, device_memory=int(a.device_memory_gib * GiB))
         plan = plan_memory(load_model_args(a.model), layout, batch, options, model_name=a.model)
-    except ValueError as e:
+    except ValueError as e:  # MemoryPlanError too: the shapes cannot fit
         raise SystemExit(f"error: {e}") from e
     print(format_plan(plan))
 

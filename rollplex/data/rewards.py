@@ -3,8 +3,8 @@
 Built in: "exact_match" (one-word / short answers, the synthetic tasks), "math"
 (a final math answer, checked with math-verify when it is installed) and "format"
 (the <think>...</think> answer layout). `load_reward` also loads a user function
-from `module:function` or `path/to/file.py:function`; `score_all` runs one over a
-batch, so that a function that raises costs one sample, not the run.
+from `module:function` or `path/to/file.py:function`. Scoring batches, with a
+failing call costing one sample, is rollplex.data.reward_scoring's.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import math
 import re
 import sys
 import threading
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 
@@ -243,32 +242,3 @@ def load_reward(spec: str) -> RewardFn:
     if not callable(fn):
         raise TypeError(f"reward {spec!r}: {where}.{func_name} is a {type(fn).__name__}, not a function")
     return fn
-
-
-def score_all(fn: RewardFn, responses: Sequence[str], answers: Sequence[str]) -> tuple[list[float], int]:
-    """Score every (response, answer) pair. A call that raises, or returns something
-    that is not a finite number, scores 0.0 and counts as an error; the others go on.
-    Returns (scores, number of errors) and warns once, with the first error."""
-    if len(responses) != len(answers):
-        raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
-    scores: list[float] = []
-    errors = 0
-    first_error = ""
-    for response, answer in zip(responses, answers):
-        try:
-            score = float(fn(response, answer))
-            if not math.isfinite(score):
-                raise ValueError(f"non-finite reward {score}")
-        except Exception as e:  # noqa: BLE001 - a user function may raise anything; one sample pays
-            errors += 1
-            first_error = first_error or f"{type(e).__name__}: {e}"
-            score = 0.0
-        scores.append(score)
-    if errors:
-        name = getattr(fn, "__qualname__", repr(fn))
-        warnings.warn(
-            f"reward function {name} failed on {errors} of {len(responses)} responses (scored 0.0); "
-            f"first error: {first_error}",
-            stacklevel=2,
-        )
-    return scores, errors

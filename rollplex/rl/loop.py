@@ -35,21 +35,25 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from rollplex.config import Config, save_config
 from rollplex.data.processing import load_processor
-from rollplex.data.rewards import load_reward, score_all
+from rollplex.data.reward_scoring import RewardScorer, RewardScores
 from rollplex.dist import ParallelDims, all_reduce_values, build_mesh, init_distributed
 from rollplex.engine import Engine, EngineConfig, Request, SamplingParams
-from rollplex.engine.engine import mix_seed
+from rollplex.engine.engine import free_memory, mix_seed
 from rollplex.metrics import GpuSampler, MetricsLogger, Timer
 from rollplex.models import SequenceInputs, from_pretrained
+from rollplex.models.loader import args_from_hf_config, read_hf_config
 from rollplex.models.packing import GroupInputs
 from rollplex.models.qwen2_5_vl import VisionEmbeds
 from rollplex.models.tiny import TinySpec, default_mrope_section, make_tiny_checkpoint
 from rollplex.rl.disagg import DisaggLayout, WeightBroadcast
-from rollplex.rl.memory import GiB, BatchShape, MemoryOptions, ParallelLayout, plan_memory
-from rollplex.rl.prefix import PrefixScheduler, PrefixWork, prefix_budget, prefix_work_bytes
+from rollplex.ops.attention import resolve_backend
+from rollplex.rl.memory import (GiB, PHASE_MARK, BatchShape, CpuPhasePeaks, MemoryOptions, MemoryPlan, ParallelLayout,
+                                loop_phase_bytes, plan_memory, prefix_items, prefix_state)
+from rollplex.rl.prefix import PrefixScheduler, PrefixWork
 from rollplex.rl.weights import SharedWeights
 from rollplex.train.actor import Actor, ActorConfig, PolicyBatch, lr_schedule
 from rollplex.train.checkpoint import (
@@ -111,6 +115,11 @@ class RLTrainer:
         self.compute_dtype = getattr(torch, cfg.model.dtype)
         self.processor = load_processor(path)
         self.tokenizer = self.processor.tokenizer
+        self._load_data()
+        # Before any weights load: a run whose shapes cannot fit fails here, naming what does not fit.
+        self.memory = self._plan_memory(path)
+        # On CPU, trainer.device_memory stands for a GPU's: each phase's peak live tensor bytes are measured too.
+        self.cpu_peaks = CpuPhasePeaks() if self.device.type == "cpu" and cfg.trainer.device_memory else None
         # A trainer holds fp32 master weights and computes in model.dtype (FSDP gathers them in it, one process
         # too). The frozen reference model, and a disagg rollout rank's engine copy, hold model.dtype only.
         self.model = from_pretrained(path, dtype=torch.float32 if self.trains else self.compute_dtype,
@@ -129,13 +138,13 @@ class RLTrainer:
         if self.trains:
             self.actor = Actor(self.model, ActorConfig(
                 lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-                max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, share_prefix=cfg.schedule.share_prefix,
+                max_tokens_per_micro_batch=self.memory.sizes.micro_batch_tokens,
+                share_prefix=cfg.schedule.share_prefix,
                 clip_low=a.clip_low, clip_high=a.clip_high, clip_c=a.clip_c, loss_agg_mode=a.loss_agg_mode,
                 kl_coef=a.kl_coef, kl_kind=a.kl_kind, entropy_coef=a.entropy_coef, tis_cap=a.tis_cap,
                 max_response_len=r.max_tokens, offload_optimizer=cfg.parallel.offload_optimizer), self.dp_group,
                 lr_lambda=lr_schedule(t.lr_schedule, t.warmup_steps, t.total_steps * a.updates_per_batch))
-        self.reward_fn = load_reward(cfg.data.reward)
-        self._load_data()
+        self.reward_scorer = RewardScorer(cfg.data.reward, cfg.data.reward_workers, cfg.data.reward_timeout_s)
         self.logger = MetricsLogger(self.out, rank=self.rank, console=cfg.logging.console, jsonl=cfg.logging.jsonl,
                                     tensorboard=cfg.logging.tensorboard, total_steps=t.total_steps)
         self.gpu_sampler = GpuSampler(device=self.device.index if self.device.type == "cuda" else None)
@@ -148,11 +157,11 @@ class RLTrainer:
         where it reads its KV head count and dtype off the parameters (outside, FSDP's
         dp shard of k_proj holds a fraction of the heads). Every rank gets the same KV
         pool size, the smallest any rank can hold, so that the ranks of a TP group
-        schedule alike."""
+        schedule alike. Its pool's capacity is the memory plan's; the pool itself
+        exists only while it generates."""
         r = self.cfg.rollout
-        config = EngineConfig(block_size=r.block_size, kv_cache_memory=r.kv_cache_memory,
-                              max_num_seqs=r.max_num_seqs, enforce_eager=r.enforce_eager,
-                              progress=False)
+        config = EngineConfig(block_size=r.block_size, num_blocks=self.memory.kv_pool_blocks,
+                              max_num_seqs=r.max_num_seqs, enforce_eager=r.enforce_eager, progress=False)
         with self.weights.for_rollout() as engine_model:
             engine = Engine(engine_model, config)
             if self.world > 1:
@@ -160,6 +169,7 @@ class RLTrainer:
                 if blocks != engine.cache.capacity:
                     config.num_blocks = int(blocks)
                     engine = Engine(engine_model, config)
+        engine.release_kv()
         return engine
 
     def _generate(self, requests: list[Request], params: SamplingParams, between_steps=None) -> list:
@@ -274,16 +284,30 @@ class RLTrainer:
             if cfg.trainer.save_every and (self.step % cfg.trainer.save_every == 0 or last):
                 self._save()
         self.logger.close()
+        self.reward_scorer.close()
 
     def train_step(self, examples: list) -> dict[str, float]:
-        with self.gpu_sampler:  # GPU utilisation and memory over the step (no-op without an NVIDIA GPU)
+        # GPU utilisation and memory over the step (no-op without an NVIDIA GPU), and each phase's peak memory
+        with self.gpu_sampler, self._measure_phases() as peaks:
             metrics = self._train_step(examples)
         metrics.update(self.gpu_sampler.as_metrics())
+        metrics.update(self._memory_metrics(peaks))
         return metrics
+
+    @contextmanager
+    def _measure_phases(self):
+        """Yields a dict that holds each phase's peak allocated bytes once the step is
+        done: the CUDA allocator's (recorded by `_phase`), or on CPU, where
+        trainer.device_memory asks for it, the live tensor bytes (CpuPhasePeaks)."""
+        if self.cpu_peaks is not None:
+            with self.cpu_peaks.step() as peaks:
+                yield peaks
+        else:
+            self.phase_peaks: dict[str, int] = {}
+            yield self.phase_peaks
 
     def _train_step(self, examples: list) -> dict[str, float]:
         cfg, timer = self.cfg, Timer()
-        self.phase_memory: dict[str, float] = {}
         start = time.perf_counter()
         rollout_metrics: dict[str, float] = {}
         if self.disagg is not None:
@@ -303,10 +327,10 @@ class RLTrainer:
             with self._phase(timer, "prefix"), self.weights.for_rollout():
                 prefix.drain()
         with self._phase(timer, "reward"):
-            rewards, errors = score_all(self.reward_fn, rollout.texts,
-                                        [e.answer for e in rollout.examples for _ in range(cfg.rollout.n)])
+            rewards = self.reward_scorer.score(rollout.texts,
+                                               [e.answer for e in rollout.examples for _ in range(cfg.rollout.n)])
         group_index = torch.arange(len(mine)).repeat_interleave(cfg.rollout.n)
-        advantages = group_advantages(torch.tensor(rewards), group_index,
+        advantages = group_advantages(torch.tensor(rewards.scores), group_index,
                                       norm_by_std=cfg.algorithm.adv_estimator == "grpo"
                                       and cfg.algorithm.norm_adv_by_std)
         old = rollout.logprobs
@@ -317,9 +341,12 @@ class RLTrainer:
         if self.ref_model is not None:
             with self._phase(timer, "ref"):
                 ref = self._chunked_logprobs(self.ref_model, rollout, ("ref",))
+                # FSDP2 keeps a root unit gathered from its forward to its backward, which a frozen model never
+                # runs: without this its embedding and head would stay gathered for the rest of the run.
+                self.ref_model.reshard()
         with self._phase(timer, "update_actor"):
             actor_metrics = self.update(rollout, advantages.tolist(), old, ref)
-        metrics = self._gather_metrics(rollout, rewards, errors, actor_metrics)
+        metrics = self._gather_metrics(rollout, rewards, actor_metrics)
         metrics.update(timer.as_metrics())
         metrics.update(rollout_metrics)
         if self.disagg is None:
@@ -333,61 +360,57 @@ class RLTrainer:
         tokens = self._sum([sum(len(g.prompt.input_ids) * len(g.responses) + sum(map(len, g.responses))
                                 for g in rollout.groups)])[0]
         metrics["perf/throughput"] = tokens / metrics["timing_s/step"] / self.world
-        metrics.update(self._memory_plan_metrics(examples))
         if self.device.type == "cuda":
-            metrics.update(self.phase_memory)
-            metrics["perf/max_memory_allocated_gb"] = max(self.phase_memory.values())
-            for phase in ("gen", "update_actor"):  # measured peak against the plan's
-                measured = self.phase_memory.get(f"perf/max_memory_allocated_gb/{phase}")
-                planned = metrics[f"perf/planned_memory_gb/{phase}"]
-                if measured is not None and planned > 0:
-                    metrics[f"perf/memory_plan_error/{phase}"] = measured / planned - 1
             peak = peak_flops(torch.cuda.get_device_name(self.device))
             if peak:  # model FLOPs of the update over its time, per GPU (see rollplex/train/flops.py)
                 metrics["perf/mfu/actor"] = metrics["perf/actor_flops"] / (
                     metrics["timing_s/update_actor"] * peak * self.world)
         return metrics
 
-    def _memory_plan_metrics(self, examples: list) -> dict[str, float]:
-        """The memory plan (rollplex.rl.memory) of this run's model, layout, KV
-        pool and batch, per GPU, mapped onto the loop's phases: `gen` is the plan's
-        rollout (overlap: its decode window with prefix work), `update_actor` its
-        train or optimizer phase, whichever is larger. Planned once, from the first batch."""
-        if self.disagg is not None:
-            return {}  # the plan models colocated ranks
-        if not hasattr(self, "_planned"):
-            cfg = self.cfg
-            n_examples = max(len(examples), 1)
-            vision = sum(int((e.prompt.input_ids == t).sum()) for e in examples
-                         for t in (self.model.args.image_token_id, self.model.args.video_token_id)) // n_examples
-            text = max(1, sum(len(e.prompt.input_ids) for e in examples) // n_examples - vision)
-            total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
-            options = MemoryOptions(  # master weights, gradients and moments: fp32 (the defaults)
-                param_dtype=self.compute_dtype, ref_model=self.ref_model is not None, ref_dtype=self.compute_dtype,
-                recompute_old_logprobs=cfg.algorithm.recompute_old_logprobs,
-                offload_optimizer=cfg.parallel.offload_optimizer,
-                activation_checkpointing=cfg.parallel.activation_checkpointing,
-                freeze_vision=cfg.parallel.freeze_vision,
-                micro_batch_tokens=cfg.trainer.max_tokens_per_micro_batch,
-                kv_pool=float(self._step_pool_bytes(examples)) or None,
-                prefix_budget=cfg.schedule.prefix_memory_budget or None, device_memory=total or GiB)
-            layout = ParallelLayout(self.dims.dp_shard, self.dims.tp, cfg.rollout.tp, 1, self.dims.world_size)
-            batch = BatchShape(len(examples), cfg.rollout.n, text, cfg.rollout.max_tokens, vision)
-            self._planned = plan_memory(self.model.args, layout, batch, options).rollplex
-        plan = self._planned
-        gen = max(plan.total("rollout"), plan.total("prefix")) if self.cfg.schedule.kind == "overlap" else \
-            plan.total("rollout")
-        return {"perf/planned_memory_gb/gen": gen / GiB,
-                "perf/planned_memory_gb/update_actor": max(plan.total("train"), plan.total("optimizer")) / GiB}
+    def _plan_memory(self, path: Path) -> MemoryPlan:
+        """The memory plan (rollplex.rl.memory) of this run's model, layout and
+        options, for the shapes of its first batch: it decides the sizes the config
+        leaves to it (the KV pool, the prefix budget, the micro-batch) within
+        trainer.device_memory or the device's own (the least of any rank's, so that
+        every rank sizes alike), and gives each phase's peak. disagg is planned as
+        if colocated, which over-counts each side."""
+        cfg = self.cfg
+        args = args_from_hf_config(read_hf_config(path), str(path))
+        examples = next(self._batches(0))
+        vision = sum(int((e.prompt.input_ids == t).sum()) for e in examples
+                     for t in (args.image_token_id, args.video_token_id)) // len(examples)
+        lengths = [len(e.prompt.input_ids) for e in examples]
+        # Files bound their prompts by data.max_prompt_length; the built-in tasks' prompts are alike.
+        longest = cfg.data.max_prompt_length if cfg.data.train_files else max(lengths)
+        batch = BatchShape(cfg.data.batch_size, cfg.rollout.n, max(1, sum(lengths) // len(lengths) - vision),
+                           cfg.rollout.max_tokens, vision, longest_prompt=longest)
+        device_memory = int(cfg.trainer.device_memory) or self._device_memory()
+        options = MemoryOptions.from_config(cfg, self.compute_dtype, device_memory,
+                                            resolve_backend(cfg.model.attn_backend, self.device))
+        engine_tp = cfg.rollout.tp if self.dims.world_size % cfg.rollout.tp == 0 else self.dims.tp
+        layout = ParallelLayout(self.dims.dp_shard, self.dims.tp, engine_tp, 1, self.dims.world_size)
+        return plan_memory(args, layout, batch, options)
 
-    def _step_pool_bytes(self, examples: list) -> int:
-        """The KV pool this rank's engine allocates for its share of `examples` (0 without an engine)."""
-        if self.engine is None:
-            return 0
-        r = self.cfg.rollout
-        requests = [Request(e.prompt.input_ids.tolist(), n=r.n)
-                    for e in balanced_share(examples, self.dims.dp_shard, self.dp_rank)]
-        return self.engine.cache.pool_bytes(self.engine.blocks_for(requests, SamplingParams(max_tokens=r.max_tokens)))
+    def _device_memory(self) -> int:
+        """Bytes of memory of this rank's device (CUDA: its total; CPU: the available RAM), the least of any rank's."""
+        if self.device.type == "cuda":
+            own = torch.cuda.get_device_properties(self.device).total_memory
+        else:
+            own = free_memory(self.device)
+        return int(all_reduce_values([own], dist.ReduceOp.MIN)[0]) if self.world > 1 else own
+
+    def _memory_metrics(self, peaks: dict[str, int]) -> dict[str, float]:
+        """Each phase's measured peak, its planned peak (colocated schedules) and the plan's error."""
+        metrics = {f"perf/max_memory_allocated_gb/{phase}": b / GiB for phase, b in peaks.items()}
+        if peaks:
+            metrics["perf/max_memory_allocated_gb"] = max(peaks.values()) / GiB
+        if self.disagg is not None:
+            return metrics
+        planned = loop_phase_bytes(self.memory)
+        metrics.update({f"perf/planned_memory_gb/{phase}": b / GiB for phase, b in planned.items()})
+        for phase in planned.keys() & peaks.keys():
+            metrics[f"perf/memory_plan_error/{phase}"] = peaks[phase] / planned[phase] - 1
+        return metrics
 
     @property
     def uses_prefix_work(self) -> bool:
@@ -412,15 +435,15 @@ class RLTrainer:
 
     @contextmanager
     def _phase(self, timer: Timer, name: str):
-        """Time a phase; on CUDA also record its peak allocated memory."""
+        """Time a phase and mark it for its peak memory: on CUDA the allocator's
+        peak, on CPU the profiler's range that CpuPhasePeaks reads."""
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        with timer(name):
+        with timer(name), record_function(PHASE_MARK + name):
             yield
         if cuda:
-            self.phase_memory[f"perf/max_memory_allocated_gb/{name}"] = \
-                torch.cuda.max_memory_allocated(self.device) / 2**30
+            self.phase_peaks[name] = torch.cuda.max_memory_allocated(self.device)
 
     def rollout(self, examples: list, step: int, prefix_work: bool = False) -> Rollout:
         """Sample n responses per prompt. With `prefix_work`, the vision tower
@@ -444,8 +467,8 @@ class RLTrainer:
                        for e, v, seed, limit in zip(examples, vision, seeds, limits)]
             if prefix_work:
                 pool = self.engine.cache.pool_bytes(self.engine.blocks_for(requests, params))
-                budget = prefix_budget(cfg.schedule.prefix_memory_budget, self.device, pool)
-                prefix = PrefixScheduler(self._prefix_work(prompts, vision), budget, self.side_stream)
+                items = self._prefix_work(prompts, vision)
+                prefix = PrefixScheduler(items, self._prefix_budget(items, pool), self.side_stream)
             overlap = prefix is not None and cfg.schedule.kind == "overlap"
             outputs = self._generate(requests, params, prefix.between_steps if overlap else None)
             if overlap:
@@ -524,36 +547,37 @@ class RLTrainer:
                                         prompt.video_grid_thw)
 
     def _prefix_work(self, prompts: list[SequenceInputs], vision: list[VisionEmbeds | None]) -> list[PrefixWork]:
-        """The step's prompt work, per chunk (see rollplex.rl.prefix). The rollout's
-        vision features serve every item whose tower is the rollout's without
-        needing a gradient: the old policy always, the reference model and the
-        actor when the tower is frozen (the reference starts from the same one)."""
-        cfg = self.cfg
-        frozen = cfg.parallel.freeze_vision
-        tp = cfg.parallel.tp
+        """The step's prompt work (rollplex.rl.memory.prefix_items: the memory plan
+        counts the same items), each with the plan's estimate of the state it keeps."""
+        tp, options = self.cfg.parallel.tp, self.memory.options
+        chunks = self.chunks(len(prompts))
         items = []
-        for c, chunk in enumerate(self.chunks(len(prompts))):
+        for spec in prefix_items(options):
+            chunk = chunks[spec.chunk]
             if chunk.start == chunk.stop:
                 continue
             ps = prompts[chunk]
-            cached = VisionEmbeds.concat(vision[chunk])
-            lens = [len(p.input_ids) for p in ps]
             patches = sum(t.shape[0] for p in ps for t in (p.pixel_values, p.pixel_values_videos) if t is not None)
-
-            def item(kind, model, keep_graph, reuse_vision):
-                # Collectives in the forward: TP all-reduces, or the sharded reference model's FSDP gathers.
-                alone = tp == 1 and not (kind == "ref" and self.dims.dp_shard > 1)
-                return PrefixWork(kind, c, model, ps, cached if reuse_vision else None, keep_graph,
-                                  prefix_work_bytes(self.model.args, lens, keep_graph, self.compute_dtype, tp,
-                                                    0 if reuse_vision else patches), may_drop_alone=alone)
-
-            if self.ref_model is not None:
-                items.append(item("ref", self.ref_model, False, frozen))
-            if c == 0:
-                items.append(item("actor", self.model, True, frozen))
-            elif cfg.algorithm.recompute_old_logprobs:
-                items.append(item("old", self.model, False, True))
+            estimate = prefix_state(self.model.args, spec, len(ps), sum(len(p.input_ids) for p in ps), patches,
+                                    options, tp).total
+            # Collectives in the forward: TP all-reduces, or the sharded reference model's FSDP gathers.
+            alone = tp == 1 and not (spec.kind == "ref" and self.dims.dp_shard > 1)
+            items.append(PrefixWork(spec.kind, spec.chunk, self.ref_model if spec.kind == "ref" else self.model, ps,
+                                    VisionEmbeds.concat(vision[chunk]) if spec.reuses_vision else None,
+                                    spec.keep_graph, estimate, may_drop_alone=alone))
         return items
+
+    def _prefix_budget(self, items: list[PrefixWork], pool_bytes: int) -> int:
+        """The step's prefix budget: the memory plan's beside this rank's KV pool.
+        Every dp rank must admit the same items, or their collectives (the reference
+        model's FSDP gathers) would not line up: the items take the largest estimate
+        of any rank, and the budget is the smallest."""
+        budget = self.memory.sizes.prefix_budget_for(pool_bytes)
+        if self.dims.dp_shard == 1:
+            return budget
+        for item, estimate in zip(items, self._max([w.estimate for w in items])):
+            item.estimate = int(estimate)
+        return int(all_reduce_values([budget], dist.ReduceOp.MIN, self.dp_group)[0])
 
     def update(self, rollout: Rollout, advantages: list[float], old: list[torch.Tensor],
                ref: list[torch.Tensor] | None) -> dict[str, float]:
@@ -596,7 +620,7 @@ class RLTrainer:
             outputs = self._generate(requests, SamplingParams(temperature=0.0, max_tokens=self.cfg.rollout.max_tokens))
         self.engine.release_kv()
         texts = [self.tokenizer.decode(o.samples[0].token_ids, skip_special_tokens=True) for o in outputs]
-        scores, _ = score_all(self.reward_fn, texts, [e.answer for e in examples])
+        scores = self.reward_scorer.score(texts, [e.answer for e in examples]).scores
         return sum(scores), len(scores)
 
     @torch.no_grad()
@@ -611,16 +635,17 @@ class RLTrainer:
         dist.all_gather_object(results, result)
         return {"val/score": sum(r[0] for r in results) / max(sum(r[1] for r in results), 1)}
 
-    def _gather_metrics(self, rollout: Rollout, rewards: list[float], errors: int,
+    def _gather_metrics(self, rollout: Rollout, rewards: RewardScores,
                         actor: dict[str, float]) -> dict[str, float]:
         lengths = [len(r) for g in rollout.groups for r in g.responses]
         clipped = sum(reason == "length" for reason in rollout.finish_reasons)
-        total, count, length_sum, clip_sum, error_sum = self._sum(
-            [sum(rewards), len(rewards), sum(lengths), clipped, errors])
-        hi, lo = self._max([max(rewards), -min(rewards)])
+        scores = rewards.scores
+        total, count, length_sum, clip_sum, error_sum, timeout_sum = self._sum(
+            [sum(scores), len(scores), sum(lengths), clipped, rewards.errors, rewards.timeouts])
+        hi, lo = self._max([max(scores), -min(scores)])
         metrics = {"critic/score/mean": total / count, "critic/score/max": hi, "critic/score/min": -lo,
                    "response_length/mean": length_sum / count, "response_length/clip_ratio": clip_sum / count,
-                   "reward/errors": error_sum, "data/skipped": self._skipped()}
+                   "reward/errors": error_sum, "reward/timeouts": timeout_sum, "data/skipped": self._skipped()}
         # See Actor.update: most actor metrics are per-rank shares of a global sum.
         shares = sorted(k for k in actor if k not in GLOBAL_ACTOR_METRICS and not k.endswith("_max"))
         metrics.update(zip(shares, self._sum([actor[k] for k in shares])))

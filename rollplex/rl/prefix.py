@@ -23,7 +23,9 @@ stream the scheduler was made on (its inputs: gathered weights, cached vision,
 prepared chunks) before its first slice, and that stream waits for the side
 stream before the suffix passes. On CPU the same slices run inline between the
 steps. Items are admitted in order while their estimated state fits the byte
-budget; the rest are deferred to the serial path, which gives the same results.
+budget (rollplex.rl.memory: the memory plan sizes the budget and counts the
+same estimates); the rest are deferred to the serial path, which gives the same
+results.
 An item that runs out of memory all the same is dropped and takes the serial
 path too, when its forward issues no collectives (else its peers would wait
 for it).
@@ -56,45 +58,10 @@ from typing import Iterator
 
 import torch
 
-from rollplex.engine.engine import free_memory
 from rollplex.models.packing import SequenceInputs
-from rollplex.models.qwen2_5_vl import ModelArgs, Qwen2_5_VL, VisionEmbeds
-from rollplex.rl.memory import kv_bytes_per_token, layer_activation_elements
+from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds
+from rollplex.rl.memory import admitted
 from rollplex.train.kept_prefix import KeptPrefix, PromptChunk, prepare_prompts, prompt_forward
-
-
-def prefix_work_bytes(args: ModelArgs, prompt_lens: list[int], keep_graph: bool, dtype: torch.dtype,
-                      tp: int = 1, vision_patches: int = 0) -> int:
-    """Estimated device bytes one prompt forward leaves alive until its suffix
-    passes (per rank): the kept K/V of every prompt token in every layer and each
-    prompt's last hidden state (exact); with the graph, every layer's saved
-    activations (rollplex.rl.memory.layer_activation_elements; the prompt's
-    attention runs a kernel that keeps no score matrix) and, for
-    `vision_patches` run through the tower with the graph, every vision
-    block's saved activations (estimates)."""
-    t, v = args.text, args.vision
-    size = dtype.itemsize
-    tokens = sum(prompt_lens)
-    kept = tokens * kv_bytes_per_token(args, dtype, tp) + len(prompt_lens) * t.hidden_size * size
-    if not keep_graph:
-        return kept
-    per_token = layer_activation_elements(t.hidden_size, t.num_attention_heads * t.head_dim,
-                                          t.num_key_value_heads * t.head_dim, t.intermediate_size, tp)
-    per_patch = layer_activation_elements(v.hidden_size, v.hidden_size, v.hidden_size, v.intermediate_size)
-    return kept + t.num_hidden_layers * tokens * per_token * size + \
-        v.depth * vision_patches * per_patch * size
-
-
-def prefix_budget(setting: float, device: torch.device, pool_bytes: int) -> int | None:
-    """The step's byte budget for kept prompt state (schedule.prefix_memory_budget):
-    `setting` bytes when > 1; else that fraction of the memory free beside this
-    step's KV pool (`pool_bytes`, not allocated yet); 0 means half of it on
-    CUDA and no limit on CPU."""
-    if setting > 1:
-        return int(setting)
-    if setting == 0 and device.type != "cuda":
-        return None
-    return int((setting or 0.5) * max(free_memory(device) - pool_bytes, 0))
 
 
 @dataclass
@@ -107,7 +74,7 @@ class PrefixWork:
     prompts: list[SequenceInputs]
     vision: VisionEmbeds | None  # cached features of the prompts, or None: the item runs the tower
     keep_graph: bool
-    estimate: int  # bytes, from prefix_work_bytes
+    estimate: int  # bytes it keeps until its suffix passes: rollplex.rl.memory.prefix_state, as the plan counts
     # Whether an out-of-memory error in this item may drop it on this rank alone: only when its forward
     # issues no collectives (a peer would wait in one forever otherwise).
     may_drop_alone: bool = True
@@ -151,16 +118,10 @@ class PrefixScheduler:
                  side_stream: torch.cuda.Stream | None = None, max_slices_per_step: int = 8):
         """`side_stream`: the trainer's low-priority stream for the slices; None runs them inline
         (on CPU)."""
-        self.admitted: list[PrefixWork] = []
-        self.deferred: list[PrefixWork] = []
-        used = 0
-        for item in items:
-            if budget_bytes is None or used + item.estimate <= budget_bytes:
-                self.admitted.append(item)
-                used += item.estimate
-            else:
-                self.deferred.append(item)
-        self.planned_bytes = used
+        fits = admitted([item.estimate for item in items], budget_bytes)  # the memory plan's rule
+        self.admitted = [item for item, ok in zip(items, fits) if ok]
+        self.deferred = [item for item, ok in zip(items, fits) if not ok]
+        self.planned_bytes = sum(item.estimate for item in self.admitted)
         for item in self.admitted:
             item.prepare()
         self.queue = list(self.admitted)

@@ -80,10 +80,12 @@ class _Unit:
     group: GroupInputs
     first: int  # index of its first response in the batch's response order
     index: int  # index of its group in the batch
+    shared_prompt: bool = True  # its pass computes the prompt once, else once per response
 
     @property
     def tokens(self) -> int:
-        return len(self.group.prompt.input_ids) + sum(len(r) for r in self.group.responses)
+        prompts = 1 if self.shared_prompt else len(self.group.responses)
+        return prompts * len(self.group.prompt.input_ids) + sum(len(r) for r in self.group.responses)
 
 
 class Actor:
@@ -129,12 +131,12 @@ class Actor:
                 raise ValueError(f"max_tokens_per_micro_batch={budget} is smaller than one sequence: prompt "
                                  f"{prompt} + response {len(r)} = {prompt + len(r)} tokens")
             if current and tokens + need > budget:
-                units.append(_Unit(GroupInputs(g.prompt, current), first, index))
+                units.append(_Unit(GroupInputs(g.prompt, current), first, index, not per_sample))
                 first += len(current)
                 current, tokens = [], prompt
             current.append(r)
             tokens += need
-        units.append(_Unit(GroupInputs(g.prompt, current), first, index))
+        units.append(_Unit(GroupInputs(g.prompt, current), first, index, not per_sample))
         return units
 
     def _same_count_on_all_ranks(self, batches: list[list[_Unit]]) -> list[list[_Unit]]:
