@@ -163,6 +163,15 @@ def test_prefix_state_estimate_matches_what_a_prompt_forward_keeps(item, checkpo
     assert abs(estimate / held - 1) <= 0.1, (estimate, held)
 
 
+def test_the_backward_of_a_checkpointed_prompt_forward_keeps_no_second_copy_of_its_kv():
+    model = build_model(prompt_args(), seed=0)
+    apply_activation_checkpointing(model)
+    for kept in prompt_forward(model, prepare_prompts(model, prompts())):
+        pass
+    kept.last_hidden.float().square().sum().backward()  # recomputes every layer
+    assert len(kept.keys) == len(kept.values) == model.args.text.num_hidden_layers
+
+
 # ----------------------------------------------------------------------------- sizes and failures
 
 

@@ -95,8 +95,11 @@ class _CaptureKV:
         self.values: list[torch.Tensor] = []
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.keys.append(k)
-        self.values.append(v)
+        # Under activation checkpointing the prompt's backward runs each layer again: keep the
+        # forward's K/V (the ones the suffix passes read), not a second copy of every layer's.
+        if layer == len(self.keys):
+            self.keys.append(k)
+            self.values.append(v)
         return self.attention(q, k, v)
 
 
