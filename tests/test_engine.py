@@ -6,6 +6,7 @@ import torch
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from rollplex.engine import Engine, EngineConfig, Request, SamplingParams
+from rollplex.engine.block_manager import BlockManager
 from rollplex.models import build_model, save_pretrained
 from test_model import IMG, VEND, VID, VSTART, image, tiny_args
 
@@ -114,6 +115,27 @@ def test_small_pool_preempts_and_still_completes_every_request(model):
     for a, b in zip(roomy, tight):
         assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]
         assert all(s.finish_reason == "length" and len(s.token_ids) == 12 for s in b.samples)
+
+
+def test_only_sequences_needing_a_block_reach_the_block_manager(model, monkeypatch):
+    """A decode step asks the block manager only for the sequences whose next token
+    starts a block, or that just joined (a private copy of the group's partial last
+    prompt block); every other sequence's KV slot comes from its block-table row."""
+    calls_per_step = [0]
+    append_slot = BlockManager.append_slot
+
+    def counted(self, block_table, num_tokens):
+        calls_per_step[-1] += 1
+        return append_slot(self, block_table, num_tokens)
+
+    monkeypatch.setattr(BlockManager, "append_slot", counted)
+    r = Request([1, 5, 9, 13, 2, 7], n=8)  # 6 tokens: a full block of 4 and a partial one
+    out = Engine(model, EngineConfig(block_size=4, num_blocks=64)).generate(
+        [r], SamplingParams(temperature=1.0, max_tokens=9, seed=0, ignore_eos=True),
+        between_steps=lambda running: calls_per_step.append(0))
+    # The prefill, then 8 decode steps writing tokens 6 to 13: copy-on-write at 6, new blocks at 8 and 12.
+    assert calls_per_step == [0, 8, 0, 8, 0, 0, 0, 8, 0]
+    assert all(len(s.token_ids) == 9 for s in out[0].samples)
 
 
 def test_seeded_sampling_is_reproducible_across_batch_composition(model):

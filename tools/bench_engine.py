@@ -37,8 +37,9 @@ loading, engine construction or input building.
 `--host-overhead` measures only the engine (no transformers): its decode step
 time on models of `--host-overhead-layers` layers (other sizes the same), and
 the least-squares line of step time against layer count. The intercept is the
-time per decode step that does not depend on depth: scheduling, block tables,
-sampling bookkeeping, per-sequence appends, the embedding and the head.
+time per decode step that does not depend on depth: scheduling, the decode
+inputs, sampling and its bookkeeping (stop checks, finished sequences), the
+embedding and the head.
 
 On CUDA the tool also measures the engine's decode step time, with CUDA graphs
 and with `enforce_eager`, against a memory-bandwidth floor (see

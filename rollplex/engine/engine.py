@@ -4,6 +4,12 @@ The loop, readable in one sitting: schedule a step (prefill or decode), run
 the model for it, sample, then postprocess (fork a group's children after its
 prompt's prefill, append tokens, finish and free sequences).
 
+The running sequences' state lives in a `DecodeBatch`, persistent tensors
+updated in place: a decode step's inputs, its sampled tokens and its stop
+checks are a few tensor operations for the whole batch, and Python touches a
+sequence only when it needs a block, finishes or is preempted. The step waits
+on the device once, to read the sampled tokens back for the stop checks.
+
 The engine runs on the model it is given and never copies its weights: in the
 RL loop those weights belong to the trainer.
 
@@ -26,6 +32,7 @@ from typing import Callable
 import torch
 
 from rollplex.engine.block_manager import BlockManager
+from rollplex.engine.decode_batch import DecodeBatch
 from rollplex.engine.kv_cache import KVCache
 from rollplex.engine.runner import ModelRunner
 from rollplex.engine.sampler import SamplingParams, sample
@@ -103,11 +110,9 @@ class Engine:
         prompts = [self._prepare(i, r, params) for i, r in enumerate(requests)]
         self.cache.allocate(self.blocks_for(requests, params))
         self.runner.storage_may_have_moved = True
-        blocks = BlockManager(self.cache.num_blocks, self.cache.block_size)
-        scheduler = Scheduler(blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens)
-        for p in prompts:
-            scheduler.add(Sequence(p, -1, list(p.request.prompt_ids)))
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        scheduler = self._scheduler(prompts, stop_ids)
+        blocks, batch = scheduler.blocks, scheduler.batch
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
         captures, capture_seconds = self.runner.captures, self.runner.capture_seconds
         progress = _Progress(sum(r.n for r in requests), enabled=self.config.progress and _is_rank0())
@@ -119,17 +124,15 @@ class Engine:
                 slots = [blocks.slots(s.block_table, 0, len(s)) for s in step.seqs]
                 logits = self.runner.prefill(step.seqs, slots)
                 self.stats["prefill_tokens"] += sum(len(s) for s in step.seqs)
-                finished = self._after_prefill(step.seqs, logits, blocks, scheduler, params, stop_ids)
+                finished = self._after_prefill(step.seqs, logits, blocks, scheduler, params)
             else:
                 with self.runner.on_decode_stream():
-                    self.cache.copy_blocks(step.copies)
-                    logits = self.runner.decode(step.seqs, step.slots)
-                    tokens, logprobs = self._sample(logits, step.seqs, params)
+                    logits = self.runner.decode(batch, step.copies)
+                    tokens, logprobs = self._sample(logits, *batch.sampling_inputs(), params)
+                    finished = scheduler.append(tokens, logprobs)
                 self.stats["decode_tokens"] += len(step.seqs)
-                finished = [s for s, t, lp in zip(step.seqs, tokens, logprobs)
-                            if self._append(s, t, lp, params, stop_ids)]
-                for s in finished:
-                    scheduler.finish(s)
+            for s in finished:
+                self._record(s, stop_ids)
             samples_done += len(finished)
             progress.update(samples_done, self.stats["decode_tokens"])
             if between_steps is not None and scheduler.has_work():
@@ -141,6 +144,17 @@ class Engine:
         self.stats["graph_capture_s"] = self.runner.capture_seconds - capture_seconds
         assert blocks.num_free == self.cache.num_blocks, "KV blocks leaked"
         return [RequestOutput(list(p.request.prompt_ids), list(p.samples), p.vision, p.rope_delta) for p in prompts]
+
+    def _scheduler(self, prompts: list[PromptState], stop_ids: set[int]) -> Scheduler:
+        """A scheduler over a new block manager and decode batch, with every prompt waiting."""
+        blocks = BlockManager(self.cache.num_blocks, self.cache.block_size)
+        # A group larger than max_num_seqs still runs, alone.
+        rows = max([self.config.max_num_seqs] + [p.request.n for p in prompts])
+        batch = DecodeBatch(prompts, rows, self.runner.max_blocks, self.cache.sink_block, stop_ids, self.device)
+        scheduler = Scheduler(blocks, batch, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        for p in prompts:
+            scheduler.add(Sequence(p, -1, list(p.request.prompt_ids)))
+        return scheduler
 
     def blocks_for(self, requests: list[Request], params: SamplingParams) -> int:
         """The KV pool a generation gets: what its samples could fill at full length,
@@ -186,59 +200,44 @@ class Engine:
         else:
             base = params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
             seeds = [mix_seed(base, index, j) for j in range(r.n)]
-        return PromptState(index, r, positions, delta, seeds, vision=r.vision, samples=[None] * r.n)
+        return PromptState(index, r, positions, delta, seeds, longest, vision=r.vision, samples=[None] * r.n)
 
-    def _after_prefill(self, seqs, logits, blocks, scheduler, params, stop_ids) -> list[Sequence]:
-        """Sample the next token of every prefilled sequence. A group's prompt
-        gives each of its n children a first token, then the children take over
-        its blocks (shared, copy-on-write on the last partial one)."""
-        rows, owners = [], []
+    def _after_prefill(self, seqs, logits, blocks, scheduler, params) -> list[Sequence]:
+        """Sample the next token of every prefilled sequence; returns those that
+        finished. A group's prompt gives each of its n children a first token, and
+        the children take over its blocks (shared, copy-on-write on the last partial one)."""
+        rows, decoding = [], []
         for i, s in enumerate(seqs):
-            for j in (range(s.prompt.request.n) if s.is_group_prompt else [s.sample_index]):
-                rows.append(i)
-                owners.append((s, j))
-        row_logits = logits[torch.tensor(rows, device=logits.device)]
-        children = [Sequence(s.prompt, j, list(s.token_ids), blocks.fork(s.block_table), list(s.logprobs))
-                    if s.is_group_prompt else s for s, j in owners]
+            n = s.prompt.request.n if s.is_group_prompt else 1
+            rows += [i] * n
+            decoding += ([Sequence(s.prompt, j, list(s.token_ids), blocks.fork(s.block_table)) for j in range(n)]
+                         if s.is_group_prompt else [s])
         for s in seqs:
             if s.is_group_prompt:
                 blocks.free(s.block_table)
-        tokens, logprobs = self._sample(row_logits, children, params)
-        finished = []
-        for child, t, lp in zip(children, tokens, logprobs):
-            if self._append(child, t, lp, params, stop_ids):
-                blocks.free(child.block_table)
-                finished.append(child)
-            else:
-                scheduler.start([child])
-        return finished
+        first = scheduler.start(decoding)
+        tokens, logprobs = self._sample(logits[torch.tensor(rows, device=logits.device)],
+                                        *scheduler.batch.sampling_inputs(first), params)
+        return scheduler.append(tokens, logprobs, first)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], params: SamplingParams):
-        dev, n = logits.device, len(seqs)
-        tokens, logprobs = sample(
+    def _sample(self, logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        dev, n = logits.device, len(logits)
+        return sample(
             logits,
             torch.full((n,), params.temperature, device=dev),
             torch.full((n,), params.top_p, device=dev),
             torch.full((n,), params.top_k, dtype=torch.long, device=dev),
-            torch.tensor([s.prompt.seeds[s.sample_index] for s in seqs], dtype=torch.long, device=dev),
-            torch.tensor([len(s) for s in seqs], dtype=torch.long, device=dev),
+            seeds,
+            positions,
             truncate=params.top_p < 1 or params.top_k > 0,
         )
-        return tokens.tolist(), logprobs.tolist()
 
-    def _append(self, seq: Sequence, token: int, logprob: float, params: SamplingParams, stop_ids: set[int]) -> bool:
-        """Append a sampled token; record the sample and return True when the sequence is done."""
-        seq.token_ids.append(token)
-        seq.logprobs.append(logprob)
-        if token in stop_ids:
-            reason = "stop"
-        elif seq.num_generated >= (seq.prompt.request.max_tokens or params.max_tokens) or \
-                len(seq) >= self.max_model_len:
-            reason = "length"
-        else:
-            return False
+    @staticmethod
+    def _record(seq: Sequence, stop_ids: set[int]) -> None:
+        """Record a finished sequence's sample."""
+        reason = "stop" if seq.token_ids[-1] in stop_ids else "length"
         seq.prompt.samples[seq.sample_index] = Sample(seq.token_ids[seq.num_prompt:], seq.logprobs, reason)
-        return True
 
 
 def mix_seed(*values: int) -> int:

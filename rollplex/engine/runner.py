@@ -1,11 +1,12 @@
 """Runs the model for one engine step: prepare inputs, run, return last-token logits.
 
 Prefill packs the step's sequences end to end (no padding) and runs eagerly.
-Decode feeds one token per sequence; on CUDA it replays a CUDA graph captured
-for the smallest batch-size bucket that fits, with static input buffers that
-are refilled before each replay (padded rows write into the KV pool's sink
-block and their logits are dropped). On CPU, or with `enforce_eager`, the same
-decode inputs run eagerly through the same code.
+Decode feeds one token per running sequence, its inputs read off the rows of
+the engine's `DecodeBatch` with a few tensor operations (no Python lists). On
+CUDA it replays a CUDA graph captured for the smallest batch-size bucket that
+fits, with static input buffers that are refilled before each replay (padded
+rows write into the KV pool's sink block and their logits are dropped). On CPU,
+or with `enforce_eager`, the same decode inputs run eagerly through the same code.
 
 A graph bakes in the addresses it read at capture: each layer's K/V view of the
 pool and every weight. The pool is re-allocated per generate() at a size that
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rollplex.engine.decode_batch import DecodeBatch
 from rollplex.engine.kv_cache import KVCache, PagedAttention
 from rollplex.engine.sequence import Sequence
 from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds
@@ -90,11 +92,14 @@ class ModelRunner:
     @contextlib.contextmanager
     def on_decode_stream(self) -> Iterator[None]:
         """Run the enclosed work (a decode step: KV block copies, input copies, graph
-        replay, sampling) on the decode stream. It starts after the caller's stream's
-        earlier work (prefill's KV writes) and the caller's later work starts after it.
-        Tensors made inside are allocated, used and freed on the decode stream only
-        (no record_stream needed); the pool and the weights, made on the caller's
-        stream, may be freed there because of the final wait. A no-op on CPU."""
+        replay, sampling, the decode batch's updates) on the decode stream. It starts
+        after the caller's stream's earlier work (prefill's KV writes, new rows of the
+        decode batch) and the caller's later work starts after it. The step's own
+        temporaries are allocated, used and freed on the decode stream only (no
+        record_stream needed); what lives longer (the pool, the weights, the decode
+        batch's tensors) is used on both streams, each use ordered by these waits,
+        and the batch replaces a tensor only after the host has waited for the step's
+        tokens. A no-op on CPU."""
         if self.decode_stream is None:
             yield
             return
@@ -137,10 +142,12 @@ class ModelRunner:
     # ------------------------------------------------------------------ decode
 
     @torch.no_grad()
-    def decode(self, seqs: list[Sequence], slots: list[int]) -> torch.Tensor:
-        """One token per sequence (its last, whose KV is not stored yet) -> float32 logits (batch, vocab)."""
-        batch = len(seqs)
-        inputs = self._decode_inputs(seqs, slots)
+    def decode(self, running: DecodeBatch, copies: list[tuple[int, int]]) -> torch.Tensor:
+        """Make the step's copy-on-write block copies, then feed one token per running
+        sequence (its last, whose KV is not stored yet) -> float32 logits (batch, vocab)."""
+        self.cache.copy_blocks(copies)
+        batch = len(running)
+        inputs = self._decode_inputs(running)
         if not self.use_cuda_graphs or batch > self.max_num_seqs:
             return self._decode_eager(*inputs).float()
         if self.storage_may_have_moved:
@@ -162,21 +169,20 @@ class ModelRunner:
         self.graphs[bucket].replay()
         return self.graph_logits[bucket][:batch].float()
 
-    def _decode_inputs(self, seqs: list[Sequence], slots: list[int]):
-        """Host-built decode inputs, one tensor each. Block tables are as wide as the
+    def _decode_inputs(self, running: DecodeBatch) -> tuple[torch.Tensor, ...]:
+        """The decode inputs, in running order: token ids, positions, KV slots of the
+        fed tokens, block tables and context lengths. Block tables are as wide as the
         longest table of the batch (the torch path gathers that many blocks); a
         CUDA graph copies them into its full-width static buffer."""
-        dev = self.device
-        width = max(len(s.block_table) for s in seqs)
-        sink = self.cache.sink_block
-        tables = [s.block_table + [sink] * (width - len(s.block_table)) for s in seqs]
+        rows, bs = running.device_rows, self.block_size
+        lengths = running.lengths[running.rows]
+        width = -(-int(lengths.max()) // bs)  # host lengths: no wait on the device
+        lengths = lengths.to(self.device)
+        fed = lengths - 1  # the index of the fed token
+        slots = running.block_tables[rows, fed // bs].long() * bs + fed % bs
         # A generated token's position is its index + the prompt's rope delta, on all three axes.
-        positions = [len(s) - 1 + s.prompt.rope_delta for s in seqs]
-        return (torch.tensor([s.token_ids[-1] for s in seqs], device=dev),
-                torch.tensor(positions, device=dev).expand(3, -1),
-                torch.tensor(slots, device=dev),
-                torch.tensor(tables, dtype=torch.int32, device=dev),
-                torch.tensor([len(s) for s in seqs], dtype=torch.int32, device=dev))
+        positions = (fed + running.rope_deltas[rows]).expand(3, -1)
+        return running.last_tokens[rows], positions, slots, running.block_tables[rows, :width], lengths.int()
 
     def _decode_eager(self, ids, positions, slots, tables, lens, cache: KVCache | None = None) -> torch.Tensor:
         """The decode forward, on the engine's pool or on `cache` (a graph's captured view of it)."""

@@ -5,6 +5,12 @@ tokens generated before a preemption, is computed from scratch) or a decode
 (every running sequence advances by one token). Prefill goes first, so new
 work joins the running batch as soon as blocks allow.
 
+The running sequences are the rows of a `DecodeBatch`. A decode step asks the
+block manager for the few sequences whose next token starts a block (or that
+just joined, whose last block may be shared); every other sequence's KV slot
+follows from its block-table row and length, on the tensors. Sampled tokens go
+to the batch, whose stop checks say which sequences finish.
+
 When decode needs a block and none is free, the youngest running sequence is
 preempted: its blocks are freed and it waits to be recomputed. It then resumes
 with the same tokens it had, so no request is dropped, and under greedy decoding
@@ -17,7 +23,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import torch
+
 from rollplex.engine.block_manager import BlockManager, NoFreeBlocks
+from rollplex.engine.decode_batch import DecodeBatch
 from rollplex.engine.sequence import Sequence
 
 
@@ -25,18 +34,21 @@ from rollplex.engine.sequence import Sequence
 class Step:
     seqs: list[Sequence]
     is_prefill: bool
-    slots: list[int]  # decode: the KV slot of each sequence's new token
-    copies: list[tuple[int, int]]  # copy-on-write block copies to make before the step
+    copies: list[tuple[int, int]]  # decode: copy-on-write block copies to make before the step
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
-        self.blocks = block_manager
+    def __init__(self, block_manager: BlockManager, batch: DecodeBatch, max_num_seqs: int,
+                 max_num_batched_tokens: int):
+        self.blocks, self.batch = block_manager, batch
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
         self.num_preemptions = 0
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.batch.seqs
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -47,7 +59,7 @@ class Scheduler:
     def schedule(self) -> Step:
         prefill = self._schedule_prefill()
         if prefill:
-            return Step(prefill, True, [], [])
+            return Step(prefill, True, [])
         return self._schedule_decode()
 
     def _schedule_prefill(self) -> list[Sequence]:
@@ -72,41 +84,51 @@ class Scheduler:
         return batch
 
     def _schedule_decode(self) -> Step:
-        scheduled, slots, copies = [], [], []
-        queue = deque(self.running)
-        while queue:
-            seq = queue.popleft()
-            while True:
-                try:
-                    slot, copy = self.blocks.append_slot(seq.block_table, len(seq))
-                    break
-                except NoFreeBlocks:
-                    if queue:
-                        self._preempt(queue.pop())
-                    else:
-                        self._preempt(seq)
-                        seq = None
-                        break
-            if seq is not None:
-                scheduled.append(seq)
-                slots.append(slot)
-                if copy is not None:
-                    copies.append(copy)
-        self.running = scheduled
-        if not scheduled:
+        """Room for every running sequence's next token. Where the pool is short, the
+        youngest sequences are preempted, in the order a per-sequence walk in running
+        order would preempt them."""
+        copies, grown = [], []
+        for i, length in zip(*self.batch.rows_needing_blocks(self.blocks.block_size)):
+            if i >= len(self.running):
+                break  # preempted, with every sequence after it
+            copy = self._grow(i, length)
+            if i < len(self.running):
+                grown.append(i)
+            if copy is not None:
+                copies.append(copy)
+        if not self.running:
             raise RuntimeError("the KV pool cannot hold even one sequence; give the engine more KV memory")
-        return Step(scheduled, False, slots, copies)
+        self.batch.last_blocks_changed(grown)
+        return Step(list(self.running), False, copies)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _grow(self, i: int, length: int) -> tuple[int, int] | None:
+        """Room in running[i]'s blocks for its next token (at index length - 1),
+        preempting the youngest sequences (running[i] itself last) until there is;
+        returns the copy-on-write copy to make, if any."""
+        seq = self.running[i]
+        while True:
+            try:
+                return self.blocks.append_slot(seq.block_table, length)[1]
+            except NoFreeBlocks:
+                self._preempt_youngest()
+                if len(self.running) == i:
+                    return None
+
+    def _preempt_youngest(self) -> None:
+        (seq,) = self.batch.leave([len(self.running) - 1])
         self.blocks.free(seq.block_table)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def start(self, seqs: list[Sequence]) -> None:
-        """Sequences that finished prefill and keep decoding."""
-        self.running.extend(seqs)
+    def start(self, seqs: list[Sequence]) -> int:
+        """Sequences that finished prefill and decode from now on (their next token is
+        still to be sampled); returns the running index of the first."""
+        return self.batch.join(seqs)
 
-    def finish(self, seq: Sequence) -> None:
-        self.blocks.free(seq.block_table)
-        if seq in self.running:
-            self.running.remove(seq)
+    def append(self, tokens: torch.Tensor, logprobs: torch.Tensor, start: int = 0) -> list[Sequence]:
+        """Record the sampled token of each running sequence from index `start` on;
+        returns the sequences that finished, their blocks freed."""
+        finished = self.batch.leave(self.batch.append(tokens, logprobs, start))
+        for seq in finished:
+            self.blocks.free(seq.block_table)
+        return finished

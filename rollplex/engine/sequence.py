@@ -4,6 +4,10 @@ A request is one prompt with `n` samples (a GRPO group). The engine prefills
 the prompt once as a single "prompt" sequence, samples each child's first
 token from its logits, then forks n child sequences that share the prompt's KV
 blocks and decode independently.
+
+While a sequence decodes, the tokens and logprobs it samples are kept in the
+engine's `DecodeBatch`, not in its own lists: they catch up when it leaves the
+batch (it finished, or it was preempted and will be recomputed).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class PromptState:
     positions: torch.Tensor  # (3, prompt_len) M-RoPE position ids of the prompt
     rope_delta: int
     seeds: list[int]  # one sampling seed per child
+    max_length: int  # a sample is done at this length: prompt + max_tokens, at most the model's maximum
     vision: VisionEmbeds | None = None  # filled at the first prefill, reused by recomputes
     samples: list[Sample | None] = field(default_factory=list)
 
@@ -71,6 +76,7 @@ class Sequence:
     token_ids: list[int]
     block_table: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    decode_row: int = -1  # its row of the DecodeBatch while it decodes
 
     @property
     def is_group_prompt(self) -> bool:
@@ -80,11 +86,8 @@ class Sequence:
     def num_prompt(self) -> int:
         return len(self.prompt.request.prompt_ids)
 
-    @property
-    def num_generated(self) -> int:
-        return len(self.token_ids) - self.num_prompt
-
     def __len__(self) -> int:
+        """Tokens in its own list: while it decodes, its DecodeBatch row is ahead."""
         return len(self.token_ids)
 
     def positions(self, start: int, end: int) -> torch.Tensor:

@@ -1,0 +1,84 @@
+"""The running sequences' decode state (rollplex.engine.decode_batch): a row written
+when a sequence joins, a token per step, the stop checks, and the write-back of what
+a sequence sampled when it leaves (finished, or preempted to be recomputed)."""
+
+import torch
+
+from rollplex.engine.decode_batch import DecodeBatch
+from rollplex.engine.sequence import PromptState, Request, Sequence
+
+SINK, STOP = 9, 99
+PROMPT = [1, 2, 3, 4, 5]
+
+
+def group(n: int, max_length: int) -> PromptState:
+    return PromptState(0, Request(PROMPT, n=n), torch.zeros(3, len(PROMPT), dtype=torch.long), rope_delta=7,
+                       seeds=[11 + j for j in range(n)], max_length=max_length)
+
+
+def step(batch: DecodeBatch, tokens: list[int], logprobs: list[float], start: int = 0) -> list[int]:
+    return batch.append(torch.tensor(tokens), torch.tensor(logprobs), start)
+
+
+def test_a_sequence_from_join_to_leave():
+    p = group(n=2, max_length=8)
+    batch = DecodeBatch([p], num_rows=3, max_blocks=4, sink_block=SINK, stop_ids={STOP}, device=torch.device("cpu"))
+    a, b = (Sequence(p, j, list(PROMPT), block_table=[0, 1 + j]) for j in range(2))
+    assert batch.join([a, b]) == 0
+    rows = [a.decode_row, b.decode_row]
+    seeds, positions = batch.sampling_inputs()
+    assert seeds.tolist() == [11, 12] and positions.tolist() == [5, 5]  # the first token to sample is token 5
+    assert batch.block_tables[rows].tolist() == [[0, 1, SINK, SINK], [0, 2, SINK, SINK]]
+
+    assert step(batch, [STOP, 40], [-0.5, -1.5]) == [0]  # a samples a stop token
+    assert batch.leave([0]) == [a]
+    assert (a.token_ids, a.logprobs, a.decode_row) == (PROMPT + [STOP], [-0.5], -1)
+    assert batch.seqs == [b] and batch.rows.tolist() == [b.decode_row]
+    assert len(b) == len(PROMPT)  # its own list catches up when it leaves
+
+    assert step(batch, [41], [-1.0]) == []
+    assert batch.last_tokens[b.decode_row] == 41 and batch.sampling_inputs()[1].tolist() == [7]
+    assert step(batch, [42], [-2.0]) == [0]  # at its maximum length, 8 tokens
+    batch.leave([0])
+    assert (b.token_ids, b.logprobs) == (PROMPT + [40, 41, 42], [-1.5, -1.0, -2.0])
+
+    # A row comes back with a table of sink blocks past the new sequence's own.
+    c = Sequence(p, 0, list(PROMPT), block_table=[3])
+    assert batch.join([c]) == 0 and c.decode_row in rows
+    assert batch.block_tables[c.decode_row].tolist() == [3, SINK, SINK, SINK]
+
+
+def test_a_preempted_sequence_takes_its_samples_along_and_resumes_after_them():
+    p = group(n=3, max_length=20)
+    batch = DecodeBatch([p], num_rows=3, max_blocks=8, sink_block=SINK, stop_ids=set(), device=torch.device("cpu"))
+    seqs = [Sequence(p, j, list(PROMPT), block_table=[0, 1]) for j in range(3)]
+    batch.join(seqs)
+    step(batch, [20, 30, 40], [-2.0, -3.0, -4.0])
+    step(batch, [21, 31, 41], [-2.5, -3.5, -4.5])
+    (youngest,) = batch.leave([2])  # what the scheduler does to preempt
+    assert (youngest.token_ids, youngest.logprobs) == (PROMPT + [40, 41], [-4.0, -4.5])
+    # Recomputed (prefill of its 7 tokens), it joins again and samples from token 7 on.
+    youngest.block_table = [2, 3]
+    assert batch.join([youngest]) == 2
+    assert batch.sampling_inputs(2)[1].tolist() == [7]
+    assert step(batch, [42], [-5.0], start=2) == []
+    batch.leave([0, 1, 2])
+    assert [s.token_ids[len(PROMPT):] for s in seqs] == [[20, 21], [30, 31], [40, 41, 42]]
+    assert seqs[2].logprobs == [-4.0, -4.5, -5.0]
+    assert len(batch) == 0 and sorted(batch.free_rows) == [0, 1, 2]
+
+
+def test_rows_needing_blocks_are_those_starting_a_block_or_just_joined():
+    p = group(n=3, max_length=20)
+    batch = DecodeBatch([p], num_rows=4, max_blocks=8, sink_block=SINK, stop_ids=set(), device=torch.device("cpu"))
+    batch.join([Sequence(p, j, list(PROMPT)) for j in range(3)])
+    step(batch, [20, 30, 40], [0.0] * 3)  # 6 tokens each: the next one written is token 5
+    assert batch.rows_needing_blocks(block_size=4) == ([0, 1, 2], [6, 6, 6])  # just joined: maybe shared
+    step(batch, [21, 31, 41], [0.0] * 3)
+    assert batch.rows_needing_blocks(block_size=4) == ([], [])  # token 6 goes in their own block 1
+    step(batch, [22, 32, 42], [0.0] * 3)
+    assert batch.rows_needing_blocks(block_size=4) == ([], [])
+    step(batch, [23, 33, 43], [0.0] * 3)
+    assert batch.join([Sequence(p, 0, list(PROMPT))]) == 3
+    step(batch, [50], [0.0], start=3)
+    assert batch.rows_needing_blocks(block_size=4) == ([0, 1, 2, 3], [9, 9, 9, 6])  # token 8 starts block 2
