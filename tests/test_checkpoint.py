@@ -189,8 +189,12 @@ def resume_on_two_ranks(rank: int, world: int, args: ModelArgs, root: str, out: 
     resumed_loss = train_step(model2, optimizer2, scheduler2)
     expected, resumed = full_params(model), full_params(model2)  # collectives: every rank gathers
     export_hf(model2, f"{root}/hf", source_dir=None)
-    # A save that fails on one rank raises on both: neither waits for the other in a collective.
-    with disk_full() if rank == 1 else contextlib.nullcontext(), pytest.raises(CheckpointSaveError, match="step 3"):
+    # A save that fails on one rank only, after DCP's collective write succeeded (its RNG file), raises on
+    # both: rank 0 neither publishes the checkpoint without rank 1's file nor waits for rank 1 in a collective.
+    rng_file_fails = mock.patch("rollplex.train.checkpoint._rng_state",
+                                side_effect=OSError(errno.ENOSPC, "No space left on device"))
+    with rng_file_fails if rank == 1 else contextlib.nullcontext(), \
+            pytest.raises(CheckpointSaveError, match="step 3 .*(on another rank|No space left)"):
         save_checkpoint(root, 3, model2, optimizer2, scheduler2)
     if rank == 0:
         torch.save({"loss": loss, "resumed_loss": resumed_loss, "expected": expected, "resumed": resumed,

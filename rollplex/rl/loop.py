@@ -575,9 +575,10 @@ class RLTrainer:
         budget = self.memory.sizes.prefix_budget_for(pool_bytes)
         if self.dims.dp_shard == 1:
             return budget
-        for item, estimate in zip(items, self._max([w.estimate for w in items])):
+        *estimates, least_budget = self._max([w.estimate for w in items] + [-budget])  # one collective: min = -max(-x)
+        for item, estimate in zip(items, estimates):
             item.estimate = int(estimate)
-        return int(all_reduce_values([budget], dist.ReduceOp.MIN, self.dp_group)[0])
+        return int(-least_budget)
 
     def update(self, rollout: Rollout, advantages: list[float], old: list[torch.Tensor],
                ref: list[torch.Tensor] | None) -> dict[str, float]:
