@@ -39,6 +39,7 @@ Rollplex's own (no verl equivalent):
     weights/bytes_rebuilt          ... rebuilds into its own buffer after each optimizer step
     perf/gpu_util_mean             mean NVML GPU utilisation during the step, percent (GpuSampler)
     perf/gpu_mem_used_gb_max       peak NVML used memory during the step, GiB, all processes (GpuSampler)
+    perf/live_memory_gb            tensor memory held between steps, GiB (CUDA: every step; CPU: steps that save)
 """
 
 from __future__ import annotations
@@ -218,7 +219,7 @@ class Timer:
 
     On CUDA the device is synchronised before each clock read, so a phase is
     charged for the kernels it queued and not for those queued before it.
-    Re-entering a name adds to its total; ``reset()`` starts the next step.
+    Re-entering a name adds to its total; each step uses a new Timer.
     """
 
     def __init__(self) -> None:
@@ -234,9 +235,6 @@ class Timer:
 
     def as_metrics(self) -> dict[str, float]:
         return {f"timing_s/{name}": seconds for name, seconds in self._totals.items()}
-
-    def reset(self) -> None:
-        self._totals.clear()
 
 
 def _open_nvml_device(device: torch.device | int | None) -> Any | None:

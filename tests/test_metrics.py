@@ -98,8 +98,6 @@ def test_timer_accumulates_per_name():
     got = timer.as_metrics()
     assert set(got) == {"timing_s/gen", "timing_s/update_actor"}
     assert 0.02 <= got["timing_s/gen"] < 1.0 and got["timing_s/update_actor"] < got["timing_s/gen"]
-    timer.reset()
-    assert timer.as_metrics() == {}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")

@@ -52,7 +52,7 @@ from rollplex.models.tiny import TinySpec, default_mrope_section, make_tiny_chec
 from rollplex.rl.disagg import DisaggLayout, WeightBroadcast
 from rollplex.ops.attention import resolve_backend
 from rollplex.rl.memory import (GiB, PHASE_MARK, BatchShape, CpuPhasePeaks, MemoryOptions, MemoryPlan, ParallelLayout,
-                                loop_phase_bytes, plan_memory, prefix_items, prefix_state)
+                                live_tensor_bytes, loop_phase_bytes, plan_memory, prefix_items, prefix_state)
 from rollplex.rl.prefix import PrefixScheduler, PrefixWork
 from rollplex.rl.weights import SharedWeights
 from rollplex.train.actor import Actor, ActorConfig, PolicyBatch, lr_schedule
@@ -65,7 +65,8 @@ from rollplex.train.flops import peak_flops
 from rollplex.train.loss import group_advantages
 from rollplex.train.parallelize import apply_tp, parallelize
 
-GLOBAL_ACTOR_METRICS = ("actor/grad_norm", "actor/lr", "actor/skipped_steps")
+GLOBAL_ACTOR_METRICS = ("actor/grad_norm", "actor/lr", "actor/skipped_steps", "training/nonfinite_logprobs")
+COUNTED_ACTOR_METRICS = ("training/nonfinite_logprobs",)  # summed over the step's updates, not averaged
 
 
 def _kill_if_asked(step: int, rank: int) -> None:
@@ -279,12 +280,23 @@ class RLTrainer:
             last = self.step == cfg.trainer.total_steps
             if cfg.trainer.eval_every and (self.step % cfg.trainer.eval_every == 0 or last):
                 metrics.update(self.evaluate())
+            saving = cfg.trainer.save_every and (self.step % cfg.trainer.save_every == 0 or last)
+            if saving or self.device.type == "cuda":
+                metrics["perf/live_memory_gb"] = self._live_bytes() / GiB
             if self.step % cfg.logging.log_every == 0 or last or "val/score" in metrics:
                 self.logger.log(self.step, metrics)
-            if cfg.trainer.save_every and (self.step % cfg.trainer.save_every == 0 or last):
+            if saving:
                 self._save()
         self.logger.close()
         self.reward_scorer.close()
+
+    def _live_bytes(self) -> int:
+        """Tensor bytes this rank holds between steps, the step's temporaries freed: what a
+        leak grows. On CPU it is counted from the tensors Python references (about 0.3 s,
+        so only on the steps that save a checkpoint)."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        return live_tensor_bytes()
 
     def train_step(self, examples: list) -> dict[str, float]:
         # GPU utilisation and memory over the step (no-op without an NVIDIA GPU), and each phase's peak memory
@@ -583,7 +595,8 @@ class RLTrainer:
     def update(self, rollout: Rollout, advantages: list[float], old: list[torch.Tensor],
                ref: list[torch.Tensor] | None) -> dict[str, float]:
         """`updates_per_batch` optimizer steps, each on a chunk of the groups; the
-        first reads the actor's kept prompt forward when prefix work made one."""
+        first reads the actor's kept prompt forward when prefix work made one.
+        Metrics are averaged over the steps, counts summed."""
         k = self.cfg.algorithm.updates_per_batch
         sums: dict[str, float] = {}
         first = 0
@@ -595,7 +608,7 @@ class RLTrainer:
             metrics = self.actor.update(PolicyBatch(rollout.groups[chunk], advantages[sl], old[sl],
                                                     ref[sl] if ref else None, rollout.logprobs[sl], kept))
             for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + value / k
+                sums[key] = sums.get(key, 0.0) + (value if key in COUNTED_ACTOR_METRICS else value / k)
         return sums
 
     # ------------------------------------------------------------------ evaluation, metrics, checkpoints
