@@ -218,14 +218,31 @@ def test_resume_on_two_fsdp_ranks_and_load_on_one(tmp_path, args):
     assert_all_equal(full_optimizer_state(model, optimizer), result["saved"]["optimizer"])
 
 
-def test_export_hf_loads_in_transformers(tmp_path):
+def test_export_tool_writes_a_runs_checkpoint_that_transformers_loads(tmp_path):
+    """python tools/export_hf.py RUN_DIR --out DIR: the run's checkpointed weights, not those it started from."""
+    import importlib.util
+
     from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from rollplex.config import Config, save_config
 
     source = make_tiny_checkpoint(tmp_path / "source")
     model = from_pretrained(source, dtype=torch.float32)
     with torch.no_grad():  # weights that differ from the source's
         model.language_model.norm.weight.mul_(1.5)
-    out = export_hf(model, tmp_path / "export", source)
+    run = tmp_path / "run"
+    cfg = Config()
+    cfg.model.path = str(source)
+    run.mkdir()
+    save_config(cfg, run / "config.yaml")
+    save_checkpoint(run / "checkpoints", 3, model, torch.optim.AdamW(model.parameters()))
+
+    spec = importlib.util.spec_from_file_location("export_hf_tool", Path(__file__).parent.parent / "tools/export_hf.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    with pytest.raises(FileNotFoundError, match="step_00000002 is not a complete checkpoint"):
+        tool.main([str(run), "--step", "2", "--out", str(tmp_path / "none")])
+    out = tool.main([str(run), "--out", str(tmp_path / "export"), "--dtype", "float32"])
 
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json",
                  "generation_config.json"):

@@ -66,11 +66,12 @@ def kept_loss_and_grads(model):
     """The same loss with the prompts computed first (graph kept) and the
     responses in a later suffix-only pass, split over two micro-batches."""
     from rollplex.train.actor import token_logprobs
-    from rollplex.train.kept_prefix import SuffixUnit, run_prompt_forward, suffix_hidden
+    from rollplex.train.kept_prefix import SuffixUnit, prepare_prompts, prompt_forward, suffix_hidden
 
     model.zero_grad()
     gs = groups()
-    kept = run_prompt_forward(model, [g.prompt for g in gs]).boundary()
+    *_, kept = prompt_forward(model, prepare_prompts(model, [g.prompt for g in gs]))  # its last yield: the KeptPrefix
+    kept = kept.boundary()
     weights = torch.linspace(-1.0, 1.0, sum(len(r) for g in gs for r in g.responses))
     micro_batches = [[SuffixUnit(0, gs[0]), SuffixUnit(2, GroupInputs(gs[2].prompt, gs[2].responses[:2]))],
                      [SuffixUnit(1, gs[1]), SuffixUnit(2, GroupInputs(gs[2].prompt, gs[2].responses[2:]))]]

@@ -32,7 +32,8 @@ are per rank, restored only on ranks that saved one, so a resumed run of
 another world size does not replay the same random draws.
 
 `export_hf` writes a standalone Hugging Face directory (weights, config,
-tokenizer and processor files) that transformers and `from_pretrained` load.
+tokenizer and processor files) that transformers and `from_pretrained` load;
+`tools/export_hf.py` does it for a run's checkpoint (`load_model_weights`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
 from rollplex.dist import all_reduce_values
 from rollplex.models import Qwen2_5_VL, save_pretrained
@@ -302,17 +304,33 @@ def _drop_unsaved_optimizer_state(optim_state: dict[str, Any], saved_keys: set[s
             del state[fqn]
 
 
+def _require_complete(path: str | Path) -> Path:
+    path = Path(path)
+    if not (path / MARKER).is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint: {MARKER} is missing")
+    if (why := _damage(path)) is not None:
+        raise ValueError(f"{path} is damaged: {why}")
+    return path
+
+
+def load_model_weights(path: str | Path, model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Only the model's weights from a checkpoint written by `save_checkpoint`, in
+    place, resharded to `model`'s layout (a plain model too): to export or evaluate
+    it. Collective, like `load_checkpoint`."""
+    path = _require_complete(path)
+    state = {"model": get_model_state_dict(model)}
+    with _single_process_is_intended():
+        dcp.load(state, checkpoint_id=path, process_group=group)
+    set_model_state_dict(model, state["model"])
+
+
 def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                     group: dist.ProcessGroup | None = None) -> CheckpointState:
     """Restore model, optimizer, scheduler and this rank's RNG from a checkpoint
     written by `save_checkpoint`. Collective. The model and optimizer must be
     built and parallelised as for saving (see the module docstring)."""
-    path = Path(path)
-    if not (path / MARKER).is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint: {MARKER} is missing")
-    if (why := _damage(path)) is not None:
-        raise ValueError(f"{path} is damaged: {why}")
+    path = _require_complete(path)
     meta = json.loads((path / MARKER).read_text())
 
     model_state, optim_state = get_state_dict(model, optimizer)

@@ -5,7 +5,7 @@ depend on the sampled responses, so its forward can run before the responses
 exist, once per prompt. `prompt_forward` runs a chunk of prompts through the
 model one decoder layer at a time and keeps, per layer, the K/V of every prompt
 token (rotary applied) plus the final hidden state of each prompt's last token
-(which predicts the first response token). `suffix_logprobs` later runs only
+(which predicts the first response token). `suffix_hidden` later runs only
 the response tokens: each response attends to its prompt's kept K/V and,
 causally, to its own tokens (`KeptPrefixAttention`), the same math as the
 packed shared-prefix forward, so both paths give the same logprobs.
@@ -152,14 +152,6 @@ def prompt_forward(model: Qwen2_5_VL, chunk: PromptChunk) -> Iterator[KeptPrefix
     for h in model.language_model.layer_by_layer(h, chunk.position_ids, capture):
         yield None
     yield KeptPrefix(capture.keys, capture.values, h[chunk.last], chunk.lengths, chunk.rope_deltas, chunk.flops)
-
-
-def run_prompt_forward(model: Qwen2_5_VL, prompts: list[SequenceInputs],
-                       vision: VisionEmbeds | None = None) -> KeptPrefix:
-    """`prompt_forward` in one go."""
-    for result in prompt_forward(model, prepare_prompts(model, prompts, vision)):
-        pass
-    return result
 
 
 @dataclass
