@@ -52,7 +52,8 @@ from rollplex.models.tiny import TinySpec, default_mrope_section, make_tiny_chec
 from rollplex.rl.disagg import DisaggLayout, WeightBroadcast
 from rollplex.ops.attention import resolve_backend
 from rollplex.rl.memory import (GiB, PHASE_MARK, BatchShape, CpuPhasePeaks, MemoryOptions, MemoryPlan, ParallelLayout,
-                                live_tensor_bytes, loop_phase_bytes, plan_memory, prefix_items, prefix_state)
+                                PrefixKind, live_tensor_bytes, loop_phase_bytes, plan_memory, prefix_items,
+                                prefix_state)
 from rollplex.rl.prefix import PrefixScheduler, PrefixWork
 from rollplex.rl.weights import SharedWeights
 from rollplex.train.actor import Actor, ActorConfig, PolicyBatch, lr_schedule
@@ -348,11 +349,11 @@ class RLTrainer:
         old = rollout.logprobs
         if cfg.algorithm.recompute_old_logprobs:
             with self._phase(timer, "old_log_prob"):
-                old = self._chunked_logprobs(self.model, rollout, ("actor", "old"))
+                old = self._chunked_logprobs(self.model, rollout, (PrefixKind.ACTOR, PrefixKind.OLD))
         ref = None
         if self.ref_model is not None:
             with self._phase(timer, "ref"):
-                ref = self._chunked_logprobs(self.ref_model, rollout, ("ref",))
+                ref = self._chunked_logprobs(self.ref_model, rollout, (PrefixKind.REF,))
                 # FSDP2 keeps a root unit gathered from its forward to its backward, which a frozen model never
                 # runs: without this its embedding and head would stay gathered for the rest of the run.
                 self.ref_model.reshard()
@@ -434,7 +435,7 @@ class RLTrainer:
         k = self.cfg.algorithm.updates_per_batch
         return [slice(i * n_groups // k, (i + 1) * n_groups // k) for i in range(k)]
 
-    def _chunked_logprobs(self, model, rollout: Rollout, kinds: tuple[str, ...]) -> list[torch.Tensor]:
+    def _chunked_logprobs(self, model, rollout: Rollout, kinds: tuple[PrefixKind, ...]) -> list[torch.Tensor]:
         """Logprobs of every response, chunk by chunk: suffix-only passes where a
         prefix item of one of `kinds` kept the chunk's prompts, full passes otherwise."""
         out = []
@@ -573,8 +574,9 @@ class RLTrainer:
             estimate = prefix_state(self.model.args, spec, len(ps), sum(len(p.input_ids) for p in ps), patches,
                                     options, tp).total
             # Collectives in the forward: TP all-reduces, or the sharded reference model's FSDP gathers.
-            alone = tp == 1 and not (spec.kind == "ref" and self.dims.dp_shard > 1)
-            items.append(PrefixWork(spec.kind, spec.chunk, self.ref_model if spec.kind == "ref" else self.model, ps,
+            alone = tp == 1 and not (spec.kind == PrefixKind.REF and self.dims.dp_shard > 1)
+            model = self.ref_model if spec.kind == PrefixKind.REF else self.model
+            items.append(PrefixWork(spec.kind, spec.chunk, model, ps,
                                     VisionEmbeds.concat(vision[chunk]) if spec.reuses_vision else None,
                                     spec.keep_graph, estimate, may_drop_alone=alone))
         return items
@@ -604,7 +606,7 @@ class RLTrainer:
             count = sum(len(g.responses) for g in rollout.groups[chunk])
             sl = slice(first, first + count)
             first += count
-            kept = rollout.prefix.result("actor", i) if rollout.prefix is not None else None
+            kept = rollout.prefix.result(PrefixKind.ACTOR, i) if rollout.prefix is not None else None
             metrics = self.actor.update(PolicyBatch(rollout.groups[chunk], advantages[sl], old[sl],
                                                     ref[sl] if ref else None, rollout.logprobs[sl], kept))
             for key, value in metrics.items():

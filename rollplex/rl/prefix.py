@@ -2,7 +2,7 @@
 computed once per prompt, in the rollout's decode window.
 
 A step's prompts are cut into chunks (the mini-batches of its optimizer
-steps). Per chunk the work items are:
+steps). Per chunk the work items (`PrefixKind`) are:
   ref   - the reference model's prompt forward, K/V kept (no grad);
   actor - the actor's prompt forward with its autograd graph kept, for the
           chunk of the first optimizer step (later chunks train on weights that
@@ -60,7 +60,7 @@ import torch
 
 from rollplex.models.packing import SequenceInputs
 from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds
-from rollplex.rl.memory import admitted
+from rollplex.rl.memory import PrefixKind, admitted
 from rollplex.train.kept_prefix import KeptPrefix, PromptChunk, prepare_prompts, prompt_forward
 
 
@@ -68,7 +68,7 @@ from rollplex.train.kept_prefix import KeptPrefix, PromptChunk, prepare_prompts,
 class PrefixWork:
     """One prompt forward of one chunk of prompts, run in slices."""
 
-    kind: str  # "ref" | "actor" | "old"
+    kind: PrefixKind
     chunk: int
     model: Qwen2_5_VL
     prompts: list[SequenceInputs]
@@ -141,7 +141,7 @@ class PrefixScheduler:
         self.step_ends: list[float] = []
         self.dropped_for_memory = 0  # items that ran out of memory and took the serial path
 
-    def result(self, kind: str, chunk: int) -> KeptPrefix | None:
+    def result(self, kind: PrefixKind, chunk: int) -> KeptPrefix | None:
         return next((w.result for w in self.admitted if w.kind == kind and w.chunk == chunk), None)
 
     def between_steps(self, running: int) -> None:

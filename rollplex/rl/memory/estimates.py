@@ -1,0 +1,300 @@
+"""One estimator per tensor class, used by the plan and by the run itself: the
+prefix scheduler admits prompt work by `prefix_state` and `admitted`, the
+functions the plan sums. Exact (closed formulas on the model's shape):
+parameters, gradients, optimizer state, KV pool, prompt K/V, vision embeddings.
+Estimated, from the tensors the model's code saves for backward (checked against
+CPU measurements in tests/test_memory.py): activations, the prefix graph, and
+the transient working memory of the engine and the prompt slices (`workspace`)
+and of the logprob and training passes (`activations`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from rollplex.models.qwen2_5_vl import ModelArgs, TextArgs, VisionArgs
+from rollplex.rl.memory.inputs import BatchShape, MemoryOptions
+
+FP32 = 4  # bytes: RMSNorm and the loss work in float32 whatever the model's dtype
+
+
+# ----------------------------------------------------------------------------- exact counts
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter elements by how tensor parallelism and FSDP treat them
+    (rollplex.train.parallelize)."""
+
+    total: int
+    tp_split: int  # decoder q/k/v/o and MLP linears, embedding and head when untied: 1/tp per rank
+    vision: int  # vision tower and merger: replicated over tp
+    root: int  # FSDP's root unit (all but decoder layers and vision blocks), at tp 1
+    root_tp_split: int  # of which split by tp (the embedding and head when untied)
+    layer_tp_split: int  # one decoder layer's tp-split elements (the rest are its two norms)
+
+    def per_tp_rank(self, tp: int) -> int:
+        """Elements one rank holds once gathered over dp_shard."""
+        return self.tp_split // tp + self.total - self.tp_split
+
+    def root_per_tp_rank(self, tp: int) -> int:
+        """The root unit's elements on one rank once gathered over dp_shard."""
+        return self.root_tp_split // tp + self.root - self.root_tp_split
+
+    def layer_per_tp_rank(self, tp: int, text: TextArgs) -> int:
+        """One decoder layer's elements on one rank once gathered over dp_shard."""
+        return self.layer_tp_split // tp + 2 * text.hidden_size
+
+
+def count_params(args: ModelArgs) -> ParamCounts:
+    """Parameter counts from the layer shapes of rollplex.models.qwen2_5_vl (the tests check them against a
+    built model and the hub's totals). Counted, not built: a meta-device build pulls in torch._dynamo (~5 s)."""
+    v, t = args.vision, args.text
+    w, inter, merged = v.hidden_size, v.intermediate_size, v.hidden_size * v.spatial_merge_size ** 2
+    # two norms, qkv and proj (with biases), gate/up/down (with biases)
+    vision_block = 2 * w + (w + 1) * 3 * w + (w + 1) * w + 2 * (w + 1) * inter + (inter + 1) * w
+    # patch embedding (no bias), merger norm and its two linears: in the root unit
+    vision_root = w * v.in_channels * v.temporal_patch_size * v.patch_size ** 2 + \
+        w + (merged + 1) * merged + (merged + 1) * v.out_hidden_size
+    q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
+    # q/k/v (with biases), o, gate/up/down: what apply_tp splits; the two norms stay replicated
+    split_layer = (t.hidden_size + 1) * (q + 2 * kv) + q * t.hidden_size + 3 * t.hidden_size * t.intermediate_size
+    embeddings = t.vocab_size * t.hidden_size * (1 if args.tie_word_embeddings else 2)  # + the head when untied
+    root_split = 0 if args.tie_word_embeddings else embeddings
+    tp_split = t.num_hidden_layers * split_layer + root_split
+    root = vision_root + t.hidden_size + embeddings
+    total = v.depth * vision_block + t.num_hidden_layers * (split_layer + 2 * t.hidden_size) + root
+    return ParamCounts(total, tp_split, v.depth * vision_block + vision_root, root, root_split, split_layer)
+
+
+def kv_bytes_per_token(args: ModelArgs, dtype: torch.dtype = torch.bfloat16, tp: int = 1) -> int:
+    """Keys and values of one token in every decoder layer, on one of `tp` ranks."""
+    t = args.text
+    if t.num_key_value_heads % tp:
+        raise ValueError(f"tp {tp} does not divide num_key_value_heads {t.num_key_value_heads}")
+    return 2 * t.num_hidden_layers * (t.num_key_value_heads // tp) * t.head_dim * dtype.itemsize
+
+
+def kv_pool_need(args: ModelArgs, batch: BatchShape, prompts: int, options: MemoryOptions, tp: int) -> int:
+    """The KV pool a generation of `prompts` prompts allocates (rollplex.engine.Engine.blocks_for):
+    every sample's blocks at full length, plus the sink block."""
+    blocks = prompts * batch.n * -(-batch.sequence_len // options.block_size)
+    return (blocks + 1) * options.block_size * kv_bytes_per_token(args, options.param_dtype, tp)
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+def _norm_bytes(width: int, size: int) -> int:
+    """What an RMSNorm keeps per token for backward: its input in float32, the
+    normalised value and the output, both in the model's dtype (`size` bytes)."""
+    return (FP32 + 2 * size) * width
+
+
+def _attention_bytes(q_dim: int, kv_dim: int, size: int, attention: str) -> int:
+    """Per token, what an attention kernel's backward keeps: q, k, v and the output
+    (flash-attn varlen). The torch path gathers q, k and v per segment group, so it
+    keeps those copies, the kernel's output and the scattered output."""
+    return (3 * q_dim + 2 * kv_dim if attention == "torch" else 2 * q_dim + 2 * kv_dim) * size
+
+
+def decoder_layer_bytes(t: TextArgs, size: int, tp: int = 1, attention: str = "torch") -> int:
+    """Bytes per token one decoder layer keeps for backward: its two norms, its
+    attention, and the SwiGLU's gate, silu(gate), up and their product."""
+    q, kv, inter = (t.num_attention_heads * t.head_dim // tp, t.num_key_value_heads * t.head_dim // tp,
+                    t.intermediate_size // tp)
+    return 2 * _norm_bytes(t.hidden_size, size) + _attention_bytes(q, kv, size, attention) + 4 * inter * size
+
+
+def vision_patch_bytes(v: VisionArgs, size: int, checkpointing: bool, attention: str = "torch") -> int:
+    """Bytes per patch the vision tower keeps for backward: every block (its input
+    alone with checkpointing) and the merger (its norm, and its two linears'
+    inputs: 4 x width per merged token, a quarter of the patches). The patch
+    embedding keeps its input, the prepared pixels, which the plan counts with the
+    batch's inputs (not at all)."""
+    w = v.hidden_size
+    block = w * size if checkpointing else \
+        2 * _norm_bytes(w, size) + _attention_bytes(w, w, size, attention) + 4 * v.intermediate_size * size
+    return v.depth * block + _norm_bytes(w, size) + 2 * w * size
+
+
+def _decoder_saved(t: TextArgs, size: int, tp: int, options: MemoryOptions) -> int:
+    """Per token, what the decoder stack and the final norm keep from forward to
+    backward: every layer's saved tensors, or with checkpointing every layer's input."""
+    layer = t.hidden_size * size if options.activation_checkpointing else \
+        decoder_layer_bytes(t, size, tp, options.attention)
+    return t.num_hidden_layers * layer + (FP32 + size) * t.hidden_size
+
+
+def _layer_forward_bytes(t: TextArgs, size: int, tp: int) -> int:
+    """Per token, the working memory of one decoder layer's forward without a
+    graph: the residual, its norm in float32, and three SwiGLU intermediates."""
+    return (FP32 + size) * t.hidden_size + 3 * t.intermediate_size // tp * size
+
+
+def _vision_forward_bytes(v: VisionArgs, size: int) -> int:
+    """Per patch, the working memory of one vision block's forward without a graph."""
+    return (FP32 + size) * v.hidden_size + 3 * v.intermediate_size * size
+
+
+def _logits_bytes(args: ModelArgs, grad: bool, entropy: bool) -> int:
+    """Per response token, the peak of the logits and the loss over them (measured
+    with the torch profiler on CPU, in float32 and bfloat16 alike): a pass without
+    gradients holds two float32 vocabulary rows (the logits and their
+    log-softmax); forward and backward hold up to six with the entropy bonus,
+    four without it."""
+    rows = (6 if entropy else 4) if grad else 2
+    return rows * FP32 * args.text.vocab_size
+
+
+# ----------------------------------------------------------------------------- prefix state
+
+
+class PrefixKind(str, Enum):
+    """Whose prompt forward a prefix item runs. A str that prints as its value
+    ("ref"), so metrics, traces and reports name kinds as before (what
+    enum.StrEnum does, which needs Python 3.11)."""
+
+    REF = "ref"  # the reference model's
+    ACTOR = "actor"  # the actor's, with its graph
+    OLD = "old"  # the actor's without graph, for recomputed old logprobs
+
+    __str__ = str.__str__  # else str() prints PrefixKind.REF, and so does format() from Python 3.12
+    __format__ = str.__format__
+
+    @classmethod
+    def _missing_(cls, value: object) -> PrefixKind:
+        raise ValueError(f"unknown prefix kind {value!r}; expected one of {', '.join(cls)}")
+
+
+@dataclass(frozen=True)
+class PrefixItem:
+    """One prompt forward per chunk of prompts (rollplex.rl.prefix.PrefixWork)."""
+
+    kind: PrefixKind
+    chunk: int
+    keep_graph: bool
+    reuses_vision: bool  # reads the rollout's cached vision features instead of running the tower
+
+    def __post_init__(self):
+        object.__setattr__(self, "kind", PrefixKind(self.kind))  # a kind given by its value ("ref") is parsed
+
+
+def prefix_items(options: MemoryOptions) -> list[PrefixItem]:
+    """A step's prompt work, in admission order: per chunk (one optimizer step's
+    prompts) the reference model's forward, then the actor's with its graph
+    (first chunk: later chunks train on weights that do not exist yet during
+    rollout) or the old policy's (later chunks, when old logprobs are recomputed).
+    Items reuse the rollout's vision features where the tower is the rollout's and
+    needs no gradient: the old policy always, the others when the tower is frozen."""
+    frozen, items = options.freeze_vision, []
+    for chunk in range(options.updates_per_batch):
+        if options.ref_model:
+            items.append(PrefixItem(PrefixKind.REF, chunk, False, frozen))
+        if chunk == 0:
+            items.append(PrefixItem(PrefixKind.ACTOR, chunk, True, frozen))
+        elif options.recompute_old_logprobs:
+            items.append(PrefixItem(PrefixKind.OLD, chunk, False, True))
+    return items
+
+
+@dataclass(frozen=True)
+class PrefixState:
+    """What one prefix item keeps from its prompt forward to its suffix passes, on one rank."""
+
+    kv: int  # every layer's K/V of the prompt tokens and each prompt's last hidden state (exact)
+    graph: int  # the actor's autograd graph: saved activations, vision tower included when it runs (estimate)
+
+    @property
+    def total(self) -> int:
+        return self.kv + self.graph
+
+
+def prefix_state(args: ModelArgs, item: PrefixItem, prompts: int, tokens: int, patches: int,
+                 options: MemoryOptions, tp: int = 1) -> PrefixState:
+    """The estimate the prefix scheduler admits by and the plan sums, for `prompts`
+    prompts of `tokens` tokens in all and `patches` vision patches. The K/V are
+    kept once per item; with flash-attn the graph saves those same tensors, with
+    the torch path it saves its own gathered copies (`decoder_layer_bytes`)."""
+    t, size = args.text, options.param_dtype.itemsize
+    kv = tokens * kv_bytes_per_token(args, options.param_dtype, tp) + prompts * t.hidden_size * size
+    if not item.keep_graph:
+        return PrefixState(kv, 0)
+    shared_kv = 0 if options.attention == "torch" or options.activation_checkpointing else \
+        t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim // tp * size
+    graph = tokens * (_decoder_saved(t, size, tp, options) - shared_kv)
+    if not (item.reuses_vision or options.freeze_vision):
+        graph += patches * vision_patch_bytes(args.vision, size, options.activation_checkpointing, options.attention)
+    return PrefixState(kv, graph)
+
+
+def admitted(estimates: list[int], budget: int | None) -> list[bool]:
+    """Which prefix items a byte budget admits (None: all): in order, each one whose
+    estimate fits beside those admitted before it. The rest take the serial path."""
+    used, out = 0, []
+    for estimate in estimates:
+        fits = budget is None or used + estimate <= budget
+        used += estimate if fits else 0
+        out.append(fits)
+    return out
+
+
+# ----------------------------------------------------------------------------- micro-batches
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """The largest micro-batch a token budget lets the actor build (rollplex.train.actor)."""
+
+    tokens: int  # through the decoder
+    responses: int  # response tokens: logits
+    sequences: int  # responses
+    prompts: int  # prompts computed in it (0 over kept prompts)
+    patches: int  # through the vision tower
+
+
+def micro_batch(args: ModelArgs, batch: BatchShape, budget: int, groups: int, share_prefix: bool,
+                kept: bool) -> MicroBatch:
+    """A budget counts a unit's prompt once with its responses (share_prefix) or once
+    per response, and kept prompts too, though a pass over them computes responses
+    only. Responses may end early, so units pack tighter than at full length: the
+    most response tokens a micro-batch can hold is, over the number g of prompts in
+    it, the smaller of g full units and the budget less g prompts."""
+    per_prompt = batch.n if share_prefix else 1  # responses a prompt's tokens are counted once for
+    units = groups * (1 if share_prefix else batch.n)
+    best = (0, 1)
+    for g in range(1, units + 1):
+        room = budget - g * batch.prompt_len
+        if room < min(batch.response_tokens, budget):
+            break
+        best = max(best, (min(g * per_prompt * batch.response_tokens, room), g))
+    responses, g = best
+    sequences = -(-responses // batch.response_tokens)
+    prompts = 0 if kept else g if share_prefix else sequences
+    return MicroBatch(responses + prompts * batch.prompt_len, responses, sequences, prompts,
+                      prompts * batch.vision_patches(args))
+
+
+def micro_batch_bytes(args: ModelArgs, mb: MicroBatch, batch: BatchShape, options: MemoryOptions, tp: int,
+                      grad: bool) -> int:
+    """Peak working memory of one micro-batch's pass: with gradients, every token's
+    saved activations (the vision tower's too when it trains), then the larger of
+    the logits' peak and one layer's backward; without, the larger of one layer's
+    forward and the logits. The torch path also keeps, per response and layer, its
+    copy of the prompt's K/V (`PrefixedSegments`)."""
+    t, size = args.text, options.param_dtype.itemsize
+    logits = mb.responses * _logits_bytes(args, grad, options.entropy)
+    if not grad:
+        vision = mb.patches * _vision_forward_bytes(args.vision, size)
+        return max(mb.tokens * _layer_forward_bytes(t, size, tp), logits, vision) + mb.tokens * t.hidden_size * size
+    saved = mb.tokens * _decoder_saved(t, size, tp, options)
+    if not options.freeze_vision:
+        saved += mb.patches * vision_patch_bytes(args.vision, size, options.activation_checkpointing,
+                                                 options.attention)
+    if options.attention == "torch" and options.share_prefix:
+        saved += mb.sequences * batch.prompt_len * t.num_hidden_layers * \
+            2 * t.num_key_value_heads * t.head_dim // tp * size
+    return saved + max(logits, mb.tokens * decoder_layer_bytes(t, size, tp, options.attention))

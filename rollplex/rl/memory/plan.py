@@ -1,0 +1,432 @@
+"""The plan: each phase's bytes per GPU by tensor class, for naive colocation
+and for Rollplex, and the sizes it decides.
+
+Phases, as the loop runs them (`loop_phase_bytes` maps them onto the loop's
+measured `perf/max_memory_allocated_gb/<phase>`):
+    rollout    prefill and decode (the engine's weights, KV pool and workspace)
+    prefix     the prompt work (reference / actor / old prompt forwards), its
+               state accumulating: in the decode window beside the KV pool
+               (overlap), or after rollout (serial with share_prefix)
+    logprobs   reference and old-policy logprob passes (no gradients)
+    train      the actor's forward and backward passes
+    optimizer  the AdamW step
+
+The plan also decides the sizes a run leaves to it (`size_memory`): the KV
+pool, the prefix budget and the training micro-batch, from the device's memory
+less a headroom for what it does not count (`UNCOUNTED_FRACTION`).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from rollplex.engine.engine import EngineConfig
+from rollplex.models.qwen2_5_vl import ModelArgs
+from rollplex.rl.memory.estimates import (FP32, MicroBatch, ParamCounts, PrefixItem, PrefixKind, PrefixState,
+                                          _layer_forward_bytes, _vision_forward_bytes, admitted, count_params,
+                                          decoder_layer_bytes, kv_bytes_per_token, kv_pool_need, micro_batch,
+                                          micro_batch_bytes, prefix_items, prefix_state)
+from rollplex.rl.memory.inputs import (GiB, UNCOUNTED_FRACTION, BatchShape, MemoryOptions, ParallelLayout,
+                                       usable_bytes)
+
+PHASES = ("rollout", "prefix", "logprobs", "train", "optimizer")
+TENSOR_CLASSES = ("params_sharded", "optimizer_state", "ref_params", "params_gathered", "grads", "kv_pool",
+                  "vision_embeds", "prompt_kv", "prefix_graph", "workspace", "activations")
+PREFILL_TOKENS = EngineConfig.max_num_batched_tokens  # the engine's prefill tokens per step (the loop's setting)
+
+
+class MemoryPlanError(ValueError):
+    """The run's shapes cannot fit the device, whatever the sizes: names what does not fit."""
+
+
+@dataclass
+class SchedulePlan:
+    """One schedule's bytes per GPU, by phase and tensor class (absent = 0)."""
+
+    name: str
+    phases: dict[str, dict[str, int]]
+
+    def total(self, phase: str) -> int:
+        return sum(self.phases[phase].values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.total)
+
+    @property
+    def peak(self) -> int:
+        return self.total(self.peak_phase)
+
+
+@dataclass(frozen=True)
+class MemorySizes:
+    """What the plan decided, and the rooms a run sizes each step's prefix budget from."""
+
+    usable: int  # the device's memory less UNCOUNTED_FRACTION of it
+    kv_pool: int  # the engine's KV pool capacity, bytes
+    micro_batch_tokens: int
+    prefix_room: int  # bytes the prefix phase leaves for prompt state beside its fixed classes, before any pool
+    train_room: int  # bytes the train phase leaves for prompt state beside its largest micro-batch
+    pool_in_prefix: bool  # overlap: the decode window holds the pool and the prompt state at once
+    prefix_budget: int | None = None  # set by the run (schedule.prefix_memory_budget in bytes): every step's
+
+    def prefix_budget_for(self, pool_bytes: int) -> int:
+        """A step's budget for kept prompt state, given the KV pool its rollout allocated."""
+        if self.prefix_budget is not None:
+            return self.prefix_budget
+        return max(0, min(self.prefix_room - (pool_bytes if self.pool_in_prefix else 0), self.train_room))
+
+
+@dataclass
+class MemoryPlan:
+    """The inputs, the sizes the plan decided, the parameter counts, and both
+    schedules' bytes per GPU."""
+
+    args: ModelArgs
+    layout: ParallelLayout
+    batch: BatchShape
+    options: MemoryOptions
+    sizes: MemorySizes
+    params: ParamCounts
+    naive: SchedulePlan
+    rollplex: SchedulePlan
+    prompts_per_rank: int  # of a trainer dp rank
+    prefix_items: list[PrefixItem]  # a rank's prompt work in a step
+    prefix_states: list[PrefixState]  # what each keeps (`prefix_state`)
+    admitted: list[bool]  # which of them the step's prefix budget admits (the rest take the serial path)
+    prefix_budget: int  # the step's, for this batch's KV pool
+    model_name: str = ""
+
+    @property
+    def kv_pool_blocks(self) -> int:
+        """The engine's pool capacity in blocks: the plan's bytes less the engine's sink block."""
+        o = self.options
+        block = o.block_size * kv_bytes_per_token(self.args, o.param_dtype, self.layout.engine_tp)
+        return max(1, self.sizes.kv_pool // block - 1)
+
+
+class _Shapes:
+    """One rank's quantities for options whose sizes are all set, and the bytes of
+    each class in the phases that hold it."""
+
+    def __init__(self, args: ModelArgs, layout: ParallelLayout, batch: BatchShape, options: MemoryOptions,
+                 params: ParamCounts):
+        self.args, self.layout, self.batch, self.o, self.params = args, layout, batch, options, params
+        self.size = options.param_dtype.itemsize
+        self.prompts_per_rank = math.ceil(batch.prompts / layout.dp_shard)
+        self.prompts_per_engine = math.ceil(batch.prompts / layout.engine_replicas)
+        self.chunk_prompts = math.ceil(self.prompts_per_rank / options.updates_per_batch)
+        self.patches = batch.vision_patches(args)
+        self.items = prefix_items(options) if options.share_prefix else []
+        self.states = [prefix_state(args, i, self.chunk_prompts, self.chunk_prompts * batch.prompt_len,
+                                    self.chunk_prompts * self.patches, options, layout.tp) for i in self.items]
+
+    def resident(self) -> dict[str, int]:
+        """Held all step: master weights, AdamW moments (unless offloaded), the reference weights."""
+        o, shard = self.o, math.ceil(self.params.per_tp_rank(self.layout.tp) / self.layout.dp_shard)
+        out = dict(params_sharded=shard * o.master_dtype.itemsize,
+                   optimizer_state=0 if o.offload_optimizer else self.moments())
+        if o.ref_model:
+            out["ref_params"] = shard * o.ref_dtype.itemsize
+        return out
+
+    def trainable_shard(self) -> int:
+        p, lay = self.params, self.layout
+        return math.ceil((p.per_tp_rank(lay.tp) - (p.vision if self.o.freeze_vision else 0)) / lay.dp_shard)
+
+    def moments(self) -> int:
+        return 2 * self.trainable_shard() * self.o.optimizer_dtype.itemsize
+
+    def grads(self) -> int:
+        return self.trainable_shard() * self.o.grad_dtype.itemsize
+
+    def kv_pool(self, prompts: int | None = None) -> int:
+        """The pool a generation allocates: its prompts' need, at most the capacity."""
+        need = kv_pool_need(self.args, self.batch, prompts or self.prompts_per_engine, self.o, self.layout.engine_tp)
+        return min(need, int(self.o.kv_pool))
+
+    def engine_weights(self) -> int:
+        return self.params.per_tp_rank(self.layout.engine_tp) * self.size
+
+    def prefix_weights(self) -> int:
+        """The rollout's gathered weights; with engine_tp != tp the prompt work also needs the trainer's."""
+        trainer = self.params.per_tp_rank(self.layout.tp) * self.size
+        return self.engine_weights() + (trainer if self.layout.engine_tp != self.layout.tp else 0)
+
+    def root_weights(self, dtype: torch.dtype) -> int:
+        """FSDP's root unit gathered (embedding, head, final norm, vision patch embedding and merger): FSDP
+        keeps it from a forward to the end of the backward."""
+        return self.params.root_per_tp_rank(self.layout.tp) * dtype.itemsize
+
+    def pass_weights(self, dtype: torch.dtype) -> int:
+        """Gathered weights during a training or logprob pass: the root unit and the decoder layer computing."""
+        layer = self.params.layer_per_tp_rank(self.layout.tp, self.args.text)
+        return self.root_weights(dtype) + layer * dtype.itemsize
+
+    def vision_embeds(self) -> int:
+        """The rollout's cached vision features (schedules with prompt work), kept to the step's end."""
+        if not self.o.share_prefix:
+            return 0
+        return self.prompts_per_rank * self.batch.vision_tokens * self.args.text.hidden_size * self.size
+
+    def engine_workspace(self) -> int:
+        """The engine's transient memory: a prefill step's layer (and the vision tower
+        over its prompts when their features are not cached), or a decode step's
+        float32 logits and the sampler's vocabulary-wide temporaries over the batch."""
+        b, size = self.batch, self.size
+        prompts = max(1, min(self.prompts_per_engine, PREFILL_TOKENS // b.prompt_len))
+        prefill = prompts * b.prompt_len * _layer_forward_bytes(self.args.text, size, self.layout.engine_tp)
+        if not self.o.share_prefix:
+            prefill = max(prefill, prompts * self.patches * _vision_forward_bytes(self.args.vision, size))
+        decode = min(self.o.max_num_seqs, self.prompts_per_engine * b.n) * self.args.text.vocab_size * 4 * FP32
+        return max(prefill, decode)
+
+    def slice_workspace(self, admitted: list[bool]) -> int:
+        """An admitted item's working memory in one slice without a graph (a graph's
+        slices are counted in the graph): one layer's forward over its chunk, or the
+        tower's over its patches."""
+        no_graph = [i for i, a in zip(self.items, admitted) if a and not i.keep_graph]
+        if not no_graph:
+            return 0
+        vision = 0 if all(i.reuses_vision for i in no_graph) else \
+            self.chunk_prompts * self.patches * _vision_forward_bytes(self.args.vision, self.size)
+        tokens = self.chunk_prompts * self.batch.prompt_len
+        return max(tokens * _layer_forward_bytes(self.args.text, self.size, self.layout.tp), vision)
+
+    def prefix_state(self, admitted: list[bool], graphs: bool = True) -> dict[str, int]:
+        states = [s for s, a in zip(self.states, admitted) if a]
+        return dict(prompt_kv=sum(s.kv for s in states), prefix_graph=sum(s.graph for s in states) if graphs else 0,
+                    vision_embeds=self.vision_embeds())
+
+    def micro_batch(self, kept: bool) -> MicroBatch:
+        return micro_batch(self.args, self.batch, self.o.micro_batch_tokens, self.chunk_prompts, self.o.share_prefix,
+                           kept)
+
+    def pass_bytes(self, kept: bool, grad: bool) -> int:
+        """A micro-batch's working memory (`micro_batch_bytes`) at the options' token budget."""
+        return micro_batch_bytes(self.args, self.micro_batch(kept), self.batch, self.o, self.layout.tp, grad)
+
+    def micro_batches(self, kept: bool) -> int:
+        """Micro-batches of an optimizer step: its chunk's response tokens over a micro-batch's."""
+        return math.ceil(self.chunk_prompts * self.batch.n * self.batch.response_tokens /
+                         max(1, self.micro_batch(kept).responses))
+
+
+def _rollout_phases(s: _Shapes, admitted: list[bool], base: dict[str, int]) -> dict[str, dict[str, int]]:
+    """Rollout, and the prompt work: in the decode window beside the KV pool (overlap, the
+    engine's steps and the slices alternating), or after rollout without it (serial)."""
+    rollout = dict(base, params_gathered=s.engine_weights(), kv_pool=s.kv_pool(), vision_embeds=s.vision_embeds(),
+                   workspace=s.engine_workspace())
+    if not s.o.share_prefix:
+        return {"rollout": rollout}
+    # The reference model's root unit stays gathered from its prompt forward to its logprob passes.
+    ref_admitted = any(a and i.kind == PrefixKind.REF for i, a in zip(s.items, admitted))
+    ref_root = s.pass_weights(s.o.ref_dtype) if ref_admitted else 0
+    work = dict(s.prefix_state(admitted), params_gathered=s.prefix_weights() + ref_root)
+    if s.o.schedule == "overlap":
+        prefix = dict(rollout, **work, workspace=max(rollout["workspace"], s.slice_workspace(admitted)))
+    else:
+        prefix = dict(base, **work, workspace=s.slice_workspace(admitted))
+    return {"rollout": rollout, "prefix": prefix}
+
+
+def _logprobs(s: _Shapes, admitted: list[bool], base: dict[str, int]) -> dict[str, int]:
+    """Reference or old-policy passes, without gradients: suffix-only where every
+    prompt's state was kept, else full passes."""
+    o = s.o
+    if not (o.ref_model or o.recompute_old_logprobs):
+        return {}
+    kept = bool(s.items) and all(admitted)
+    return dict(base, params_gathered=s.pass_weights(o.ref_dtype if o.ref_model else o.param_dtype),
+                **s.prefix_state(admitted), activations=s.pass_bytes(kept, grad=False))
+
+
+def _train(s: _Shapes, admitted: list[bool], base: dict[str, int]) -> dict[str, int]:
+    """The actor's update, at its largest of:
+    - a micro-batch's backward start: its saved activations and the logits' peak
+      beside the gathered root unit and the head's gradient (the step's sharded
+      gradients exist from its second micro-batch on);
+    - a backward's end: every sharded gradient beside the root unit's unsharded ones;
+    - over kept prompts, the prompts' backward start: the gradients the suffix
+      passes gathered at the boundary, one layer's backward over the prompt tokens.
+    The first optimizer step keeps the actor's graph; a later one (full passes) has
+    only the other items' K/V."""
+    o, grads = s.o, s.grads()
+    root_grads = s.root_weights(o.param_dtype)
+    actor = next((st for i, st, a in zip(s.items, s.states, admitted) if a and i.kind == PrefixKind.ACTOR), None)
+
+    def update(state: dict[str, int], kept: bool) -> list[dict[str, int]]:
+        in_pass = dict(base, **state, params_gathered=s.pass_weights(o.param_dtype),
+                       grads=root_grads + (grads if s.micro_batches(kept) > 1 else 0),
+                       activations=s.pass_bytes(kept, grad=True))
+        return [in_pass, dict(base, **state, grads=grads + root_grads)]
+
+    candidates = update(s.prefix_state(admitted), actor is not None)
+    if actor is not None:
+        layer = decoder_layer_bytes(s.args.text, s.size, s.layout.tp, o.attention)
+        candidates.append(dict(base, **s.prefix_state(admitted), params_gathered=s.pass_weights(o.param_dtype),
+                               grads=grads, activations=actor.kv + s.chunk_prompts * s.batch.prompt_len * layer))
+    if o.updates_per_batch > 1:
+        candidates += update(s.prefix_state(admitted, graphs=False), False)
+    return max(candidates, key=_total)
+
+
+def _phases(s: _Shapes, admitted: list[bool]) -> dict[str, dict[str, int]]:
+    """Rollplex's phases: each class within its lifetime (a phase the schedule does not run is empty)."""
+    base = s.resident()
+    phases = _rollout_phases(s, admitted, base)
+    phases["logprobs"] = _logprobs(s, admitted, base)
+    phases["train"] = _train(s, admitted, base)
+    phases["optimizer"] = dict(base, grads=s.grads(), optimizer_state=s.moments())
+    return {p: phases.get(p, {}) for p in PHASES}
+
+
+def _total(phase: dict[str, int]) -> int:
+    return sum(phase.values())
+
+
+# ----------------------------------------------------------------------------- sizing
+
+
+def _largest(low: int, high: int, fits: Callable[[int], bool]) -> int:
+    """The largest value in [low, high] for which `fits` holds (it holds for all below), else low."""
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
+def _bytes(fraction_or_bytes: float, device_memory: int) -> int:
+    """The config convention: a value <= 1 is a fraction of the device's memory, else bytes."""
+    return int(fraction_or_bytes * device_memory if fraction_or_bytes <= 1 else fraction_or_bytes)
+
+
+def _fmt(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / 2 ** 20:.1f} MiB"
+
+
+def _does_not_fit(what: str, need: int, phase: dict[str, int], usable: int, knobs: str) -> MemoryPlanError:
+    held = ", ".join(f"{c} {_fmt(b)}" for c, b in sorted(phase.items(), key=lambda cb: -cb[1]) if b)
+    return MemoryPlanError(f"{what} needs {_fmt(need)}, but its phase holds {_fmt(_total(phase))} beside it "
+                           f"({held}) in {_fmt(usable)} usable (the device's memory less {UNCOUNTED_FRACTION:.0%}). "
+                           f"To fit: {knobs}")
+
+
+_FEWER_BYTES = ("shard the model over more GPUs (parallel.dp_shard, parallel.tp), set parallel.offload_optimizer, "
+                "or give a larger trainer.device_memory")
+
+
+def _size_pool(s: _Shapes, usable: int) -> int:
+    """The KV pool: the batch's need at full length, at most what the rollout (and
+    the overlap's decode window, before any prompt state) leaves beside its fixed
+    classes; at least one prompt's samples."""
+    fixed = _phases(s, [False] * len(s.items))
+    held = max((fixed[p] for p in ("rollout", "prefix") if fixed[p]), key=_total)
+    one_prompt = kv_pool_need(s.args, s.batch, 1, s.o, s.layout.engine_tp)
+    if usable - _total(held) < one_prompt:
+        raise _does_not_fit(f"the KV pool for one prompt's {s.batch.n} samples", one_prompt, held, usable,
+                            f"lower rollout.n or rollout.max_tokens, {_FEWER_BYTES}")
+    return min(kv_pool_need(s.args, s.batch, s.prompts_per_engine, s.o, s.layout.engine_tp), usable - _total(held))
+
+
+def _size_micro_batch(s: _Shapes, usable: int) -> int:
+    """The most tokens whose full training pass leaves the train phase as much room
+    for prompt state as the prefix phase has (at most what the step's prompt work
+    keeps); at least the longest sequence, at most a whole chunk of groups."""
+    none = [False] * len(s.items)
+    train = lambda tokens: _phases(_Shapes(s.args, s.layout, s.batch, replace(s.o, micro_batch_tokens=tokens),  # noqa: E731
+                                           s.params), none)["train"]
+    prefix = _phases(s, none)["prefix"]
+    target = max(0, min(usable - _total(prefix), sum(st.total for st in s.states))) if prefix else 0
+    b, least = s.batch, s.batch.longest_sequence
+    if _total(train(least)) > usable:
+        held = train(least)
+        need = held.pop("activations")
+        raise _does_not_fit(f"training one sequence ({least} tokens)", need, held, usable,
+                            f"set parallel.activation_checkpointing, lower rollout.max_tokens, {_FEWER_BYTES}")
+    per_prompt = b.prompt_len + b.n * b.response_tokens if s.o.share_prefix else b.n * b.sequence_len
+    return _largest(least, max(least, s.chunk_prompts * per_prompt),
+                    lambda tokens: usable - _total(train(tokens)) >= target)
+
+
+def size_memory(args: ModelArgs, layout: ParallelLayout, batch: BatchShape, options: MemoryOptions,
+                params: ParamCounts | None = None) -> MemorySizes:
+    """The sizes `options` leaves to the plan (None), within `usable_bytes`, in this order:
+    - the KV pool: what the batch needs at full length, at most what the rollout
+      (and the overlap's decode window, before any prompt state) leaves beside its
+      fixed classes;
+    - the micro-batch: the most tokens whose training pass leaves the train phase as
+      much room for prompt state as the prefix phase has (no more than the step's
+      prompt work keeps), and at least the longest sequence;
+    - the prefix budget, each step (`MemorySizes.prefix_budget_for`): the prompt
+      state both the prefix phase (beside that step's pool, in overlap) and the
+      train phase can hold.
+    Raises MemoryPlanError, naming the bytes and the settings to change, when one
+    prompt's samples or one training sequence cannot fit."""
+    params = params or count_params(args)
+    usable = usable_bytes(options)
+    trial = replace(options, kv_pool=0.0, prefix_budget=0.0, micro_batch_tokens=batch.longest_sequence)
+    kv_pool = _size_pool(_Shapes(args, layout, batch, trial, params), usable) if options.kv_pool is None else \
+        _bytes(options.kv_pool, options.device_memory)
+    trial = replace(trial, kv_pool=float(kv_pool))
+    micro = options.micro_batch_tokens or _size_micro_batch(_Shapes(args, layout, batch, trial, params), usable)
+    if micro < batch.longest_sequence:
+        raise MemoryPlanError(f"trainer.max_tokens_per_micro_batch {micro} is smaller than the longest sequence, "
+                              f"{batch.longest_sequence} tokens (the actor never splits one): raise it, or set 0 "
+                              "for the memory plan's")
+    fixed = _phases(_Shapes(args, layout, batch, replace(trial, micro_batch_tokens=micro), params),
+                    [False] * len(prefix_items(options)) if options.share_prefix else [])
+    prefix_room = usable - _total(fixed["prefix"]) + fixed["prefix"].get("kv_pool", 0) if fixed["prefix"] else 0
+    budget = None if options.prefix_budget is None else _bytes(options.prefix_budget, options.device_memory)
+    return MemorySizes(usable, kv_pool, micro, prefix_room, usable - _total(fixed["train"]),
+                       options.schedule == "overlap", budget)
+
+
+def plan_memory(args: ModelArgs, layout: ParallelLayout, batch: BatchShape, options: MemoryOptions,
+                params: ParamCounts | None = None, model_name: str = "") -> MemoryPlan:
+    """Both schedules' per-GPU bytes, with the sizes `options` leaves to the plan
+    decided first (`size_memory`). Sizes the run set are taken as given: when they
+    do not fit, a warning says which phase and by how much. `params` may be passed
+    to skip recounting."""
+    params = params or count_params(args)
+    sizes = size_memory(args, layout, batch, options, params)
+    resolved = replace(options, kv_pool=float(sizes.kv_pool), micro_batch_tokens=sizes.micro_batch_tokens)
+    shapes = _Shapes(args, layout, batch, resolved, params)
+    budget = sizes.prefix_budget_for(shapes.kv_pool())
+    admits = admitted([st.total for st in shapes.states], budget)
+    rollplex = SchedulePlan("rollplex", _phases(shapes, admits))
+    if rollplex.peak > sizes.usable:
+        warnings.warn(f"the memory plan's phase {rollplex.peak_phase} needs {_fmt(rollplex.peak)}, over the "
+                      f"{_fmt(sizes.usable)} usable: the sizes set in the config (rollout.kv_cache_memory, "
+                      "schedule.prefix_memory_budget, trainer.max_tokens_per_micro_batch) are too large; 0 lets "
+                      "the plan size them", stacklevel=2)
+    # Naive: the same tensors, none ever freed, so every class is resident at its largest in every phase.
+    everything = {c: max(rollplex.phases[p].get(c, 0) for p in PHASES) for c in TENSOR_CLASSES}
+    naive = SchedulePlan("naive", {p: dict(everything) for p in PHASES if rollplex.phases[p]})
+    return MemoryPlan(args, layout, batch, resolved, sizes, params, naive, rollplex, shapes.prompts_per_rank,
+                      shapes.items, shapes.states, admits, budget, model_name)
+
+
+# The loop's phases (rollplex.rl.loop, `perf/max_memory_allocated_gb/<phase>`) and the plan's phases each spans.
+LOOP_PHASES = {"gen": ("rollout",), "prefix": ("prefix",), "ref": ("logprobs",), "old_log_prob": ("logprobs",),
+               "update_actor": ("train", "optimizer")}
+
+
+def loop_phase_bytes(plan: MemoryPlan) -> dict[str, int]:
+    """The plan's peak bytes of each phase the loop runs and measures: overlap's
+    gen spans the decode window with its prompt work, serial runs that work as a
+    phase of its own."""
+    o = plan.options
+    spans = dict(LOOP_PHASES, gen=("rollout", "prefix") if o.schedule == "overlap" else ("rollout",))
+    if o.schedule != "serial-prefix":
+        del spans["prefix"]
+    if not o.ref_model:
+        del spans["ref"]
+    if not o.recompute_old_logprobs:
+        del spans["old_log_prob"]
+    return {name: max(plan.rollplex.total(p) for p in parts) for name, parts in spans.items()}

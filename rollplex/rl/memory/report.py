@@ -1,0 +1,72 @@
+"""The plan as text: its inputs, each phase's bytes by tensor class for both
+schedules, their peaks, and what is exact, estimated or not counted."""
+
+from __future__ import annotations
+
+from rollplex.rl.memory.inputs import GiB, UNCOUNTED_FRACTION
+from rollplex.rl.memory.plan import TENSOR_CLASSES, MemoryPlan
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:9.2f}"
+
+
+def _header(plan: MemoryPlan) -> list[str]:
+    args, lay, b, o, p, z = plan.args, plan.layout, plan.batch, plan.options, plan.params, plan.sizes
+    t = args.text
+    deferred = [f"{i.kind} (chunk {i.chunk})" for i, a in zip(plan.prefix_items, plan.admitted) if not a]
+    return [
+        f"model {plan.model_name or '(config)'}: {p.total / 1e9:.2f}B parameters ({p.vision / 1e9:.2f}B vision, "
+        f"{p.tp_split / 1e9:.2f}B split by tp), {t.num_hidden_layers} layers, hidden {t.hidden_size}, "
+        f"{t.num_key_value_heads} kv heads x {t.head_dim}",
+        f"layout: {lay.nodes} node(s) x {lay.gpus_per_node} GPUs; trainer dp_shard {lay.dp_shard} x tp {lay.tp}; "
+        f"engine tp {lay.engine_tp} ({lay.engine_replicas} replicas)",
+        f"batch: {b.prompts} prompts x n {b.n}; prompt {b.prompt_tokens} text + {b.vision_tokens} vision tokens "
+        f"({b.vision_patches(args)} patches); response {b.response_tokens} tokens",
+        f"options: schedule {o.schedule}, {o.updates_per_batch} update(s) per batch, activation checkpointing "
+        f"{o.activation_checkpointing}, freeze vision {o.freeze_vision}, optimizer offload {o.offload_optimizer}, "
+        f"ref model {o.ref_model}, old prefix {o.recompute_old_logprobs}, {o.param_dtype}, {o.attention} attention",
+        f"sizes within {z.usable / GiB:.1f} GiB ({o.device_memory / GiB:.1f} GiB less {UNCOUNTED_FRACTION:.0%} "
+        f"uncounted): KV pool {z.kv_pool / GiB:.2f} GiB, micro-batch {z.micro_batch_tokens} tokens, prefix budget "
+        f"{plan.prefix_budget / GiB:.2f} GiB for this batch",
+        f"per trainer rank: {plan.prompts_per_rank} prompts; prompt work "
+        + (f"deferred to the serial path: {', '.join(deferred)}" if deferred else "all kept from the prefix phase"),
+        "",
+    ]
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    lines = _header(plan)
+    for phase in plan.naive.phases:
+        lines.append(f"phase {phase:<10} {'naive GiB':>9}  {'rollplex GiB':>12}")
+        for cls in TENSOR_CLASSES:
+            nv, rp = plan.naive.phases[phase].get(cls, 0), plan.rollplex.phases[phase].get(cls, 0)
+            if nv or rp:
+                lines.append(f"  {cls:<22}{_gib(nv)}  {_gib(rp):>12}")
+        lines.append(f"  {'total':<22}{_gib(plan.naive.total(phase))}  {_gib(plan.rollplex.total(phase)):>12}")
+        lines.append("")
+    for sched in (plan.naive, plan.rollplex):
+        fits = "fits" if sched.peak <= plan.sizes.usable else "does NOT fit"
+        lines.append(f"peak per GPU, {sched.name:<8}: {sched.peak / GiB:7.2f} GiB in phase {sched.peak_phase} "
+                     f"({fits} in {plan.sizes.usable / GiB:.1f} GiB usable)")
+    lines += [
+        "",
+        "exact: parameters (from the layer shapes); master shard = (tp-split/tp + replicated)/dp_shard "
+        "elements; gradients and 2 AdamW moments on the trainable part of it; ref weights = the shard in ref dtype; "
+        "gathered weights = all of them in rollout and prompt work, FSDP's root unit + 1 decoder layer in passes; "
+        "KV per token = 2 x layers x kv_heads/tp x head_dim x dtype; KV pool = every sample's blocks at full length "
+        "(as the engine allocates), at most its capacity; prompt K/V = that per prompt token, once per item "
+        "(ref, actor, old); vision embeds = vision tokens x hidden x dtype.",
+        "estimated from what the model's code saves for backward: per token and decoder layer 2 RMSNorms "
+        "(float32 input, normalised value, output) + attention (q, k, v, output; the torch path's gathered copies) + "
+        "4 x intermediate; with checkpointing the layer's input; the prefix graph = that over the actor's prompt "
+        "tokens (+ the vision tower over its patches unless it reuses cached features); a training micro-batch = "
+        "that over its tokens + max(logits: 6 float32 vocabulary rows per response token with the entropy bonus, "
+        "one layer's backward); a logprob pass = max(one layer's forward, logits: 2 rows); workspace = the engine's "
+        "prefill layer or decode logits and sampling, or a prompt slice's layer.",
+        "naive = the same tensors with nothing ever freed: each class at its largest, in every phase "
+        "(so optimizer offload does not apply to it).",
+        f"not counted (the {UNCOUNTED_FRACTION:.0%} headroom): allocator fragmentation, library workspaces, "
+        "the CUDA context, FSDP's reduce buffers, optimizer temporaries.",
+    ]
+    return "\n".join(lines)
