@@ -34,6 +34,9 @@ Rollplex's own (no verl equivalent):
     val/score                      mean validation reward
     data/skipped                   samples dropped by the data pipeline this step
     reward/errors                  reward-function calls that raised
+    actor/skipped_steps            optimizer steps skipped so far (a non-finite loss, gradient or logprob)
+    training/nonfinite_logprobs    non-finite token logprobs in the step's reference, old and actor passes,
+                                   all ranks (a token counts once per pass); any skips its optimizer step
     weights/bytes_shared           weight bytes the engine reads in place (the trainer's own tensors)
     weights/bytes_viewed           ... reads through a slice/stride view of them
     weights/bytes_rebuilt          ... rebuilds into its own buffer after each optimizer step

@@ -77,7 +77,7 @@ def test_moved_weights_get_new_graphs(device):
     assert graphed.runner.captures == 2
 
 
-def test_the_stand_in_refuses_a_graph_whose_pool_or_weights_moved():
+def test_the_stand_in_refuses_a_graph_whose_pool_weights_or_rotary_table_moved():
     graphed, _ = graphed_and_eager("cpu")
     graphed.generate([Request([1, 2, 3])], SamplingParams(temperature=0.0, max_tokens=2))
     graph = graphed.runner.graphs[1]
@@ -90,8 +90,14 @@ def test_the_stand_in_refuses_a_graph_whose_pool_or_weights_moved():
     graphed.cache.data = old_pool
     graph.replay()
     norm = graphed.model.language_model.norm.weight
+    captured_norm = norm.data
     norm.data = norm.data.clone()
     with pytest.raises(RuntimeError, match="stale CUDA graph: the weights moved"):
+        graph.replay()
+    norm.data = captured_norm
+    graph.replay()
+    graphed.runner.rotary_table = graphed.runner.rotary_table.clone()  # as when a prompt needs a longer one
+    with pytest.raises(RuntimeError, match="stale CUDA graph: the rotary table moved"):
         graph.replay()
 
 

@@ -5,6 +5,7 @@ a sequence sampled when it leaves (finished, or preempted to be recomputed)."""
 import torch
 
 from rollplex.engine.decode_batch import DecodeBatch
+from rollplex.engine.sampler import uniforms
 from rollplex.engine.sequence import PromptState, Request, Sequence
 
 SINK, STOP = 9, 99
@@ -26,8 +27,13 @@ def test_a_sequence_from_join_to_leave():
     a, b = (Sequence(p, j, list(PROMPT), block_table=[0, 1 + j]) for j in range(2))
     assert batch.join([a, b]) == 0
     rows = [a.decode_row, b.decode_row]
-    seeds, positions = batch.sampling_inputs()
-    assert seeds.tolist() == [11, 12] and positions.tolist() == [5, 5]  # the first token to sample is token 5
+    inputs = batch.step_inputs(block_size=4)
+    assert inputs.lengths.tolist() == [5, 5] and inputs.longest == 5  # the first token to sample is token 5
+    assert inputs.positions.tolist() == [4 + 7, 4 + 7]  # the fed token, index 4, + the rope delta
+    assert inputs.slots.tolist() == [1 * 4 + 0, 2 * 4 + 0]  # index 4: the first slot of each one's block 1
+    # Each sample's own seed, at the index of the token it samples.
+    assert torch.equal(batch.uniforms(), uniforms(torch.tensor([11, 12]), torch.tensor([5, 5])))
+    assert batch.step_inputs(block_size=4) is inputs  # made once per step
     assert batch.block_tables[rows].tolist() == [[0, 1, SINK, SINK], [0, 2, SINK, SINK]]
 
     assert step(batch, [STOP, 40], [-0.5, -1.5]) == [0]  # a samples a stop token
@@ -35,12 +41,17 @@ def test_a_sequence_from_join_to_leave():
     assert (a.token_ids, a.logprobs, a.decode_row) == (PROMPT + [STOP], [-0.5], -1)
     assert batch.seqs == [b] and batch.rows.tolist() == [b.decode_row]
     assert len(b) == len(PROMPT)  # its own list catches up when it leaves
+    b.block_table[-1] = 6  # a private copy of its block 1 (copy-on-write): the fed token, index 5, goes there
+    batch.last_blocks_changed([0])
+    assert batch.block_tables[b.decode_row].tolist() == [0, 6, SINK, SINK]
+    assert batch.step_inputs(block_size=4).slots.tolist() == [6 * 4 + 1]
 
-    assert step(batch, [41], [-1.0]) == []
-    assert batch.last_tokens[b.decode_row] == 41 and batch.sampling_inputs()[1].tolist() == [7]
+    assert step(batch, [141], [-1.0]) == []  # an id past the largest stop id is no stop
+    assert batch.last_tokens[b.decode_row] == 141 and batch.step_inputs(block_size=4).lengths.tolist() == [7]
+    assert torch.equal(batch.uniforms(), uniforms(torch.tensor([12]), torch.tensor([7])))
     assert step(batch, [42], [-2.0]) == [0]  # at its maximum length, 8 tokens
     batch.leave([0])
-    assert (b.token_ids, b.logprobs) == (PROMPT + [40, 41, 42], [-1.5, -1.0, -2.0])
+    assert (b.token_ids, b.logprobs) == (PROMPT + [40, 141, 42], [-1.5, -1.0, -2.0])
 
     # A row comes back with a table of sink blocks past the new sequence's own.
     c = Sequence(p, 0, list(PROMPT), block_table=[3])
@@ -60,7 +71,9 @@ def test_a_preempted_sequence_takes_its_samples_along_and_resumes_after_them():
     # Recomputed (prefill of its 7 tokens), it joins again and samples from token 7 on.
     youngest.block_table = [2, 3]
     assert batch.join([youngest]) == 2
-    assert batch.sampling_inputs(2)[1].tolist() == [7]
+    assert torch.equal(batch.uniforms(2), uniforms(torch.tensor([13]), torch.tensor([7])))  # after its prefill
+    assert batch.step_inputs(block_size=4).lengths.tolist() == [7, 7, 7]
+    assert torch.equal(batch.uniforms(2), uniforms(torch.tensor([13]), torch.tensor([7])))
     assert step(batch, [42], [-5.0], start=2) == []
     batch.leave([0, 1, 2])
     assert [s.token_ids[len(PROMPT):] for s in seqs] == [[20, 21], [30, 31], [40, 41, 42]]

@@ -95,6 +95,19 @@ def test_long_video_positions_follow_the_reference_rule(model):
     assert s.token_ids == ids[len(r.prompt_ids):]
 
 
+def test_decode_positions_past_max_model_len_read_a_longer_rotary_table(model):
+    """A video spread over more time than its tokens (rope delta > 0) makes decode feed
+    rope positions past max_model_len: the runner's table of them grows to fit."""
+    v, gv, nv = image(4, 4, 4, seed=23)
+    r = Request([2, VSTART] + [VID] * nv + [VEND, 5], pixel_values_videos=v, video_grid_thw=gv,
+                second_per_grid_ts=torch.tensor([20.0]))
+    engine = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_model_len=len(r.prompt_ids) + 8))
+    out = engine.generate([r], SamplingParams(temperature=1.0, max_tokens=8, seed=2, ignore_eos=True))[0]
+    assert out.rope_delta > 0 and len(engine.runner.rotary_table) > engine.max_model_len
+    s = out.samples[0]
+    assert (torch.tensor(s.logprobs) - full_logprobs(model, r, s.token_ids)).abs().max() <= 1e-5
+
+
 def test_group_prefills_its_prompt_once(model):
     engine = Engine(model, EngineConfig(block_size=4, num_blocks=128))
     r = mixed_requests()[1]

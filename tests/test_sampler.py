@@ -4,30 +4,26 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from rollplex.engine.sampler import SamplingParams, _cumulative_weights, _invert, _to_unit, _uniform, sample
+from rollplex.engine.sampler import SamplingParams, _cumulative_weights, _invert, _to_unit, sample, uniforms
 from test_prefix_sync import HostSyncGuard
 
 
-def run(logits, temperature=1.0, top_p=1.0, top_k=-1, seeds=None, positions=0, truncate=True):
-    """sample() with per-row tensors built from scalars (or given as lists), as the engine batches them."""
+def run(logits, temperature=1.0, top_p=1.0, top_k=-1, seeds=None, positions=0, truncate=True, per_row=True):
+    """sample() with per-row tensors built from scalars (or given as lists), or with
+    `per_row=False` one number per parameter, as the engine calls it."""
     B = logits.shape[0]
 
     def col(x, dtype):
         return torch.as_tensor(x, dtype=dtype).expand(B).clone()
 
     seeds = torch.arange(B) if seeds is None else seeds
-    return sample(
-        logits,
-        col(temperature, torch.float32),
-        col(top_p, torch.float32),
-        col(top_k, torch.long),
-        col(seeds, torch.long),
-        col(positions, torch.long),
-        truncate=truncate,
-    )
+    params = ((col(temperature, torch.float32), col(top_p, torch.float32), col(top_k, torch.long)) if per_row
+              else (temperature, top_p, top_k))
+    return sample(logits, *params, uniforms(col(seeds, torch.long), col(positions, torch.long)), truncate=truncate)
 
 
 def repeat(probs: list[float], n: int) -> torch.Tensor:
@@ -65,7 +61,7 @@ def test_sampling_params_defaults_and_validation():
 
 
 def splitmix64_reference(seed: int, position: int) -> int:
-    """_uniform's hash in plain Python uint64 arithmetic."""
+    """uniforms' hash in plain Python uint64 arithmetic."""
     mask = 2**64 - 1
 
     def mix(x: int) -> int:
@@ -81,16 +77,17 @@ def test_uniform_is_the_uint64_hash_bit_for_bit():
     seeds = torch.tensor([0, 1, 2**62 + 12345, 2**63 - 1])
     positions = torch.tensor([0, 7, 100_000, 3])
     expected = [((splitmix64_reference(s, p) >> 12) + 0.5) / 2**52 for s, p in zip(seeds.tolist(), positions.tolist())]
-    assert _uniform(seeds, positions).tolist() == expected
+    u = uniforms(seeds, positions)
+    assert u.dtype == torch.float64 and u.device.type == "cpu" and u.tolist() == expected
 
 
 def test_uniform_strictly_inside_unit_interval_and_uniform():
-    extremes = _to_unit(torch.tensor([0, -1, 2**63 - 1, -(2**63)]))  # all-zero, all-one and sign bits
-    assert extremes.dtype == torch.float64
+    extremes = _to_unit(np.array([0, 2**64 - 1, 2**63 - 1, 2**63], dtype=np.uint64))  # all-zero, all-one, sign bits
+    assert extremes.dtype == np.float64
     assert extremes.tolist() == [2**-53, 1 - 2**-53, 0.5 - 2**-53, 0.5 + 2**-53]
 
     n = 2**18
-    u = _uniform(torch.arange(n) % 512, torch.arange(n) // 512)  # 512 seeds x 512 positions
+    u = uniforms(torch.arange(n) % 512, torch.arange(n) // 512)  # 512 seeds x 512 positions
     assert 0 < u.min() and u.max() < 1
     assert abs(u.mean().item() - 0.5) < 0.002
     assert abs(u.var().item() - 1 / 12) < 0.001
@@ -100,7 +97,7 @@ def test_uniform_strictly_inside_unit_interval_and_uniform():
 
 def test_invert_draws_only_tokens_of_nonzero_weight_even_at_the_ends_of_u():
     cdf = torch.tensor([0.0, 0.0, 2.0, 2.0, 5.0, 5.0, 5.0], dtype=torch.float64).expand(4, 7).clone()
-    u = torch.tensor([2**-53, 0.3, 1 - 2**-53, 1.0], dtype=torch.float64)  # 1.0 is past _uniform's range
+    u = torch.tensor([2**-53, 0.3, 1 - 2**-53, 1.0], dtype=torch.float64)  # 1.0 is past uniforms' range
     assert _invert(cdf, cdf[:, -1], u).tolist() == [2, 2, 4, 4]
     # A cut at the first index reaching mass 2 (top-k/top-p) keeps the draw at or before it.
     assert _invert(cdf, torch.full((4,), 2.0, dtype=torch.float64), u).tolist() == [2, 2, 2, 2]
@@ -113,7 +110,7 @@ def test_cumulative_weights_keep_the_tail_mass_of_a_real_vocab():
     V = 151936
     logits = torch.full((1, V), -18.4)
     logits[0, 0] = 0.0
-    cdf = _cumulative_weights(logits, logits[:, 0], torch.ones(1))
+    cdf = _cumulative_weights(logits, logits[:, 0], torch.ones(1, 1))
     exact = math.fsum(logits[0].exp().double().tolist())
     assert abs(cdf[0, -1].item() - exact) < 1e-12
     assert (cdf[0, -1] - cdf[0, 0]).item() > 1e-3
@@ -170,8 +167,7 @@ def test_same_seed_and_position_same_token_whatever_the_batch(truncate):
             torch.cat([torch.full((others,), 0.9), temperature[rows]]),
             torch.cat([torch.full((others,), 0.5 if truncate else 1.0), top_p[rows]]),
             torch.cat([torch.full((others,), 3 if truncate else -1), top_k[rows]]),
-            torch.cat([extra, seeds[rows]]),
-            torch.cat([extra * 9, positions[rows]]),
+            uniforms(torch.cat([extra, seeds[rows]]), torch.cat([extra * 9, positions[rows]])),
             truncate=truncate,
         )
         return tokens[others:], logprobs[others:]
@@ -188,6 +184,28 @@ def test_same_seed_and_position_same_token_whatever_the_batch(truncate):
     # Row 5 alone, and beside rows it was never batched with.
     assert draw([5])[0].item() == tokens[5].item()
     assert draw([5], others=3)[0].item() == tokens[5].item()
+
+
+@pytest.mark.parametrize("truncate", [True, False])
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
+def test_one_number_per_parameter_draws_what_per_row_tensors_of_it_draw(temperature, truncate):
+    # The engine's call: the sampler skips the argmax (temperature > 0), the division
+    # (temperature 1) and the log_softmax (temperature 0 or 1, the logprob from the draw's sum).
+    torch.manual_seed(0)
+    logits = torch.randn(64, 3000) * 4
+    top_p, top_k = (0.9, 40) if truncate else (1.0, -1)
+    kwargs = dict(temperature=temperature, top_p=top_p, top_k=top_k, positions=torch.arange(64), truncate=truncate)
+    tokens, logprobs = run(logits, **kwargs, per_row=False)
+    expected_tokens, expected_logprobs = run(logits, **kwargs)
+    assert torch.equal(tokens, expected_tokens) and logprobs.dtype == torch.float32
+    if temperature in (0.0, 1.0):
+        # From the draw's float64 sum, rounded once: within float32 rounding of the exact
+        # value, where the float32 log_softmax of per-row tensors is off by up to ~1e-6.
+        exact = logits.double().log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+        torch.testing.assert_close(logprobs.double(), exact, rtol=1.2e-7, atol=1e-12)
+        torch.testing.assert_close(logprobs, expected_logprobs, rtol=0, atol=3e-6)
+    else:
+        assert torch.equal(logprobs, expected_logprobs)
 
 
 def test_different_seeds_or_positions_sample_differently():
@@ -231,15 +249,16 @@ def test_empirical_distribution_matches_softmax(truncate):
     assert chi_square < degrees + 5 * math.sqrt(2 * degrees)  # a false alarm has odds of about 1e-5
 
 
+@pytest.mark.parametrize("per_row", [True, False])
 @pytest.mark.parametrize("truncate", [True, False])
-def test_masked_tokens_are_never_drawn(truncate):
+def test_masked_tokens_are_never_drawn(truncate, per_row):
     # -inf at both ends and inside, where a draw that ran past the kept mass would land.
     n, V = 4000, 12
     logits = torch.zeros(n, V)
     masked = [0, 3, 4, 10, 11]
     logits[:, masked] = float("-inf")
     for temperature in (0.3, 1.0, 5.0):
-        tokens, logprobs = run(logits, temperature=temperature, truncate=truncate)
+        tokens, logprobs = run(logits, temperature=temperature, truncate=truncate, per_row=per_row)
         assert set(tokens.tolist()) == set(range(V)) - set(masked)
         assert torch.isfinite(logprobs).all()
 
@@ -267,30 +286,37 @@ def test_temperature_sharpens_and_flattens():
     assert cold > 0.4 > hot
 
 
+@pytest.mark.parametrize("per_row", [True, False])
 @pytest.mark.parametrize("truncate", [True, False])
-def test_sampling_never_makes_the_host_wait(truncate):
+def test_sampling_never_makes_the_host_wait(truncate, per_row):
     B = 8
-    inputs = [torch.randn(B, 500), torch.tensor([0.0, 0.7] * 4), torch.full((B,), 0.9 if truncate else 1.0),
-              torch.full((B,), 20 if truncate else -1), torch.arange(B), torch.arange(B)]
+    u = uniforms(torch.arange(B), torch.arange(B))  # the caller's, on the host, copied with its other inputs
+    params = ([torch.tensor([0.0, 0.7] * 4), torch.full((B,), 0.9 if truncate else 1.0),
+               torch.full((B,), 20 if truncate else -1)] if per_row else [1.0, 0.9 if truncate else 1.0, 20])
     with HostSyncGuard() as guard:
-        sample(*inputs, truncate=truncate)
+        sample(torch.randn(B, 500), *params, u, truncate=truncate)
     assert guard.calls == []
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+@pytest.mark.parametrize("per_row", [True, False])
 @pytest.mark.parametrize("truncate", [True, False])
-def test_cuda_draws_what_cpu_draws_without_a_sync(truncate):
+def test_cuda_draws_what_cpu_draws_without_a_sync(truncate, per_row):
     torch.manual_seed(0)
     B, V = 64, 151936
     logits = (torch.randn(B, V) * 3).bfloat16()
-    rows = [torch.full((B,), 0.8), torch.full((B,), 0.9 if truncate else 1.0),
-            torch.full((B,), 50 if truncate else -1), torch.arange(B) * 7919, torch.arange(B)]
-    on_cpu, _ = sample(logits, *rows, truncate=truncate)
+    params = [0.8 if per_row else 1.0, 0.9 if truncate else 1.0, 50 if truncate else -1]
+    rows = [torch.full((B,), x) for x in params] if per_row else params
+    u = uniforms(torch.arange(B) * 7919, torch.arange(B))
+    on_cpu, lp_cpu = sample(logits, *rows, u, truncate=truncate)
+    on_device = [r.cuda() for r in rows] if per_row else rows
+    u = u.cuda()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        on_cuda, _ = sample(logits.cuda(), *(r.cuda() for r in rows), truncate=truncate)
+        on_cuda, lp_cuda = sample(logits.cuda(), *on_device, u, truncate=truncate)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert torch.equal(_uniform(rows[3].cuda(), rows[4].cuda()).cpu(), _uniform(rows[3], rows[4]))
     # The float sums may round differently: a token moves only when U falls at a boundary.
-    assert (on_cuda.cpu() != on_cpu).sum() <= 1
+    same = on_cuda.cpu() == on_cpu
+    assert (~same).sum() <= 1
+    assert (lp_cuda.cpu() - lp_cpu)[same].abs().max() <= 1e-4  # float32 log_softmax over 151936 tokens: ~3e-5

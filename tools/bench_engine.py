@@ -38,8 +38,13 @@ loading, engine construction or input building.
 time on models of `--host-overhead-layers` layers (other sizes the same), and
 the least-squares line of step time against layer count. The intercept is the
 time per decode step that does not depend on depth: scheduling, the decode
-inputs, sampling and its bookkeeping (stop checks, finished sequences), the
-embedding and the head.
+inputs, rotary tables, sampling and its bookkeeping (stop checks, finished
+sequences), the embedding, the final norm and the head. Each decode step is
+timed on its own (the engine's `between_steps` callback), and each step's time
+is its minimum over the repeats, so that other load on a shared machine, which
+only adds time, drops out. On CPU the decoder layers are also timed within the
+same steps, and the tool reports each model's step time minus its layers' time:
+the depth-independent time measured directly, not fitted.
 
 On CUDA the tool also measures the engine's decode step time, with CUDA graphs
 and with `enforce_eager`, against a memory-bandwidth floor (see
@@ -152,8 +157,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--images must be >= 0")
     if not 0 <= a.stop_tokens <= 256:
         p.error("--stop-tokens must be in [0, 256] (they are byte tokens)")
-    if a.host_overhead and (a.stop_tokens or a.output_len < 2 or len(set(a.host_overhead_layers)) < 2):
-        p.error("--host-overhead times fixed-length decoding: it needs no --stop-tokens, --output-len >= 2 "
+    if a.host_overhead and (a.stop_tokens or a.output_len < 3 or len(set(a.host_overhead_layers)) < 2):
+        p.error("--host-overhead times fixed-length decoding: it needs no --stop-tokens, --output-len >= 3 "
                 "and at least two distinct --host-overhead-layers")
     if a.max_model_len not in ("workload", "engine") and not a.max_model_len.isdigit():
         p.error("--max-model-len must be 'workload', 'engine' or a number")
@@ -283,11 +288,11 @@ def make_engine(model: Qwen2_5_VL, requests: list[Request], wl: Workload, a: arg
 
 
 def rollplex_generate(engine: Engine, requests: list[Request], max_tokens: int,
-                      stop_ids: Iterable[int] = ()) -> int:
+                      stop_ids: Iterable[int] = (), between_steps: Callable[[int], None] | None = None) -> int:
     """Output tokens, each sample's stop token included: the engine keeps no padding."""
     params = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=max_tokens,
                             stop_token_ids=list(stop_ids), ignore_eos=True, seed=SEED)
-    outputs = engine.generate(requests, params)
+    outputs = engine.generate(requests, params, between_steps)
     return sum(len(s.token_ids) for o in outputs for s in o.samples)
 
 
@@ -387,15 +392,15 @@ def decode_step_report(model: Qwen2_5_VL, requests: list[Request], wl: Workload,
                        device: torch.device) -> dict:
     """Decode step time of the engine against the memory-bandwidth floor, with and without CUDA graphs.
 
-    Measured: wall time of generate(max_tokens=L) minus generate(max_tokens=1) (same
-    requests: the same prefill and first tokens), divided by the number of decode steps
-    between them. So a "step" is the engine's whole decode step: scheduling, input
-    building, the forward, sampling and the host sync that reads the tokens back.
+    Measured: each decode step of generate(max_tokens=L) on its own, its minimum over
+    the repeats (see `decode_step_times`). So a "step" is the engine's whole decode
+    step: scheduling, input building, the forward, sampling and the host sync that
+    reads the tokens back.
     Floor: (decode weight bytes + mean KV bytes read per step) / measured copy bandwidth,
     i.e. the time just to stream those bytes from device memory once.
     """
-    if wl.output_len < 2:
-        raise ValueError("the decode step measurement needs --output-len >= 2")
+    if wl.output_len < 3:
+        raise ValueError("the decode step measurement needs --output-len >= 3")
     bandwidth = copy_bandwidth(device)
     weights = decode_weight_bytes(model)
     report: dict[str, Any] = {"copy_bandwidth_GBps": bandwidth / 1e9, "decode_weight_bytes": weights}
@@ -411,35 +416,108 @@ def decode_step_report(model: Qwen2_5_VL, requests: list[Request], wl: Workload,
     return report
 
 
+class StepClock:
+    """Times each step of a generate() through its `between_steps` callback, which the
+    engine calls after every step but the last; with `time_layers`, also the time spent
+    inside the decoder layers during each step (forward hooks on the first and last
+    layer: CPU only, where the host runs the layers itself)."""
+
+    def __init__(self, engine: Engine, time_layers: bool):
+        self.engine = engine
+        self.layers_start, self.layers_s = 0.0, 0.0
+        self.hooks = []
+        if time_layers:
+            layers = engine.model.language_model.layers
+            self.hooks = [layers[0].register_forward_pre_hook(self._layers_start),
+                          layers[-1].register_forward_hook(self._layers_end)]
+
+    def _layers_start(self, *_) -> None:
+        self.layers_start = time.perf_counter()
+
+    def _layers_end(self, *_) -> None:
+        self.layers_s += time.perf_counter() - self.layers_start
+
+    def generate(self, requests: list[Request], max_tokens: int) -> dict[str, list[float]]:
+        """One generate(); per decode step it timed (every one but the last): its wall
+        time, the layers' time within it (0 when not timed) and its batch."""
+        steps: dict[str, list[float]] = {"step_s": [], "layers_s": [], "batch": []}
+        decode_tokens, self.layers_s = 0, 0.0
+
+        def between_steps(_running: int) -> None:
+            nonlocal decode_tokens, last
+            now = time.perf_counter()
+            batch = self.engine.stats["decode_tokens"] - decode_tokens
+            if batch:  # a decode step (a prefill step adds no decode tokens)
+                steps["step_s"].append(now - last)
+                steps["layers_s"].append(self.layers_s)
+                steps["batch"].append(batch)
+            decode_tokens, self.layers_s, last = self.engine.stats["decode_tokens"], 0.0, time.perf_counter()
+
+        last = time.perf_counter()
+        rollplex_generate(self.engine, requests, max_tokens, between_steps=between_steps)
+        return steps
+
+    def close(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+
+def per_step_minimum_ms(runs: list[list[float]]) -> float:
+    """The mean over step indices of each step's fastest time over the runs (runs x steps,
+    seconds -> ms). Other load on the machine only ever adds time, and it hits a step of
+    one run, not the same step of every run; the steps themselves differ (the context
+    grows, every block_size-th step allocates blocks), so each is compared with itself."""
+    return float(np.min(np.array(runs), axis=0).mean() * 1e3)
+
+
 def decode_step_times(engines: list[Engine], requests: list[Request], output_len: int, repeats: int,
-                      device: torch.device) -> list[dict]:
-    """Each engine's whole decode step time: (generate(max_tokens=L) - generate(max_tokens=1))
-    / the decode steps between them, after a warm-up (and graph capture). The timed runs
+                      device: torch.device, time_layers: bool = False) -> list[dict]:
+    """Each engine's decode step time, a whole engine step (scheduling, input building,
+    the forward, sampling, the host sync that reads the tokens back), timed step by step
+    in generate(max_tokens=L) after a warm-up (and graph capture). The timed runs
     alternate between the engines, so drift in machine load hits all of them alike.
-    Returns per engine the median step and the step of each repeat (its spread)."""
+
+    Per engine: `decode_step_ms`, the per-step minimum over repeats (see
+    `per_step_minimum_ms`); `all_step_ms`, each repeat's mean step (the spread); with
+    `time_layers`, `layers_ms` (the layers' own time, the same statistic) and
+    `outside_layers_ms`, the same statistic of each step's time minus its layers' time."""
+    clocks = [StepClock(engine, time_layers) for engine in engines]
     for engine in engines:
         rollplex_generate(engine, requests, output_len)
-    results = [{"all_step_ms": []} for _ in engines]
+    runs: list[list[dict[str, list[float]]]] = [[] for _ in engines]
     for _ in range(repeats):
-        for engine, result in zip(engines, results):
-            short = timed(functools.partial(rollplex_generate, engine, requests, 1), device)[0]
-            steps_short = engine.stats["steps"]
-            long_ = timed(functools.partial(rollplex_generate, engine, requests, output_len), device)[0]
-            # Prefill steps are the same in both runs when every sequence fits in one batch
-            # (prompts x n <= batch size x n, as in the defaults); otherwise this is approximate.
-            decode_steps = engine.stats["steps"] - steps_short
-            result["all_step_ms"].append((long_ - short) / decode_steps * 1e3)
-            result.update(decode_steps=decode_steps, mean_decode_batch=engine.stats["decode_tokens"] / decode_steps)
-    for result in results:
-        result["decode_step_ms"] = statistics.median(result["all_step_ms"])
+        for clock, engine_runs in zip(clocks, runs):
+            _sync(device)
+            engine_runs.append(clock.generate(requests, output_len))
+    results = []
+    for clock, engine_runs in zip(clocks, runs):
+        clock.close()
+        step_s = [r["step_s"] for r in engine_runs]
+        if not step_s[0]:
+            raise ValueError("no decode step was timed: the last step of a generate() is not (use a longer output)")
+        if len({len(s) for s in step_s}) != 1:
+            raise RuntimeError("the repeats ran different numbers of decode steps; the workload must be fixed-length")
+        result = {"decode_step_ms": per_step_minimum_ms(step_s),
+                  "all_step_ms": [float(np.mean(s) * 1e3) for s in step_s],
+                  "timed_steps": len(step_s[0]),
+                  "decode_steps": len(step_s[0]) + 1,  # and the last one
+                  "mean_decode_batch": float(np.mean(engine_runs[0]["batch"]))}
+        if time_layers:
+            layers_s = [r["layers_s"] for r in engine_runs]
+            result["layers_ms"] = per_step_minimum_ms(layers_s)
+            result["outside_layers_ms"] = per_step_minimum_ms(
+                [[s - layers for s, layers in zip(steps, run_layers)] for steps, run_layers in zip(step_s, layers_s)])
+        results.append(result)
     return results
 
 
 def host_overhead_report(a: argparse.Namespace, wl: Workload, device: torch.device, dtype: torch.dtype) -> dict:
     """The engine's decode step time against layer count, over random models that differ
     only in depth, and its least-squares line: the intercept is the time per step that
-    does not depend on depth, the slope the time per layer. Fitted on the median steps,
-    and on each repeat's steps for the spread."""
+    does not depend on depth, the slope the time per layer. Fitted on the per-step
+    minimum steps, and on each repeat's mean steps for the spread. On CPU also, per
+    model, the step's time outside the decoder layers, timed in the same steps: what
+    the intercept estimates, measured directly."""
     layers = a.host_overhead_layers
     engines, requests = [], None
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
@@ -449,13 +527,17 @@ def host_overhead_report(a: argparse.Namespace, wl: Workload, device: torch.devi
             # The requests depend on the vision config and token ids only, the same at every depth.
             requests = requests or build_requests(path, model, wl)
             engines.append(make_engine(model, requests, wl, a))
-    steps = decode_step_times(engines, requests, wl.output_len, a.repeats, device)
+    time_layers = device.type == "cpu"
+    steps = decode_step_times(engines, requests, wl.output_len, a.repeats, device, time_layers)
     slope, intercept = np.polyfit(layers, [s["decode_step_ms"] for s in steps], 1)
     per_repeat = [np.polyfit(layers, [s["all_step_ms"][i] for s in steps], 1) for i in range(a.repeats)]
-    return {"layers": layers, "models": [model_summary(e.model) for e in engines], "steps": steps,
-            "slope_ms_per_layer": float(slope), "intercept_ms": float(intercept),
-            "all_slope_ms_per_layer": [float(f[0]) for f in per_repeat],
-            "all_intercept_ms": [float(f[1]) for f in per_repeat]}
+    report = {"layers": layers, "models": [model_summary(e.model) for e in engines], "steps": steps,
+              "slope_ms_per_layer": float(slope), "intercept_ms": float(intercept),
+              "all_slope_ms_per_layer": [float(f[0]) for f in per_repeat],
+              "all_intercept_ms": [float(f[1]) for f in per_repeat]}
+    if time_layers:
+        report["outside_layers_ms"] = statistics.median(s["outside_layers_ms"] for s in steps)
+    return report
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -494,7 +576,7 @@ def format_report(report: dict) -> str:
         c = report["cuda_decode"]
         lines += ["", f"decode step vs memory floor (copy bandwidth {c['copy_bandwidth_GBps']:.0f} GB/s, "
                       f"decode weights {c['decode_weight_bytes'] / 1e6:.1f} MB):",
-                  "  step = (generate(max_tokens=L) - generate(max_tokens=1)) / decode steps, a whole engine step;",
+                  "  step = a whole engine decode step, each step's minimum over the repeats, averaged;",
                   "  floor = (decode weight bytes + KV bytes read per step) / copy bandwidth"]
         for name in ("cuda_graphs", "eager"):
             d = c[name]
@@ -506,23 +588,33 @@ def format_report(report: dict) -> str:
 
 def format_host_overhead(report: dict) -> str:
     wl, h = report["workload"], report["host_overhead"]
+    timed = "outside_layers_ms" in h
+    steps = h["steps"][0]
     lines = [
         f"NOTE: {report['note']}",
         f"models: {'; '.join(m['summary'] for m in h['models'])}",
         f"{report['device']} {report['dtype']}, {report['threads']} threads",
         f"workload: {wl['prompts']} prompts x n={wl['n']} ({wl['prompt_source']}), {wl['output_len']} new tokens each, "
-        f"batch {wl['batch_size']}, median of {report['repeats']} after warm-up",
-        "decode step = (generate(max_tokens=L) - generate(max_tokens=1)) / decode steps, a whole engine step",
+        f"batch {wl['batch_size']}, {report['repeats']} repeats after warm-up",
+        f"step: a whole engine decode step, timed one by one ({steps['timed_steps']} of each generate's "
+        f"{steps['decode_steps']}: not the last); each step's minimum over the repeats, averaged over the steps",
         "",
-        f"{'layers':>6}{'step ms':>10}{'mean batch':>12}  per repeat ms",
+        f"{'layers':>6}{'step ms':>10}" + (f"{'layers ms':>11}{'outside ms':>12}" if timed else "")
+        + f"{'mean batch':>12}  per repeat mean step ms",
     ]
     for layers, step in zip(h["layers"], h["steps"]):
-        lines.append(f"{layers:>6}{step['decode_step_ms']:>10.3f}{step['mean_decode_batch']:>12.1f}  "
-                     + " ".join(f"{x:.3f}" for x in step["all_step_ms"]))
-    lines += [f"least squares over layers: {h['slope_ms_per_layer']:.3f} ms per layer, "
+        lines.append(f"{layers:>6}{step['decode_step_ms']:>10.3f}"
+                     + (f"{step['layers_ms']:>11.3f}{step['outside_layers_ms']:>12.3f}" if timed else "")
+                     + f"{step['mean_decode_batch']:>12.1f}  " + " ".join(f"{x:.3f}" for x in step["all_step_ms"]))
+    lines += [f"least squares of step ms over layers: {h['slope_ms_per_layer']:.3f} ms per layer, "
               f"depth-independent {h['intercept_ms']:.3f} ms per step",
-              "  per repeat: intercept " + " ".join(f"{x:.3f}" for x in h["all_intercept_ms"])
+              "  per repeat (mean steps): intercept " + " ".join(f"{x:.3f}" for x in h["all_intercept_ms"])
               + " ms; slope " + " ".join(f"{x:.3f}" for x in h["all_slope_ms_per_layer"]) + " ms"]
+    if timed:
+        lines += [f"outside the decoder layers (step minus the layers' own time in the same step, "
+                  f"timed by hooks), median over the models: {h['outside_layers_ms']:.3f} ms per step",
+                  "  (the intercept also carries any noise in the deeper models' layer time, "
+                  "amplified by the extrapolation to 0 layers; this does not)"]
     return "\n".join(lines)
 
 

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from bench_train_attention import measure
-from rollplex.engine.sampler import sample
+from rollplex.engine.sampler import sample, uniforms
 
 
 def load_sample(path: str) -> Callable:
@@ -34,15 +34,12 @@ def load_sample(path: str) -> Callable:
 def bench(sample_fn: Callable, batch: int, vocab: int, device: torch.device, dtype: torch.dtype,
           truncate: bool) -> tuple[float, float]:
     """(ms per call, peak MB) of sample_fn on one (batch, vocab) step."""
-    def column(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.full((batch,), value, dtype=dtype, device=device)
-
     logits = (torch.randn(batch, vocab, device=device) * 3).to(dtype)
-    top_p, top_k = (column(0.9), column(50, torch.long)) if truncate else (column(1.0), column(-1, torch.long))
-    temperature, seeds, positions = column(1.0), torch.arange(batch, device=device), column(100, torch.long)
+    top_p, top_k = (0.9, 50) if truncate else (1.0, -1)
+    u = uniforms(torch.arange(batch), torch.full((batch,), 100)).to(device)
 
     def call() -> None:
-        sample_fn(logits, temperature, top_p, top_k, seeds, positions, truncate=truncate)
+        sample_fn(logits, 1.0, top_p, top_k, u, truncate=truncate)  # the engine's call: one value per parameter
 
     call()
     measured = measure(call, device)

@@ -267,7 +267,7 @@ def _replay_against_eager(engine) -> float:
             s = runner.static
             graph.replay()
             replayed = runner.graph_logits[bucket].float().clone()
-            eager = runner._decode_eager(s["ids"][:bucket], s["positions"][:, :bucket], s["slots"][:bucket],
+            eager = runner._decode_eager(s["ids"][:bucket], s["positions"][:bucket], s["slots"][:bucket],
                                          s["tables"][:bucket], s["lens"][:bucket]).float()
             worst = max(worst, (replayed - eager).abs().max().item())
     return worst

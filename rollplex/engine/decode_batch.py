@@ -1,22 +1,28 @@
-"""The running sequences' decode state, kept in persistent tensors between steps.
+"""The running sequences' decode state, kept in persistent arrays between steps.
 
-A sequence that starts decoding takes a row of these tensors and keeps it until
-it finishes or is preempted. Its row is written once when it joins (seed, rope
-delta, block table, the length where it stops), then updated in place: one token
-per step, and one block-table entry when the block manager gives it a new or a
-private block. A decode step reads its inputs off the running rows and records
-its sampled tokens and stop checks with a few tensor operations for the whole
-batch: no Python work per sequence, except for the few that need a block, finish
-or are preempted.
+A sequence that starts decoding takes a row of these arrays and keeps it until
+it finishes or is preempted. Its row is written once when it joins (rope delta,
+block table, the length where it stops, the sampler's U for every token it may
+sample), then updated in place: one token per step, and one block-table entry
+when the block manager gives it a new or a private block. A decode step reads its
+inputs off the running rows and records its sampled tokens and stop checks with a
+few array operations for the whole batch: no Python work per sequence, except for
+the few that need a block, finish or are preempted.
 
-Where each tensor lives:
-- on the host (CPU), what the scheduler reads every step without waiting on the
-  device: each row's length, the length where it stops, and the tokens and
-  logprobs it sampled, at their positions in the sequence (a sequence's own lists
-  catch up when it leaves the batch: to make its Sample, or to be recomputed
-  after a preemption);
+Where each array lives:
+- on the host, as numpy arrays, what the scheduler reads every step without
+  waiting on the device: each row's length, the length where it stops, and the
+  tokens and logprobs it sampled, at their positions in the sequence (a
+  sequence's own lists catch up when it leaves the batch: to make its Sample, or
+  to be recomputed after a preemption); and what the step's inputs are made
+  from, with the lengths: each row's rope delta and U per token. numpy, not
+  torch: a step's bookkeeping is a few dozen operations on a few hundred
+  numbers, and numpy dispatches each several times faster, the more so right
+  after the model has swept the caches;
 - on the model's device, what the model and the sampler read: each row's last
-  token, seed, rope delta and block table.
+  token and block table (torch), and the step's inputs (`StepInputs`), made on
+  the host (from a copy of the block tables there) and copied over in one
+  transfer per step.
 
 `seqs` and `rows` are the running sequences and their rows in running order,
 oldest first: the scheduler preempts from the end.
@@ -24,9 +30,24 @@ oldest first: the scheduler preempts from the end.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import numpy as np
 import torch
 
+from rollplex.engine.sampler import uniforms
 from rollplex.engine.sequence import PromptState, Sequence
+
+
+class StepInputs(NamedTuple):
+    """What changes every decode step for each running sequence, in running order,
+    on the device (int64 but `uniforms`), and the longest length, on the host."""
+
+    lengths: torch.Tensor  # tokens so far: the last one is fed, the next one sampled at this index
+    positions: torch.Tensor  # the fed token's rope position: its index + the prompt's rope delta (all three axes)
+    slots: torch.Tensor  # the KV pool slot the fed token's K/V goes to
+    uniforms: torch.Tensor  # float64: the sampler's U for the next token (rollplex.engine.sampler.uniforms)
+    longest: int
 
 
 class DecodeBatch:
@@ -36,26 +57,34 @@ class DecodeBatch:
         self.seqs: list[Sequence] = []
         self.free_rows = list(range(num_rows - 1, -1, -1))  # pop() hands out the lowest row first
         # Host.
-        self.lengths = torch.zeros(num_rows, dtype=torch.long)  # tokens so far; the last one's KV is not stored yet
-        self.max_lengths = torch.zeros(num_rows, dtype=torch.long)  # done at this length
-        self.just_joined = torch.zeros(num_rows, dtype=torch.bool)  # no decode step scheduled since it joined
-        # Column i: token i of the row's sequence and its logprob, once sampled here (prompts' stay unset).
+        self.lengths = np.zeros(num_rows, np.int64)  # tokens so far; the last one's KV is not stored yet
+        self.max_lengths = np.zeros(num_rows, np.int64)  # done at this length
+        self.just_joined = np.zeros(num_rows, bool)  # no decode step scheduled since it joined
+        self.rope_deltas = np.zeros(num_rows, np.int64)
+        # Column i: token i of the row's sequence and its logprob, once sampled here (prompts' stay unset),
+        # and the sampler's U for it, from the sequence's seed, set for every token it may sample when it joins.
         longest = max((p.max_length for p in prompts), default=0)
-        self.sampled_tokens = torch.empty(num_rows, longest, dtype=torch.long)
-        self.sampled_logprobs = torch.empty(num_rows, longest)
-        self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long)
+        self.sampled_tokens = np.empty((num_rows, longest), np.int64)
+        self.sampled_logprobs = np.empty((num_rows, longest), np.float32)
+        self.token_uniforms = np.empty((num_rows, longest), np.float64)
+        self.host_block_tables = np.full((num_rows, max_blocks), sink_block, np.int64)  # as block_tables, below
+        # Whether a token id ends a sequence; the ids past the largest stop id read the last entry, False.
+        self.is_stop = np.zeros(max(stop_ids, default=-1) + 2, bool)
+        self.is_stop[list(stop_ids)] = True
+        # Every rope position a decode step feeds is below this (a generated token's index is below its max_length).
+        self.max_position = max((p.max_length + max(p.rope_delta, 0) for p in prompts), default=0)
         # Device.
         self.last_tokens = torch.zeros(num_rows, dtype=torch.long, device=device)  # what the next step feeds
-        self.seeds = torch.zeros(num_rows, dtype=torch.long, device=device)
-        self.rope_deltas = torch.zeros(num_rows, dtype=torch.long, device=device)
         self.block_tables = torch.full((num_rows, max_blocks), sink_block, dtype=torch.int32, device=device)
-        self._set_rows(torch.zeros(0, dtype=torch.long))
+        self._set_rows(np.zeros(0, np.int64))
+        self.joined_since_step = False  # whether just_joined has rows set
 
     def __len__(self) -> int:
         return len(self.seqs)
 
-    def _set_rows(self, rows: torch.Tensor) -> None:
-        self.rows, self.device_rows = rows, rows.to(self.device)
+    def _set_rows(self, rows: np.ndarray) -> None:
+        self.rows, self.device_rows = rows, torch.from_numpy(rows).to(self.device)
+        self._step_inputs: StepInputs | None = None  # made when first asked for, until a length or row changes
 
     def join(self, seqs: list[Sequence]) -> int:
         """Start decoding `seqs` (whose next token is still to be sampled) after the
@@ -63,20 +92,33 @@ class DecodeBatch:
         first = len(self.seqs)
         for s in seqs:
             s.decode_row = self.free_rows.pop()
-        rows = torch.tensor([s.decode_row for s in seqs])
-        self.lengths[rows] = torch.tensor([len(s) for s in seqs])
-        self.max_lengths[rows] = torch.tensor([s.prompt.max_length for s in seqs])
+        rows = np.array([s.decode_row for s in seqs], np.int64)
+        self.lengths[rows] = [len(s) for s in seqs]
+        self.max_lengths[rows] = [s.prompt.max_length for s in seqs]
         self.just_joined[rows] = True
-        on_device = rows.to(self.device)
-        self.seeds[on_device] = torch.tensor([s.prompt.seeds[s.sample_index] for s in seqs], device=self.device)
-        self.rope_deltas[on_device] = torch.tensor([s.prompt.rope_delta for s in seqs], device=self.device)
+        self.joined_since_step = True
+        self.rope_deltas[rows] = [s.prompt.rope_delta for s in seqs]
+        self._hash_uniforms(rows, seqs)
         # Columns past a table stay the sink block (reset when a sequence leaves).
         width = max(len(s.block_table) for s in seqs)
         tables = [s.block_table + [self.sink_block] * (width - len(s.block_table)) for s in seqs]
-        self.block_tables[on_device, :width] = torch.tensor(tables, dtype=torch.int32, device=self.device)
+        self.host_block_tables[rows, :width] = tables
+        self.block_tables[torch.from_numpy(rows).to(self.device), :width] = torch.tensor(
+            tables, dtype=torch.int32, device=self.device)
         self.seqs += seqs
-        self._set_rows(torch.cat([self.rows, rows]))
+        self._set_rows(np.concatenate([self.rows, rows]))
         return first
+
+    def _hash_uniforms(self, rows: np.ndarray, seqs: list[Sequence]) -> None:
+        """Set the U of every token the joining sequences may sample, at its index: one hash
+        over all of them here, where a step would hash the batch's U each time (dozens of
+        small host ops, slow right after the model has swept the caches)."""
+        positions = [np.arange(len(s), s.prompt.max_length) for s in seqs]
+        counts = [len(p) for p in positions]
+        seeds = np.repeat([s.prompt.seeds[s.sample_index] for s in seqs], counts)
+        positions = np.concatenate(positions)
+        u = uniforms(torch.from_numpy(seeds), torch.from_numpy(positions))
+        self.token_uniforms[np.repeat(rows, counts), positions] = u.numpy()
 
     def rows_needing_blocks(self, block_size: int) -> tuple[list[int], list[int]]:
         """Running indices, ascending, and lengths of the sequences whose next token
@@ -84,9 +126,12 @@ class DecodeBatch:
         the last decode step and its last block may be shared with its group
         (copy-on-write). Called once per decode step: the joined ones count as seen afterwards."""
         lengths = self.lengths[self.rows]
-        needs = ((lengths - 1) % block_size == 0) | self.just_joined[self.rows]
-        self.just_joined[self.rows] = False
-        indices = needs.nonzero().squeeze(1)
+        needs = (lengths - 1) % block_size == 0
+        if self.joined_since_step:
+            needs |= self.just_joined[self.rows]
+            self.just_joined[:] = False
+            self.joined_since_step = False
+        indices = np.flatnonzero(needs)
         return indices.tolist(), lengths[indices].tolist()
 
     def last_blocks_changed(self, indices: list[int]) -> None:
@@ -95,29 +140,53 @@ class DecodeBatch:
         if not indices:
             return
         seqs = [self.seqs[i] for i in indices]
-        rows = torch.tensor([s.decode_row for s in seqs], device=self.device)
-        columns = torch.tensor([len(s.block_table) - 1 for s in seqs], device=self.device)
-        blocks = torch.tensor([s.block_table[-1] for s in seqs], dtype=torch.int32, device=self.device)
-        self.block_tables[rows, columns] = blocks
+        rows, columns = [s.decode_row for s in seqs], [len(s.block_table) - 1 for s in seqs]
+        blocks = [s.block_table[-1] for s in seqs]
+        self.host_block_tables[rows, columns] = blocks
+        self._step_inputs = None
+        self.block_tables[torch.tensor(rows, device=self.device), torch.tensor(columns, device=self.device)] = \
+            torch.tensor(blocks, dtype=torch.int32, device=self.device)
 
-    def sampling_inputs(self, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Seeds and positions (the index of the token to sample) on the device, of the
-        running sequences from index `start` on."""
-        return self.seeds[self.device_rows[start:]], self.lengths[self.rows[start:]].to(self.device)
+    def step_inputs(self, block_size: int) -> StepInputs:
+        """The running sequences' decode step inputs: made on the host, where the lengths
+        are, and copied to the device in one transfer, from pinned memory on CUDA so that
+        the copy does not wait for the device. Made once per step: the model's inputs and
+        the sampler's read the same."""
+        if self._step_inputs is None:
+            rows = self.rows
+            lengths = self.lengths[rows]
+            fed = lengths - 1  # the index of the fed token
+            slots = self.host_block_tables[rows, fed // block_size] * block_size + fed % block_size
+            u = self.token_uniforms[rows, lengths]
+            host = torch.from_numpy(np.stack([lengths, fed + self.rope_deltas[rows], slots, u.view(np.int64)]))
+            if self.device.type == "cuda":
+                host = host.pin_memory()
+            on_device, positions, slots, u = host.to(self.device, non_blocking=True)
+            self._step_inputs = StepInputs(on_device, positions, slots, u.view(torch.float64), int(lengths.max()))
+        return self._step_inputs
+
+    def uniforms(self, start: int = 0) -> torch.Tensor:
+        """The sampler's U, on the device, of the running sequences from index `start` on:
+        the decode step's (`step_inputs`), or after a prefill, theirs alone."""
+        if self._step_inputs is not None:
+            return self._step_inputs.uniforms[start:]
+        rows = self.rows[start:]
+        return torch.from_numpy(self.token_uniforms[rows, self.lengths[rows]]).to(self.device)
 
     def append(self, tokens: torch.Tensor, logprobs: torch.Tensor, start: int = 0) -> list[int]:
         """Record the token sampled for each running sequence from index `start` on;
         returns the running indices of those now done (a stop token, or their maximum length)."""
         self.last_tokens[self.device_rows[start:]] = tokens
         rows = self.rows[start:]
-        tokens, logprobs = tokens.cpu(), logprobs.cpu()  # the step's one wait on the device
+        tokens, logprobs = tokens.cpu().numpy(), logprobs.cpu().numpy()  # the step's one wait on the device
         positions = self.lengths[rows]
         self.sampled_tokens[rows, positions] = tokens
         self.sampled_logprobs[rows, positions] = logprobs
         lengths = positions + 1
         self.lengths[rows] = lengths
-        done = (lengths >= self.max_lengths[rows]) | torch.isin(tokens, self.stop_ids)
-        return [start + i for i in done.nonzero().squeeze(1).tolist()]
+        self._step_inputs = None
+        done = (lengths >= self.max_lengths[rows]) | self.is_stop.take(tokens, mode="clip")
+        return (np.flatnonzero(done) + start).tolist()
 
     def leave(self, indices: list[int]) -> list[Sequence]:
         """Take the running sequences at these indices (ascending) out of the batch,
@@ -129,11 +198,10 @@ class DecodeBatch:
             sampled = slice(len(s), int(self.lengths[s.decode_row]))
             s.token_ids += self.sampled_tokens[s.decode_row, sampled].tolist()
             s.logprobs += self.sampled_logprobs[s.decode_row, sampled].tolist()
-        rows = torch.tensor([s.decode_row for s in seqs])
-        self.block_tables[rows.to(self.device)] = self.sink_block
-        keep = torch.ones(len(self.seqs), dtype=torch.bool)
-        keep[indices] = False
-        self._set_rows(self.rows[keep])
+        rows = [s.decode_row for s in seqs]
+        self.host_block_tables[rows] = self.sink_block
+        self.block_tables[torch.tensor(rows, device=self.device)] = self.sink_block
+        self._set_rows(np.delete(self.rows, indices))
         for i in reversed(indices):
             del self.seqs[i]
         for s in seqs:

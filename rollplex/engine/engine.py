@@ -18,10 +18,16 @@ run on `decode_stream`, created once per engine at the highest stream priority
 and ordered against the caller's stream at each step's start and end; prefill
 runs on the caller's stream. The GPU schedules decode kernels ahead of those of
 lower-priority streams (the RL loop's prefix work), which fill the rest of it.
+
+A step whose logits hold NaN or inf samples nothing: its sampled logprobs, read
+back with its tokens, are then non-finite, and the engine raises a
+`NonFiniteLogitsError` naming the step, the samples and the first layer whose
+output is non-finite for them (rollplex.engine.nonfinite).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import sys
@@ -34,9 +40,10 @@ import torch
 from rollplex.engine.block_manager import BlockManager
 from rollplex.engine.decode_batch import DecodeBatch
 from rollplex.engine.kv_cache import KVCache
+from rollplex.engine.nonfinite import NonFiniteLogitsError, first_nonfinite_stage
 from rollplex.engine.runner import ModelRunner
 from rollplex.engine.sampler import SamplingParams, sample
-from rollplex.engine.scheduler import Scheduler
+from rollplex.engine.scheduler import Scheduler, Step
 from rollplex.engine.sequence import PromptState, Request, RequestOutput, Sample, Sequence
 from rollplex.models.qwen2_5_vl import Qwen2_5_VL, check_pixels, mrope_for
 
@@ -124,11 +131,13 @@ class Engine:
                 slots = [blocks.slots(s.block_table, 0, len(s)) for s in step.seqs]
                 logits = self.runner.prefill(step.seqs, slots)
                 self.stats["prefill_tokens"] += sum(len(s) for s in step.seqs)
-                finished = self._after_prefill(step.seqs, logits, blocks, scheduler, params)
+                finished = self._after_prefill(step, slots, logits, scheduler, params)
             else:
                 with self.runner.on_decode_stream():
                     logits = self.runner.decode(batch, step.copies)
-                    tokens, logprobs = self._sample(logits, *batch.sampling_inputs(), params)
+                    tokens, logprobs = self._sample(logits, batch.uniforms(), params)
+                    logprobs = self._checked(logprobs, step, batch.seqs,
+                                             lambda rows: self._locate_in_decode(batch, rows))
                     finished = scheduler.append(tokens, logprobs)
                 self.stats["decode_tokens"] += len(step.seqs)
             for s in finished:
@@ -202,10 +211,12 @@ class Engine:
             seeds = [mix_seed(base, index, j) for j in range(r.n)]
         return PromptState(index, r, positions, delta, seeds, longest, vision=r.vision, samples=[None] * r.n)
 
-    def _after_prefill(self, seqs, logits, blocks, scheduler, params) -> list[Sequence]:
+    def _after_prefill(self, step: Step, slots: list[list[int]], logits: torch.Tensor, scheduler: Scheduler,
+                       params: SamplingParams) -> list[Sequence]:
         """Sample the next token of every prefilled sequence; returns those that
         finished. A group's prompt gives each of its n children a first token, and
         the children take over its blocks (shared, copy-on-write on the last partial one)."""
+        seqs, blocks = step.seqs, scheduler.blocks
         rows, decoding = [], []
         for i, s in enumerate(seqs):
             n = s.prompt.request.n if s.is_group_prompt else 1
@@ -217,21 +228,51 @@ class Engine:
                 blocks.free(s.block_table)
         first = scheduler.start(decoding)
         tokens, logprobs = self._sample(logits[torch.tensor(rows, device=logits.device)],
-                                        *scheduler.batch.sampling_inputs(first), params)
+                                        scheduler.batch.uniforms(first), params)
+        logprobs = self._checked(logprobs, step, decoding,
+                                 lambda bad: self._locate_in_prefill(seqs, slots, sorted({rows[r] for r in bad})))
         return scheduler.append(tokens, logprobs, first)
 
-    def _sample(self, logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+    def _checked(self, logprobs: torch.Tensor, step: Step, seqs: list[Sequence],
+                 locate: Callable[[list[int]], str]) -> torch.Tensor:
+        """The step's sampled logprobs (one per sequence of `seqs`), read back to the host:
+        the step's wait on the device, after which the batch reads its tokens back at
+        once. A non-finite one means NaN or inf in its logits (rollplex.engine.nonfinite):
+        then `locate(rows)` names where they first appear, and the step raises."""
+        host = logprobs.cpu()
+        if torch.isfinite(host).all():
+            return host
+        rows = (~torch.isfinite(host)).nonzero().flatten().tolist()
+        where = locate(rows)
+        # The pool may hold non-finite K/V now, which a later generation would read through its masked slots.
+        self.release_kv()
+        raise NonFiniteLogitsError("prefill" if step.is_prefill else "decode", self.stats["steps"] - 1,
+                                   [(seqs[r].prompt.index, seqs[r].sample_index) for r in rows], where)
+
+    def _locate_in_prefill(self, seqs: list[Sequence], slots: list[list[int]], failing: list[int]) -> str:
+        """Where the logits of prefilled sequences `failing` (indices into `seqs`) turn
+        non-finite: the prefill again, checked on those sequences' tokens."""
+        starts = list(itertools.accumulate([0] + [len(s) for s in seqs]))
+        tokens = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in failing]).to(self.device)
+        return first_nonfinite_stage(self.model, lambda: self.runner.prefill(seqs, slots), tokens,
+                                     torch.tensor(failing, device=self.device),
+                                     [seqs[i].prompt.vision for i in failing])
+
+    def _locate_in_decode(self, batch: DecodeBatch, failing: list[int]) -> str:
+        """Where the logits of running sequences `failing` turn non-finite: the decode
+        step again, eager (hooks do not run inside a CUDA graph), from the same inputs."""
+        rows = torch.tensor(failing, device=self.device)
+        graphs, self.runner.use_cuda_graphs = self.runner.use_cuda_graphs, False
+        try:
+            return first_nonfinite_stage(self.model, lambda: self.runner.decode(batch, []), rows, rows)
+        finally:
+            self.runner.use_cuda_graphs = graphs
+
+    def _sample(self, logits: torch.Tensor, uniforms: torch.Tensor,
                 params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-        dev, n = logits.device, len(logits)
-        return sample(
-            logits,
-            torch.full((n,), params.temperature, device=dev),
-            torch.full((n,), params.top_p, device=dev),
-            torch.full((n,), params.top_k, dtype=torch.long, device=dev),
-            seeds,
-            positions,
-            truncate=params.top_p < 1 or params.top_k > 0,
-        )
+        # One value per parameter for every row: the sampler skips what they make needless.
+        return sample(logits, params.temperature, params.top_p, params.top_k, uniforms,
+                      truncate=params.top_p < 1 or params.top_k > 0)
 
     @staticmethod
     def _record(seq: Sequence, stop_ids: set[int]) -> None:

@@ -1,18 +1,21 @@
 """Runs the model for one engine step: prepare inputs, run, return last-token logits.
 
 Prefill packs the step's sequences end to end (no padding) and runs eagerly.
-Decode feeds one token per running sequence, its inputs read off the rows of
-the engine's `DecodeBatch` with a few tensor operations (no Python lists). On
+Decode feeds one token per running sequence, its inputs made by the engine's
+`DecodeBatch` on the host and copied over in one transfer (`StepInputs`), and
+the rotary cos/sin of each fed token read off a table of text positions built
+once (`MRotaryEmbedding.text_table`), not computed again each step. On
 CUDA it replays a CUDA graph captured for the smallest batch-size bucket that
 fits, with static input buffers that are refilled before each replay (padded
 rows write into the KV pool's sink block and their logits are dropped). On CPU,
 or with `enforce_eager`, the same decode inputs run eagerly through the same code.
 
 A graph bakes in the addresses it read at capture: each layer's K/V view of the
-pool and every weight. The pool is re-allocated per generate() at a size that
-depends on the batch, so the graphs are keyed on the pool's base address, shape
-and strides (a pool of another block count at the same address puts each layer's
-view elsewhere) and on the weights' addresses, and recaptured when any changes.
+pool, every weight and the rotary table. The pool is re-allocated per generate()
+at a size that depends on the batch, so the graphs are keyed on the pool's base
+address, shape and strides (a pool of another block count at the same address
+puts each layer's view elsewhere), on the weights' addresses and on the rotary
+table's, and recaptured when any changes.
 
 Decode steps run on the runner's decode stream, at the highest CUDA priority, so
 that the GPU schedules their kernels ahead of the prefix work on the RL loop's
@@ -67,6 +70,7 @@ class GraphAddresses:
 
     pool: PoolGeometry
     weights: tuple[int, ...]
+    rotary_table: int
 
 
 class ModelRunner:
@@ -75,7 +79,9 @@ class ModelRunner:
         self.model, self.cache = model, cache
         self.device = model.device
         self.block_size = cache.block_size
+        self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // cache.block_size)
+        self.rotary_table: torch.Tensor | None = None  # cos | sin of text positions 0, 1, ... (see reserve_rotary)
         self.max_num_seqs = max_num_seqs
         # On CPU the graph bookkeeping can still be exercised (tests set this True):
         # _EagerGraph replays the decode as captured, on the same static buffers.
@@ -147,6 +153,7 @@ class ModelRunner:
         sequence (its last, whose KV is not stored yet) -> float32 logits (batch, vocab)."""
         self.cache.copy_blocks(copies)
         batch = len(running)
+        self.reserve_rotary(running.max_position)
         inputs = self._decode_inputs(running)
         if not self.use_cuda_graphs or batch > self.max_num_seqs:
             return self._decode_eager(*inputs).float()
@@ -159,9 +166,7 @@ class ModelRunner:
         self._pad_rows(batch, bucket)
         for name, value in zip(("ids", "positions", "slots", "tables", "lens"), inputs):
             buf = static[name]
-            if name == "positions":
-                buf[:, :batch].copy_(value)
-            elif name == "tables":
+            if name == "tables":
                 buf[:batch, :value.shape[1]].copy_(value)
                 buf[:batch, value.shape[1]:] = self.cache.sink_block
             else:
@@ -169,26 +174,32 @@ class ModelRunner:
         self.graphs[bucket].replay()
         return self.graph_logits[bucket][:batch].float()
 
+    def reserve_rotary(self, num_positions: int) -> None:
+        """A rotary table of at least `num_positions` text positions: at first of
+        max_model_len, every position of a sequence whose prompt's rope delta is <= 0
+        (text, images); longer when a prompt (a video's) needs it, which a CUDA graph
+        sees as a moved address (recaptured at the next generate's check)."""
+        if self.rotary_table is None or len(self.rotary_table) < num_positions:
+            self.rotary_table = self.model.language_model.rotary.text_table(
+                max(num_positions, self.max_model_len), self.device, self.cache.dtype)
+
     def _decode_inputs(self, running: DecodeBatch) -> tuple[torch.Tensor, ...]:
-        """The decode inputs, in running order: token ids, positions, KV slots of the
-        fed tokens, block tables and context lengths. Block tables are as wide as the
-        longest table of the batch (the torch path gathers that many blocks); a
-        CUDA graph copies them into its full-width static buffer."""
-        rows, bs = running.device_rows, self.block_size
-        lengths = running.lengths[running.rows]
-        width = -(-int(lengths.max()) // bs)  # host lengths: no wait on the device
-        lengths = lengths.to(self.device)
-        fed = lengths - 1  # the index of the fed token
-        slots = running.block_tables[rows, fed // bs].long() * bs + fed % bs
-        # A generated token's position is its index + the prompt's rope delta, on all three axes.
-        positions = (fed + running.rope_deltas[rows]).expand(3, -1)
-        return running.last_tokens[rows], positions, slots, running.block_tables[rows, :width], lengths.int()
+        """The decode inputs, in running order: token ids, rope positions (one per token:
+        generated tokens are text), KV slots of the fed tokens, block tables and context
+        lengths. Block tables are as wide as the longest table of the batch (the torch
+        path gathers that many blocks); a CUDA graph copies them into its full-width
+        static buffer."""
+        rows, step = running.device_rows, running.step_inputs(self.block_size)
+        width = -(-step.longest // self.block_size)
+        return (running.last_tokens[rows], step.positions, step.slots, running.block_tables[rows, :width],
+                step.lengths.int())
 
     def _decode_eager(self, ids, positions, slots, tables, lens, cache: KVCache | None = None) -> torch.Tensor:
         """The decode forward, on the engine's pool or on `cache` (a graph's captured view of it)."""
         attn = PagedAttention(cache or self.cache, slots, block_tables=tables, context_lens=lens,
                               backend=self.model.attn_backend)
-        return self.model.logits(self.model.forward_generated(ids, positions, attn))
+        rotary = tuple(self.rotary_table[positions].chunk(2, dim=-1))
+        return self.model.logits(self.model.forward_generated(ids, rotary, attn))
 
     # ------------------------------------------------------------------ CUDA graphs
 
@@ -196,7 +207,7 @@ class ModelRunner:
         """Rows past the real batch: write to the sink block, attend to one sink slot."""
         s = self.static
         s["ids"][start:end] = 0
-        s["positions"][:, start:end] = 0
+        s["positions"][start:end] = 0
         s["slots"][start:end] = self.cache.sink_block * self.block_size
         s["tables"][start:end] = self.cache.sink_block
         s["lens"][start:end] = 1
@@ -207,7 +218,7 @@ class ModelRunner:
         dev, n = self.device, self.max_num_seqs
         self.static = s = {
             "ids": torch.zeros(n, dtype=torch.long, device=dev),
-            "positions": torch.zeros(3, n, dtype=torch.long, device=dev),
+            "positions": torch.zeros(n, dtype=torch.long, device=dev),
             "slots": torch.zeros(n, dtype=torch.long, device=dev),
             "tables": torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev),
             "lens": torch.ones(n, dtype=torch.int32, device=dev),
@@ -216,7 +227,7 @@ class ModelRunner:
         buckets = sorted({b for b in (1, 2, 4, 8) if b <= n} | set(range(16, n + 1, 16)) | {n}, reverse=True)
         self.graphs, self.graph_logits, pool = {}, {}, None
         for b in buckets:
-            args = (s["ids"][:b], s["positions"][:, :b], s["slots"][:b], s["tables"][:b], s["lens"][:b])
+            args = (s["ids"][:b], s["positions"][:b], s["slots"][:b], s["tables"][:b], s["lens"][:b])
             self._decode_eager(*args)  # warm-up: lazy allocations happen outside the capture
             if dev.type != "cuda":
                 self.graphs[b] = _EagerGraph(self, args)
@@ -235,10 +246,10 @@ class ModelRunner:
 
     def addresses(self) -> GraphAddresses:
         """What a graph captured now would read by address: the KV pool (re-allocated
-        each generate(), at a size that depends on the batch) and every weight (the
-        trainer's gathered weights may land elsewhere after each update). Checked
-        once per generate()."""
-        return GraphAddresses(PoolGeometry.of(self.cache.data), self.weight_addresses())
+        each generate(), at a size that depends on the batch), every weight (the
+        trainer's gathered weights may land elsewhere after each update) and the
+        rotary table. Checked once per generate()."""
+        return GraphAddresses(PoolGeometry.of(self.cache.data), self.weight_addresses(), self.rotary_table.data_ptr())
 
     def weight_addresses(self) -> tuple[int, ...]:
         tensors = itertools.chain(self.model.parameters(), self.model.buffers())
@@ -248,10 +259,10 @@ class ModelRunner:
 class _EagerGraph:
     """A CUDA graph's stand-in on CPU, replaying what was captured as a graph does:
     the decode on the same static inputs into the same static output, through the
-    pool geometry and the weights of capture time. A graph kept across a pool of
-    another geometry at the same address reads the wrong slots here as on a GPU;
-    one whose pool or weights have moved (on a GPU: reads of freed memory) is an
-    error. So the runner's buffer filling, padding, bucket choice and recapture
+    pool geometry, the weights and the rotary table of capture time. A graph kept
+    across a pool of another geometry at the same address reads the wrong slots
+    here as on a GPU; one whose pool, weights or rotary table have moved (on a GPU:
+    reads of freed memory) is an error. So the runner's buffer filling, padding, bucket choice and recapture
     rule run, and are tested, unchanged."""
 
     def __init__(self, runner: ModelRunner, inputs: tuple[torch.Tensor, ...]):
@@ -267,5 +278,8 @@ class _EagerGraph:
         if runner.weight_addresses() != self.captured.weights:
             raise RuntimeError("stale CUDA graph: the weights moved since capture; "
                                "on a GPU it would read the old (freed or stale) weights")
+        if runner.rotary_table.data_ptr() != self.captured.rotary_table:
+            raise RuntimeError("stale CUDA graph: the rotary table moved since capture; "
+                               "on a GPU it would read the old (freed) table")
         pool = self.captured.pool.laid_on(runner.cache.data)
         return runner._decode_eager(*self.inputs, cache=runner.cache.with_data(pool))

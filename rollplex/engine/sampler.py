@@ -17,8 +17,9 @@ One float64 pass over the row replaces a random number per vocab entry.
 
 U is a pure function of (seed, position): an integer hash (splitmix64), not a
 torch Generator. A sequence therefore samples the same tokens whatever else is
-in the batch, in whatever order, and after preemption and recompute. U is
-bitwise equal on CPU and CUDA; the softmax weights and their sum are float
+in the batch, in whatever order, and after preemption and recompute. The hash
+runs on the host (`uniforms`), where the seeds and positions are, so U is the
+same bits whatever device samples; the softmax weights and their sum are float
 math whose rounding may differ across devices and batch shapes, which moves a
 token only when U lands within that rounding of an interval's boundary.
 The token does depend on `truncate` (vocab or sorted order): the engine
@@ -26,7 +27,9 @@ passes the same value for every step of a request.
 
 The returned logprob is that of the unmodified distribution, log_softmax of
 the raw logits, not of the tempered/truncated one: RL compares it with the
-trainer's logprob of the same token.
+trainer's logprob of the same token. At temperature 1 the draw's weights are
+the softmax's own, exp(x - max x), and their float64 total is its normalizer,
+so the logprob needs no pass of its own over the vocabulary.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -69,53 +73,51 @@ class SamplingParams:
             raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed}")
 
 
-def _i64(c: int) -> int:
-    """A 64-bit constant as the signed int64 with the same bits."""
-    return c - 2**64 if c >= 2**63 else c
+_GAMMA = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's increment (2^64 / golden ratio)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
 
 
-_GAMMA = _i64(0x9E3779B97F4A7C15)  # splitmix64's increment (2^64 / golden ratio)
-_M1 = _i64(0xBF58476D1CE4E5B9)
-_M2 = _i64(0x94D049BB133111EB)
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer, a bijection on 64-bit words (uint64 arrays: products wrap, shifts are logical)."""
+    x = (x ^ (x >> np.uint64(30))) * _M1
+    x = (x ^ (x >> np.uint64(27))) * _M2
+    return x ^ (x >> np.uint64(31))
 
 
-def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64: torch's >> is arithmetic, so clear the copied sign bits."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
-
-
-def _mix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finalizer, a bijection on 64-bit words; int64 products wrap like uint64."""
-    x = (x ^ _srl(x, 30)) * _M1
-    x = (x ^ _srl(x, 27)) * _M2
-    return x ^ _srl(x, 31)
-
-
-def _to_unit(bits: torch.Tensor) -> torch.Tensor:
-    """Random int64 words -> float64 strictly inside (0, 1).
+def _to_unit(bits: np.ndarray) -> np.ndarray:
+    """Random uint64 words -> float64 strictly inside (0, 1).
 
     The top 52 bits u give (u + 0.5) / 2^52 = (2u + 1) / 2^53, exact in float64:
     at least 2^-53 and at most 1 - 2^-53. 52 bits, not float32's 24, so that
     probabilities far below 2^-24 are drawn at their rate.
     """
-    return (_srl(bits, 12).double() + 0.5) * 2.0**-52
+    return ((bits >> np.uint64(12)).astype(np.float64) + 0.5) * 2.0**-52
 
 
-def _uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """U(seed, position) in (0, 1) per row: (B,) float64, splitmix64's first output from a hash of (seed, position)."""
-    state = _mix64(_mix64(seeds.long()) ^ positions.long())
-    return _to_unit(_mix64(state + _GAMMA))
+def uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """U(seed, position) in (0, 1) per row, splitmix64's first output from a hash of
+    (seed, position): host int64 (B,) tensors in, a host float64 (B,) tensor out, for
+    the caller to copy to the sampling device with its other inputs. The hash runs in
+    numpy: its ~20 elementwise ops on a few hundred words take ~15 us there, several
+    times less than torch's dispatch of each (or a kernel launch each)."""
+    seeds, positions = (t.long().numpy().view(np.uint64) for t in (seeds, positions))
+    state = _mix64(_mix64(seeds) ^ positions)
+    return torch.from_numpy(_to_unit(_mix64(state + _GAMMA)))
 
 
-def _cumulative_weights(ranked: torch.Tensor, top: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """Running sums in float64 of exp((logit - top) / temperature) along each row.
+def _cumulative_weights(ranked: torch.Tensor, top: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
+    """Running sums in float64 of exp((logit - top) / temperature) along each row;
+    temperature (B, 1), or None for 1 (the division, which would change nothing, is skipped).
 
     Shifting by the row's top logit first keeps every exponent <= 0 with the
     top token's weight exactly 1, whatever the temperature: a tiny one sends
     the others to 0 (argmax over ties), never to inf or NaN. -inf logits weigh 0.
     """
-    weights = (ranked - top.float()[:, None]).div_(temperature[:, None]).exp_()
-    return weights.cumsum(dim=-1, dtype=torch.float64)
+    weights = ranked - top.float()[:, None]
+    if temperature is not None:
+        weights = weights.div_(temperature)
+    return weights.exp_().cumsum(dim=-1, dtype=torch.float64)
 
 
 def _invert(cdf: torch.Tensor, mass: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -124,11 +126,15 @@ def _invert(cdf: torch.Tensor, mass: torch.Tensor, u: torch.Tensor) -> torch.Ten
     For a point in [0, mass) the index found is one where cdf grows (a
     positive weight) and comes no later than the first index whose cdf
     reaches mass: zero-weight tokens and tokens cut off after mass are never
-    drawn. Clamping the point below mass keeps that true whatever u * mass
-    rounds to.
+    drawn. u clamped to 1 - 2^-53 keeps the point below mass (>= 1, the top
+    token's weight) whatever u * mass rounds to: (1 - 2^-53) * mass rounds to
+    the largest float64 below mass, and rounding is monotonic. A NaN row finds
+    no index: the last one stands in, a valid token id (its logprob is NaN, and
+    the engine raises on it) instead of an out-of-range gather (a device-side
+    assert on CUDA).
     """
-    point = torch.minimum(u * mass, torch.nextafter(mass, torch.zeros_like(mass)))
-    return torch.searchsorted(cdf, point[:, None], right=True).squeeze(-1)
+    point = u.clamp(max=1 - 2**-53) * mass
+    return torch.searchsorted(cdf, point[:, None], right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
 
 
 def _kept_mass(cdf: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -141,48 +147,86 @@ def _kept_mass(cdf: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> t
     V = cdf.shape[-1]
     k = torch.where((top_k <= 0) | (top_k >= V), V, top_k)
     top_k_mass = cdf.gather(-1, (k - 1)[:, None])
-    # Ranks 0..n-1 are kept, n - 1 being the first rank whose cdf reaches top_p of the top-k mass.
-    last_kept = torch.searchsorted(cdf, top_p.double()[:, None] * top_k_mass)
+    # Ranks 0..n-1 are kept, n - 1 being the first rank whose cdf reaches top_p of the top-k mass
+    # (a NaN row reaches none: clamped to a valid rank, as in _invert).
+    last_kept = torch.searchsorted(cdf, top_p.double()[:, None] * top_k_mass).clamp_(max=V - 1)
     return cdf.gather(-1, last_kept).squeeze(-1)
 
 
 def sample(
     logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_p: torch.Tensor,
-    top_k: torch.Tensor,
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
+    temperature: float | torch.Tensor,
+    top_p: float | torch.Tensor,
+    top_k: int | torch.Tensor,
+    u: torch.Tensor,
     truncate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row, and its logprob under the raw logits.
 
-    logits (B, V) of any float dtype; temperature, top_p float (B,); top_k long
-    (B,) with -1 or >= V meaning off; seeds, positions int64 (B,), positions
-    being the index in its sequence of the token sampled. Rows with temperature
-    0 take the argmax. Others: logits / temperature, keep the top_k, keep the
-    nucleus (the fewest most likely tokens whose probability sums to >= top_p),
-    sample. Returns tokens (B,) long and logprobs (B,) float32.
+    logits (B, V) of any float dtype; temperature, top_p (floats) and top_k (ints,
+    -1 or >= V meaning off): each one number for every row, or a (B,) tensor of one
+    per row; u (B,) float64 on logits' device: each row's `uniforms(seed, position)`,
+    position being the index in its sequence of the token sampled. Rows with
+    temperature 0 take the argmax. Others: logits / temperature, keep the top_k,
+    keep the nucleus (the fewest most likely tokens whose probability sums to
+    >= top_p), sample. Returns tokens (B,) long and logprobs (B,) float32.
 
     No host sync and no loop over rows: greedy and sampled results are both
     computed and selected per row. `truncate=False` tells that no row uses
     top-k or top-p (the caller knows it from its parameters), which skips the sort.
+    A number for the temperature (the engine's case: one per generation) skips what
+    it makes needless: at 0 or 1 the draw's weights are the softmax's, which give
+    the logprob, and at a number above 0 no row is greedy, so no argmax is looked for.
     """
-    greedy = temperature <= 0
-    temperature = torch.where(greedy, 1.0, temperature.float())
-    u = _uniform(seeds, positions)
+    greedy, temperature = _temperature(temperature, logits.device)
     if truncate:
         # Stable sort: among equal logits the lower vocab index ranks first, so the
         # truncation does not depend on the sort implementation. Drawing in sorted
         # order and reading the token from `order` needs no scatter back.
         ranked, order = logits.sort(dim=-1, descending=True, stable=True)
-        cdf = _cumulative_weights(ranked, ranked[:, 0], temperature)
-        sampled = order.gather(-1, _invert(cdf, _kept_mass(cdf, top_p, top_k), u)[:, None]).squeeze(-1)
-        argmax = order[:, 0]
+        top, argmax = ranked[:, 0], order[:, 0]
+        cdf = _cumulative_weights(ranked, top, temperature)
+        mass = _kept_mass(cdf, _per_row(top_p, cdf), _per_row(top_k, cdf))
+        sampled = order.gather(-1, _invert(cdf, mass, u)[:, None]).squeeze(-1)
     else:
-        top, argmax = logits.max(dim=-1)
+        # The max with its indices costs several times amax: only where a row may be greedy.
+        top, argmax = (logits.amax(dim=-1), None) if greedy is False else logits.max(dim=-1)
         cdf = _cumulative_weights(logits, top, temperature)
         sampled = _invert(cdf, cdf[:, -1], u)
-    tokens = torch.where(greedy, argmax, sampled)
-    logprobs = logits.log_softmax(dim=-1, dtype=torch.float32).gather(-1, tokens[:, None]).squeeze(-1)
-    return tokens, logprobs
+    if isinstance(greedy, torch.Tensor):
+        tokens = torch.where(greedy, argmax, sampled)
+    else:
+        tokens = argmax if greedy else sampled
+    return tokens, _raw_logprobs(logits, tokens, top, cdf[:, -1] if temperature is None else None)
+
+
+def _temperature(temperature: float | torch.Tensor,
+                 device: torch.device) -> tuple[bool | torch.Tensor, torch.Tensor | None]:
+    """Which rows are greedy (one bool for all, or (B,) per row), and the temperature the
+    draw divides by: (B, 1) or (1, 1), or None for 1. Greedy rows draw at 1: only their
+    logprob reads the draw's weights. A number other than 0 and 1 becomes a tensor, not
+    a Python scalar: CUDA multiplies by a scalar divisor's reciprocal, which rounds
+    differently from the division that per-row tensors get."""
+    if isinstance(temperature, torch.Tensor):
+        greedy = temperature <= 0
+        return greedy, torch.where(greedy, 1.0, temperature.float())[:, None]
+    if temperature in (0, 1):
+        return temperature == 0, None
+    return False, torch.full((1, 1), float(temperature), device=device)
+
+
+def _per_row(value: float | int | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A per-row parameter as a (B,) tensor: a number becomes one for every row of `like`."""
+    return value if isinstance(value, torch.Tensor) else torch.full((like.shape[0],), value, device=like.device)
+
+
+def _raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: torch.Tensor,
+                  normalizer: torch.Tensor | None) -> torch.Tensor:
+    """log_softmax of the raw logits at each row's token, float32. `normalizer`, when
+    the draw's weights were the softmax's own (temperature 1), is their float64 total,
+    the sum of exp(logit - top): then log p = logit - top - log(total), read off the
+    row's token with no pass over the vocabulary, and rounded to float32 once."""
+    if normalizer is None:
+        return logits.log_softmax(dim=-1, dtype=torch.float32).gather(-1, tokens[:, None]).squeeze(-1)
+    shifted = logits.gather(-1, tokens[:, None]).squeeze(-1).float() - top.float()
+    return (shifted - normalizer.log()).float()

@@ -317,17 +317,20 @@ class LanguageModel(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary = MRotaryEmbedding(args.head_dim, args.rope_theta, args.mrope_section)
 
-    def forward(self, h: torch.Tensor, position_ids: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, position_ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                attn: AttentionBackend) -> torch.Tensor:
         for h in self.layer_by_layer(h, position_ids, attn):
             pass
         return h
 
-    def layer_by_layer(self, h: torch.Tensor, position_ids: torch.Tensor,
+    def layer_by_layer(self, h: torch.Tensor, position_ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                        attn: AttentionBackend) -> Iterator[torch.Tensor]:
         """The forward one decoder layer at a time: yields the hidden state after
         each layer, then the final normed state. The prefix scheduler
-        (rollplex.rl.prefix) advances it between two decode steps of the engine."""
-        cos, sin = self.rotary(position_ids, h.dtype)
+        (rollplex.rl.prefix) advances it between two decode steps of the engine.
+        position_ids (3, T), or the rotary cos, sin (T, head_dim) they give, read off
+        `rotary.text_table` by the engine's decode steps."""
+        cos, sin = position_ids if isinstance(position_ids, tuple) else self.rotary(position_ids, h.dtype)
         for layer in self.layers:
             h = layer(h, cos, sin, attn)
             yield h
@@ -477,10 +480,12 @@ class Qwen2_5_VL(nn.Module):
         """input_ids (T,) packed, position_ids (3, T) -> final hidden states (T, hidden)."""
         return self.language_model(self.embed(input_ids, vision, prompt_mask), position_ids, attn)
 
-    def forward_generated(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+    def forward_generated(self, input_ids: torch.Tensor,
+                          position_ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                           attn: AttentionBackend) -> torch.Tensor:
         """Forward of generated tokens only (decode): plain embeddings, no vision
-        bookkeeping and no host synchronisation, so it can run in a CUDA graph."""
+        bookkeeping and no host synchronisation, so it can run in a CUDA graph.
+        position_ids as `LanguageModel.layer_by_layer` takes them."""
         return self.language_model(self.language_model.embed_tokens(input_ids), position_ids, attn)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

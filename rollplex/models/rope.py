@@ -54,6 +54,12 @@ class MRotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def text_table(self, num_positions: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """cos | sin (num_positions, 2 * head_dim) of text positions 0, 1, ... (the same on
+        all three axes), the values this object gives them: generated tokens are text,
+        so a decode step can read its rows instead of computing the trig again."""
+        return torch.cat(self(torch.arange(num_positions, device=device).expand(3, -1), dtype), dim=-1)
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (T, heads, D), cos/sin (T, D)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,9 @@ from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds
 from rollplex.train.flops import forward_flops, suffix_flops
 from rollplex.train.kept_prefix import KeptPrefix, SuffixUnit, suffix_hidden
 from rollplex.train.loss import agg_loss, entropy_from_logits, kl_penalty, policy_loss
+
+if TYPE_CHECKING:
+    from rollplex.config import Config
 
 
 def response_logprobs(model: Qwen2_5_VL, batch: TrainBatch, vision: VisionEmbeds | None = None,
@@ -71,6 +75,18 @@ class ActorConfig:
     tis_cap: float = 0.0
     max_response_len: int = 256  # the generation limit, for seq-mean-token-sum-norm
     offload_optimizer: bool = False  # keep AdamW's state in host memory except during the step
+
+    @classmethod
+    def from_config(cls, cfg: Config, micro_batch_tokens: int) -> ActorConfig:
+        """A run's actor: the optimizer of trainer.*, the objective of algorithm.*, and
+        `micro_batch_tokens`, the budget the memory plan resolved (trainer.max_tokens_per_micro_batch
+        or its own)."""
+        a, t = cfg.algorithm, cfg.trainer
+        return cls(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+                   max_tokens_per_micro_batch=micro_batch_tokens, share_prefix=cfg.schedule.share_prefix,
+                   clip_low=a.clip_low, clip_high=a.clip_high, clip_c=a.clip_c, loss_agg_mode=a.loss_agg_mode,
+                   kl_coef=a.kl_coef, kl_kind=a.kl_kind, entropy_coef=a.entropy_coef, tis_cap=a.tis_cap,
+                   max_response_len=cfg.rollout.max_tokens, offload_optimizer=cfg.parallel.offload_optimizer)
 
 
 @dataclass
@@ -189,10 +205,14 @@ class Actor:
     def update(self, batch: PolicyBatch) -> dict[str, float]:
         """One optimizer step on the batch; returns verl-named metrics.
 
+        The step is skipped (counted in skipped_steps) on every rank when any rank
+        sees a non-finite loss or gradient, or a non-finite logprob in the batch's
+        old or reference logprobs or in this update's own pass.
+
         Loss-like metrics (and the mean engine/trainer probability difference) are
         this rank's share of the global value: summed over dp ranks they give the
-        batch's value. grad_norm, lr and skipped_steps are global already, and
-        rollout_probs_diff_max is this rank's maximum."""
+        batch's value. grad_norm, lr, skipped_steps and nonfinite_logprobs are
+        global already, and rollout_probs_diff_max is this rank's maximum."""
         cfg = self.config
         self.model.train()
         local = [sum(len(r) for g in batch.groups for r in g.responses), len(batch.advantages)]
@@ -200,12 +220,17 @@ class Actor:
         norm = dict(global_tokens=global_tokens, global_seqs=global_seqs, max_response_len=cfg.max_response_len)
         sums = {k: 0.0 for k in ("pg_loss", "kl_loss", "entropy", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}
         probs_diff_sum, probs_diff_max, flops = 0.0, 0.0, 0.0
+        # Kept on the device until the step, which waits on it anyway.
+        nonfinite = torch.tensor(count_nonfinite(batch.old_logprobs) + count_nonfinite(batch.ref_logprobs),
+                                 device=self.model.device)
         for mb in self.micro_batches(batch.groups):
             units = mb or self._fallback_units(batch.groups)
             weight = 1.0 if mb else 0.0
             ids = _response_ids(units)
             lp, entropy, lens, pass_flops = self._pass(self.model, units, batch.kept, cfg.entropy_coef > 0)
             flops += 3 * pass_flops  # forward + backward (2x)
+            if mb:  # not the zero-weight repeat
+                nonfinite += lp.detach().isfinite().logical_not().sum()
             mask = _padded_mask(lens, lp.device)
             pad = lambda xs: _pad([xs[i] for i in ids], mask)  # noqa: E731
             lp2d = _pad(list(lp.split(lens)), mask)
@@ -241,23 +266,30 @@ class Actor:
                 self.model.unshard()
             batch.kept.backward_into_prompt()
             flops += 2 * batch.kept.flops  # the prompt's backward
-        grad_norm = self._clip_and_step()
+        nonfinite = self._global_sum(float(nonfinite.item()))
+        grad_norm = self._clip_and_step(skip=nonfinite > 0)
         metrics = {f"actor/{k}": v for k, v in sums.items()}
         metrics["perf/actor_flops"] = flops
         if batch.rollout_logprobs is not None:
             metrics["training/rollout_probs_diff_mean"] = probs_diff_sum
             metrics["training/rollout_probs_diff_max"] = probs_diff_max
         metrics.update({"actor/grad_norm": grad_norm, "actor/lr": self.scheduler.get_last_lr()[0],
-                        "actor/skipped_steps": float(self.skipped_steps)})
+                        "actor/skipped_steps": float(self.skipped_steps),
+                        "training/nonfinite_logprobs": nonfinite})
         return metrics
 
-    def _clip_and_step(self) -> float:
+    def _global_sum(self, value: float) -> float:
+        return value if self.dp_size == 1 else all_reduce_values([value], group=self.dp_group)[0]
+
+    def _clip_and_step(self, skip: bool) -> float:
+        """Clip and take the optimizer step, unless `skip` (the same on every rank) or
+        the global grad norm is not finite: then the step is skipped and counted."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         grad_norm = float(global_grad_norm(grads))
         if self.config.grad_clip > 0 and grad_norm > self.config.grad_clip:
             torch._foreach_mul_(grads, self.config.grad_clip / (grad_norm + 1e-6))
-        if not math.isfinite(grad_norm):
-            # A NaN/inf loss or gradient: skip this step (the norm is global, so every rank skips).
+        if skip or not math.isfinite(grad_norm):
+            # `skip` and the norm are global: every rank skips.
             self.skipped_steps += 1
         else:
             if self.offload:
@@ -325,6 +357,11 @@ def lr_schedule(kind: str, warmup_steps: int, total_steps: int):
     if kind not in ("constant", "cosine"):
         raise ValueError(f"unknown lr schedule {kind!r}: expected constant or cosine")
     return factor
+
+
+def count_nonfinite(logprobs: list[torch.Tensor] | None) -> int:
+    """NaN and ±inf values among per-response logprobs (host tensors)."""
+    return int(torch.cat(logprobs).isfinite().logical_not().sum()) if logprobs else 0
 
 
 def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,262 @@
+"""Non-finite values: the engine raises on NaN/inf logits, naming the step, the
+samples and where in the model they first appear, and never samples from them;
+the trainer skips, on every rank, an optimizer step whose logprobs are not
+finite, and counts them in `training/nonfinite_logprobs`."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from rollplex.config import load_config
+from rollplex.engine import Engine, EngineConfig, NonFiniteLogitsError, Request, SamplingParams
+from rollplex.engine.sampler import sample, uniforms
+from rollplex.models import build_model
+from rollplex.rl.loop import RLTrainer
+from rollplex.train.actor import Actor, ActorConfig, PolicyBatch
+from test_actor import policy_batch
+from test_model import tiny_args
+from test_rl_loop import FAST
+
+NAN, INF = float("nan"), float("inf")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+PARAMS = SamplingParams(temperature=1.0, max_tokens=6, seed=0, ignore_eos=True)
+# Prefilled together in step 0 (prompt rows 0-3, then 4-6), then decoding in running
+# order: request 0's samples 0 and 1, request 1's sample 0.
+REQUESTS = [Request([1, 5, 9, 13], n=2), Request([3, 4, 11])]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(tiny_args(), seed=3, init_std=None).eval()
+
+
+class Poison:
+    """A forward hook writing `value` into a module's output at `index` while armed,
+    in the engine's rerun of the step too, as a bad weight would. `between_steps`
+    arms it for engine step `step` only (prefill is step 0)."""
+
+    def __init__(self, module: torch.nn.Module, index, value: float = NAN, step: int = 0):
+        self.index, self.value, self.step = index, value, step
+        self.armed, self.steps_done = step == 0, 0
+        self.handle = module.register_forward_hook(self.hook)
+
+    def hook(self, module, args, output):
+        if self.armed:
+            output = output.clone()
+            output[self.index] = self.value
+            return output
+
+    def between_steps(self, running: int) -> None:
+        self.steps_done += 1
+        self.armed = self.steps_done == self.step
+
+
+def engine(model, graphs: bool = False) -> Engine:
+    e = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4))
+    e.runner.use_cuda_graphs = graphs  # on CPU: the runner's eager stand-in for CUDA graphs
+    return e
+
+
+def generate_poisoned(e: Engine, poison: Poison) -> NonFiniteLogitsError:
+    try:
+        with pytest.raises(NonFiniteLogitsError) as caught:
+            e.generate(REQUESTS, PARAMS, poison.between_steps)
+    finally:
+        poison.handle.remove()
+    return caught.value
+
+
+def test_sampled_logprob_is_nonfinite_exactly_when_the_row_is_unusable():
+    """NaN or +inf anywhere in a row, or a row all -inf, makes the sampled token's
+    logprob NaN, whatever the sampling mode; masked -inf logits alone do not.
+    Every token stays a valid id (an out-of-range gather is a device-side assert on CUDA)."""
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    logits[0, 7] = NAN
+    logits[1, 7] = INF
+    logits[2] = -INF
+    logits[3, 3:] = -INF  # masked: only tokens 0-2 remain
+    logits[4, :] = NAN
+    usable = torch.tensor([False, False, False, True, False, True])
+    n = len(logits)
+    u = uniforms(torch.arange(n), torch.full((n,), 5))
+    for truncate in (False, True):
+        for temperature in (1.0, 0.0, 0.7):
+            for top_k in (-1, 5):
+                # One number per parameter, as the engine passes them, or one per row.
+                for params in ((temperature, 0.9, top_k),
+                               (torch.full((n,), temperature), torch.full((n,), 0.9), torch.full((n,), top_k))):
+                    tokens, logprobs = sample(logits, *params, u, truncate=truncate)
+                    assert ((0 <= tokens) & (tokens < 50)).all()
+                    assert torch.equal(logprobs.isfinite(), usable)
+                    assert tokens[3] < 3
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_nan_from_a_decoder_layer_in_decode_names_the_step_sample_and_layer(model, graphs):
+    e = engine(model, graphs)
+    layers = model.language_model.layers
+    error = generate_poisoned(e, Poison(layers[1], 1, step=2))  # running row 1: request 0, sample 1
+    assert (error.step_kind, error.step_index, error.samples, error.where) == ("decode", 2, [(0, 1)],
+                                                                               "decoder layer 1")
+    assert "engine step 2 (decode)" in str(error) and "request 0 (sample 1)" in str(error)
+    assert e.runner.use_cuda_graphs == graphs  # the rerun ran eagerly, and put the graphs back
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_weight_gone_bad_under_a_decode_graph_is_caught_and_located(device):
+    """A weight turned NaN in place between two steps: a captured CUDA graph reads it
+    as it is (on CPU, the runner's stand-in does); the eager rerun finds its layer."""
+    model = build_model(tiny_args(), device=device, seed=3, init_std=None).eval()
+    e = engine(model, graphs=True)
+    weight = model.language_model.layers[1].mlp.down_proj.weight
+
+    def between_steps(running: int) -> None:
+        if e.stats["steps"] == 2:
+            with torch.no_grad():
+                weight[0, 0] = NAN
+
+    with pytest.raises(NonFiniteLogitsError) as caught:
+        e.generate(REQUESTS, PARAMS, between_steps)
+    error = caught.value
+    assert (error.step_kind, error.step_index, error.samples, error.where) == (
+        "decode", 2, [(0, 0), (0, 1), (1, 0)], "decoder layer 1")
+
+
+def test_nan_in_prefill_names_each_sample_of_the_request_and_the_first_layer(model):
+    """NaN from layer 0 is in layer 1's output too: the first is named."""
+    error = generate_poisoned(engine(model), Poison(model.language_model.layers[0], slice(0, 4)))
+    assert (error.step_kind, error.step_index, error.samples, error.where) == ("prefill", 0, [(0, 0), (0, 1)],
+                                                                               "decoder layer 0")
+    assert "request 0 (samples 0, 1)" in str(error)
+
+
+def test_inf_in_the_head_output_is_caught(model):
+    error = generate_poisoned(engine(model), Poison(model.lm_head, (1, 7), INF))  # logits row 1: request 1
+    assert (error.step_kind, error.samples, error.where) == ("prefill", [(1, 0)], "head")
+
+
+def test_nan_embedding_is_named(model):
+    error = generate_poisoned(engine(model), Poison(model.language_model.embed_tokens, (2, 0), step=1))
+    assert (error.step_kind, error.step_index, error.samples, error.where) == ("decode", 1, [(1, 0)], "embedding")
+
+
+def test_masked_logits_are_sampled_around_not_an_error(model):
+    """-inf logits (a mask) are legitimate: the sampled tokens avoid them, their logprobs are finite."""
+    mask = Poison(model.lm_head, (slice(None), slice(3, None)), -INF)
+    try:
+        outputs = engine(model).generate(REQUESTS, PARAMS)
+    finally:
+        mask.handle.remove()
+    samples = [s for o in outputs for s in o.samples]
+    assert all(t < 3 for s in samples for t in s.token_ids)
+    assert all(math.isfinite(lp) for s in samples for lp in s.logprobs)
+
+
+def test_the_engine_generates_normally_after_the_error(model):
+    """The failed step left NaN K/V in layer 1 at request 0's slot 6, which the same
+    sequence's step 1 would read again, masked (0 * NaN), had the pool been kept."""
+    clean = [[s.token_ids for s in o.samples] for o in engine(model).generate(REQUESTS, PARAMS)]
+    e = engine(model)
+    generate_poisoned(e, Poison(model.language_model.layers[0], 0, step=3))
+    assert [[s.token_ids for s in o.samples] for o in e.generate(REQUESTS, PARAMS)] == clean
+
+
+# ----------------------------------------------------------------------------- trainer
+
+
+def parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def optimizer_state(actor: Actor) -> list[torch.Tensor]:
+    return [(v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+            for state in actor.optimizer.state.values() for v in state.values()]
+
+
+def assert_equal(a, b) -> None:
+    assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def with_reference(batch: PolicyBatch, ref: list[torch.Tensor]) -> PolicyBatch:
+    return PolicyBatch(batch.groups, batch.advantages, batch.old_logprobs, ref)
+
+
+def test_nonfinite_reference_logprob_skips_the_step_and_is_counted():
+    """One -inf reference logprob: k3's clamp keeps the loss and gradient finite, so
+    only the count stops the step from training on it. Parameters, optimizer state
+    and the LR schedule are left as they were, and the next good step goes on."""
+    model = build_model(tiny_args(), seed=5, init_std=None)
+    actor = Actor(model, ActorConfig(lr=1e-3, kl_coef=0.1))
+    good = policy_batch(model, actor.config)
+    actor.update(good)
+    ref = [lp.clone() for lp in good.ref_logprobs]
+    ref[2][0] = -INF
+    before, state = parameters(model), optimizer_state(actor)
+    metrics = actor.update(with_reference(good, ref))
+    assert metrics["training/nonfinite_logprobs"] == 1 and metrics["actor/skipped_steps"] == 1
+    assert math.isfinite(metrics["actor/grad_norm"])
+    assert_equal(list(parameters(model).values()), list(before.values()))
+    assert_equal(optimizer_state(actor), state)
+    metrics = actor.update(good)
+    assert metrics["training/nonfinite_logprobs"] == 0 and metrics["actor/skipped_steps"] == 1
+    assert not torch.equal(parameters(model)["lm_head.weight"], before["lm_head.weight"])
+
+
+def skip_on_one_rank(rank: int, world: int, out: str) -> None:
+    from rollplex.dist import ParallelDims, build_mesh
+    from rollplex.train.parallelize import parallelize
+
+    torch.set_num_threads(1)
+    model = build_model(tiny_args(), seed=5, init_std=None)
+    cfg = ActorConfig(lr=1e-3, kl_coef=0.1)
+    batch = policy_batch(model, cfg)
+    if rank == 1:
+        batch.ref_logprobs[0][0] = -INF
+    mesh = build_mesh(ParallelDims.resolve(world, -1, 1), "cpu")
+    parallelize(model, mesh)
+    before = parameters(model)
+    metrics = Actor(model, cfg, dp_group=mesh["dp_shard"].get_group()).update(batch)
+    unchanged = all(torch.equal(p, before[n]) for n, p in parameters(model).items())
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"nonfinite": metrics["training/nonfinite_logprobs"], "skipped": metrics["actor/skipped_steps"],
+                   "unchanged": unchanged}, f)
+
+
+def test_a_nonfinite_logprob_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    run_distributed(skip_on_one_rank, 2, str(tmp_path / "rank"))
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank.{rank}").read_text())
+        assert got == {"nonfinite": 1, "skipped": 1, "unchanged": True}, rank
+
+
+def test_rl_step_with_nan_reference_pass_is_skipped_counted_and_the_run_goes_on(tmp_path):
+    cfg = load_config(FAST + ["--trainer.output_dir", str(tmp_path), "--algorithm.kl_coef", "0.1",
+                              "--algorithm.updates_per_batch", "1"])
+    trainer = RLTrainer(cfg)
+    batches = trainer._batches(0)
+
+    def step() -> dict[str, float]:
+        trainer.step += 1
+        return trainer.train_step(next(batches))
+
+    assert step()["training/nonfinite_logprobs"] == 0
+    before, state = parameters(trainer.model), optimizer_state(trainer.actor)
+    poison = Poison(trainer.ref_model.language_model.layers[1], slice(None))
+    try:
+        metrics = step()
+    finally:
+        poison.handle.remove()
+    # Every response token's reference logprob, and nothing else.
+    responses = cfg.data.batch_size * cfg.rollout.n
+    assert metrics["training/nonfinite_logprobs"] == round(metrics["response_length/mean"] * responses) > 0
+    assert metrics["actor/skipped_steps"] == 1
+    assert_equal(list(parameters(trainer.model).values()), list(before.values()))
+    assert_equal(optimizer_state(trainer.actor), state)
+    metrics = step()
+    assert metrics["training/nonfinite_logprobs"] == 0 and metrics["actor/skipped_steps"] == 1
+    assert math.isfinite(metrics["actor/grad_norm"])
+    assert not all(torch.equal(p, before[n]) for n, p in parameters(trainer.model).items())
