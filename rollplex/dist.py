@@ -9,7 +9,8 @@ the second (adjacent ranks, so TP stays inside a node).
 
 Small host-side reductions (counts, metrics) go through `all_reduce_values`,
 which puts them on the device the group's backend takes: NCCL takes only CUDA
-tensors, gloo CPU ones.
+tensors, gloo CPU ones. Python objects (requests, samples) go through
+`all_gather_objects`.
 """
 
 from __future__ import annotations
@@ -96,6 +97,13 @@ def all_reduce_values(values: Sequence[float], op: dist.ReduceOp = dist.ReduceOp
     t = torch.tensor(values, dtype=torch.float64, device=collective_device(dist.get_backend(group)))
     dist.all_reduce(t, op=op, group=group)
     return t.tolist()
+
+
+def all_gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list:
+    """Every rank's `obj` (picklable), in rank order, on every rank of `group` (None: every rank)."""
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, obj, group=group)
+    return everyone
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:

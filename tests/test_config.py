@@ -285,3 +285,21 @@ def test_device_option_is_honoured_and_checked():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="no CUDA device"):
             init_distributed("cuda")
+
+
+def test_sections_build_the_components_own_configs():
+    """The tiny model's spec and the actor's config are built from the run's sections, one classmethod each."""
+    from rollplex.models.tiny import TinySpec
+    from rollplex.train.actor import ActorConfig
+
+    assert TinySpec.from_config(TinyModelConfig()) == TinySpec()
+    cfg = config_from_dict({"model": {"tiny": {"hidden_size": 128, "vision_hidden_size": 48, "vocab_size": 1000}},
+                            "trainer": {"lr": 1e-3, "grad_clip": 0.5, "max_tokens_per_micro_batch": 0},
+                            "algorithm": {"kl_coef": 0.1, "loss_agg_mode": "seq-mean-token-mean"},
+                            "rollout": {"max_tokens": 7}, "schedule": {"share_prefix": False}})
+    spec = TinySpec.from_config(cfg.model.tiny)
+    assert (spec.hidden_size, spec.vocab_size, spec.mrope_section) == (128, 1000, (4, 6, 6))  # head_dim 32
+    assert spec.vision_intermediate_size == 96  # 0 in the section: twice the vision width
+    actor = ActorConfig.from_config(cfg, micro_batch_tokens=123)  # the memory plan's budget, not the section's 0
+    assert (actor.lr, actor.grad_clip, actor.kl_coef, actor.loss_agg_mode) == (1e-3, 0.5, 0.1, "seq-mean-token-mean")
+    assert (actor.max_tokens_per_micro_batch, actor.max_response_len, actor.share_prefix) == (123, 7, False)

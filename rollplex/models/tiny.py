@@ -20,6 +20,7 @@ of transformers 5 without torchvision (the PIL image processor is pinned).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -129,6 +130,18 @@ class TinySpec:
     # Video processor pixel budget (per frame).
     video_min_pixels: int = 56 * 56
     video_max_pixels: int = 28 * 28 * 16
+
+    @classmethod
+    def from_config(cls, section) -> TinySpec:
+        """The tiny model a run builds, from its config section (rollplex.config.TinyModelConfig,
+        whose fields are some of these, by the same names, plus the weights' seed). A 0 there
+        means this spec's rule: a vision MLP twice the vision width, the tokenizer's vocabulary.
+        The M-RoPE sections follow the head size."""
+        shared = {f.name: getattr(section, f.name) for f in dataclasses.fields(cls) if hasattr(section, f.name)}
+        return cls(**{**shared,
+                      "vision_intermediate_size": section.vision_intermediate_size or 2 * section.vision_hidden_size,
+                      "vocab_size": section.vocab_size or None,
+                      "mrope_section": default_mrope_section(section.hidden_size // section.num_heads)})
 
     def __post_init__(self) -> None:
         self.fullatt_block_indexes = tuple(self.fullatt_block_indexes)

@@ -14,6 +14,8 @@ on-policy training requires:
      ranks wait for the next weights.
 
 Each side's waiting is reported (`timing_s/rollout_idle`, `timing_s/train_idle`).
+`DisaggExchange` runs a step's side of this, and the validation score, behind
+the loop's rollout and evaluate.
 This is the baseline Rollplex's schedules are compared with (the published
 design measured it 1.57-2.24x slower than overlap): correct and simple, not
 tuned (one broadcast per parameter, samples exchanged as Python objects).
@@ -21,12 +23,17 @@ tuned (one broadcast per parameter, samples exchanged as Python objects).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from rollplex.dist import all_gather_objects
+from rollplex.rl.rollout import Rollout, balanced_share
 
 
 @dataclass(frozen=True)
@@ -106,3 +113,65 @@ class WeightBroadcast:
                 p.to_local().copy_(distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local())
             else:
                 p.copy_(whole)
+
+
+class DisaggExchange:
+    """One rank's side of each step: weights to the rollout ranks, their samples to
+    every rank. `rollout` gives the trainers their share of the samples as the
+    colocated path does (None on a rollout rank), `evaluate` every rank the score."""
+
+    def __init__(self, layout: DisaggLayout, rank: int, broadcast: WeightBroadcast, model: torch.nn.Module,
+                 tokenizer, train_dp_shard: int, train_dp_rank: int):
+        """`model`: the trainers' (the sender's), or a rollout rank's own copy (the receiver's)."""
+        self.layout, self.rank, self.broadcast, self.model, self.tokenizer = layout, rank, broadcast, model, tokenizer
+        self.generates = layout.is_rollout(rank)
+        self.train_dp_shard, self.train_dp_rank = train_dp_shard, train_dp_rank
+
+    def send_weights(self) -> float:
+        """The trainers' current weights to the rollout ranks. Returns the seconds
+        a rollout rank waited (for the trainers' previous phase and the transfer)."""
+        if not self.generates:
+            self.broadcast.send(self.model)
+            return 0.0
+        start = time.perf_counter()
+        self.broadcast.receive(self.model)
+        return time.perf_counter() - start
+
+    def rollout(self, examples: list, step: int,
+                sample: Callable[[list, int], Rollout]) -> tuple[Rollout | None, dict[str, float]]:
+        """The step's exchange; the rollout ranks `sample` their replica's share.
+        Returns the trainers' share as a Rollout (None on a rollout rank) and the
+        step's generation, transfer and idle times (trainers)."""
+        start = time.perf_counter()
+        idle = self.send_weights()
+        weights_s = time.perf_counter() - start
+        report = None
+        if self.generates:
+            start = time.perf_counter()
+            rollout = sample(balanced_share(examples, self.layout.replicas, self.layout.replica(self.rank)), step)
+            gen = time.perf_counter() - start
+            if self.layout.leads_replica(self.rank):  # its TP peers hold the same samples
+                samples = {e.index: rollout.group_samples(i) for i, e in enumerate(rollout.examples)}
+                report = (samples, gen, idle)
+        start = time.perf_counter()
+        reports = [r for r in all_gather_objects(report) if r is not None]
+        if self.generates:
+            return None, {}
+        samples = {index: group for r in reports for index, group in r[0].items()}
+        metrics = {"timing_s/gen": max(r[1] for r in reports), "timing_s/update_weights": weights_s,
+                   "timing_s/train_idle": time.perf_counter() - start,
+                   "timing_s/rollout_idle": max(r[2] for r in reports)}
+        mine = balanced_share(examples, self.train_dp_shard, self.train_dp_rank)
+        return Rollout.from_samples(mine, [samples[e.index] for e in mine], self.tokenizer), metrics
+
+    @torch.no_grad()
+    def evaluate(self, examples: list, score: Callable[[list], tuple[float, int]]) -> dict[str, float]:
+        """The rollout replicas `score` their share of `examples` ((sum, count)) on the
+        updated weights; every rank gets the mean."""
+        self.send_weights()
+        result = (0.0, 0)
+        if self.generates:  # every rank of a replica runs its engine; its first rank reports
+            replica_score = score(examples[self.layout.replica(self.rank)::self.layout.replicas])
+            result = replica_score if self.layout.leads_replica(self.rank) else result
+        results = all_gather_objects(result)
+        return {"val/score": sum(r[0] for r in results) / max(sum(r[1] for r in results), 1)}

@@ -12,7 +12,7 @@ steps). Per chunk the work items (`PrefixKind`) are:
           actor item's K/V: same weights, detached).
 Vision features are encoded once per prompt before rollout; the engine's
 prefill and every item whose tower weights equal the rollout's and needs no
-gradient into the tower read them (see RLTrainer._prefix_work).
+gradient into the tower read them (`PrefixPlanner`).
 
 `PrefixScheduler` runs the items one slice (vision tower, embedding, one
 decoder layer, ...) at a time between the engine's steps, more slices per
@@ -57,10 +57,12 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 
+from rollplex.dist import all_reduce_values
 from rollplex.models.packing import SequenceInputs
 from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds
-from rollplex.rl.memory import PrefixKind, admitted
+from rollplex.rl.memory import MemoryPlan, PrefixKind, admitted, prefix_items, prefix_state
 from rollplex.train.kept_prefix import KeptPrefix, PromptChunk, prepare_prompts, prompt_forward
 
 
@@ -222,3 +224,63 @@ class PrefixScheduler:
                 if self.cuda:  # the result is read on the main stream after the join
                     for t in item.result.tensors():
                         t.record_stream(self.main_stream)
+
+
+def update_chunks(n_groups: int, updates: int) -> list[slice]:
+    """The groups of each of a batch's `updates` optimizer steps (contiguous, as even as possible)."""
+    return [slice(i * n_groups // updates, (i + 1) * n_groups // updates) for i in range(updates)]
+
+
+@dataclass
+class PrefixPlanner:
+    """A step's prompt work as the memory plan counts it: the items of
+    rollplex.rl.memory.prefix_items, each with the plan's estimate of the state it
+    keeps, and the byte budget the scheduler admits them by."""
+
+    plan: MemoryPlan
+    actor: Qwen2_5_VL
+    ref: Qwen2_5_VL | None  # the reference model (kl_coef > 0)
+    tp: int  # the trainer's
+    dp_shard: int
+    dp_group: dist.ProcessGroup | None
+    side_stream: torch.cuda.Stream | None  # the trainer's (module docstring); None on CPU
+
+    def work(self, prompts: list[SequenceInputs], vision: list[VisionEmbeds | None]) -> list[PrefixWork]:
+        """The step's items for `prompts`, with their cached vision features (None: not encoded)."""
+        options, tp = self.plan.options, self.tp
+        chunks = update_chunks(len(prompts), options.updates_per_batch)
+        items = []
+        for spec in prefix_items(options):
+            chunk = chunks[spec.chunk]
+            if chunk.start == chunk.stop:
+                continue
+            ps = prompts[chunk]
+            patches = sum(t.shape[0] for p in ps for t in (p.pixel_values, p.pixel_values_videos) if t is not None)
+            estimate = prefix_state(self.actor.args, spec, len(ps), sum(len(p.input_ids) for p in ps), patches,
+                                    options, tp).total
+            # Collectives in the forward: TP all-reduces, or the sharded reference model's FSDP gathers.
+            alone = tp == 1 and not (spec.kind == PrefixKind.REF and self.dp_shard > 1)
+            model = self.ref if spec.kind == PrefixKind.REF else self.actor
+            items.append(PrefixWork(spec.kind, spec.chunk, model, ps,
+                                    VisionEmbeds.concat(vision[chunk]) if spec.reuses_vision else None,
+                                    spec.keep_graph, estimate, may_drop_alone=alone))
+        return items
+
+    def scheduler(self, items: list[PrefixWork], pool_bytes: int) -> PrefixScheduler:
+        """The step's scheduler for `items`, beside a KV pool of `pool_bytes`."""
+        return PrefixScheduler(items, self.budget(items, pool_bytes), self.side_stream)
+
+    def budget(self, items: list[PrefixWork], pool_bytes: int) -> int:
+        """The step's prefix budget: the memory plan's beside this rank's KV pool.
+        Every dp rank must admit the same items, or their collectives (the reference
+        model's FSDP gathers) would not line up: the items take the largest estimate
+        of any rank, and the budget is the smallest."""
+        budget = self.plan.sizes.prefix_budget_for(pool_bytes)
+        if self.dp_shard == 1:
+            return budget
+        # One collective: min = -max(-x).
+        *estimates, least_budget = all_reduce_values([w.estimate for w in items] + [-budget], dist.ReduceOp.MAX,
+                                                     self.dp_group)
+        for item, estimate in zip(items, estimates):
+            item.estimate = int(estimate)
+        return int(-least_budget)

@@ -1,0 +1,46 @@
+"""Configuration: one dataclass per section, loaded from YAML, overridden on the command line.
+
+Order of precedence (last wins):
+
+1. dataclass defaults below,
+2. the YAML file (``--config PATH``; default ``<repo>/configs/tiny.yaml``),
+3. command-line flags with dotted names, parsed by tyro (``--rollout.n 4``).
+
+Command-line syntax (tyro 1.0, ``use_underscores=True``; hyphens are accepted too)::
+
+    --rollout.n 4  --trainer.output_dir runs/x  --trainer.lr 1e-3
+    --parallel.freeze_vision            # bool on
+    --parallel.no_freeze_vision         # bool off
+    --schedule.share_prefix false       # also accepted (rewritten to the flag form)
+    --schedule.share_prefix=true
+    --data.train_files a.jsonl b.jsonl  # lists take several values
+    --data.train_files                  # empty list
+
+YAML is strict: unknown keys and wrongly typed values raise :class:`ConfigError` naming
+the dotted key and the file, so a typo never silently falls back to a default.
+"""
+
+from rollplex.config.loader import (DEFAULT_CONFIG_PATH, config_from_dict, config_to_dict, load_config,
+                                    load_config_file, save_config)
+from rollplex.config.sections import (AlgorithmConfig, Config, ConfigError, DataConfig, LoggingConfig, ModelConfig,
+                                      ParallelConfig, RolloutConfig, ScheduleConfig, TinyModelConfig, TrainerConfig)
+
+__all__ = [
+    "ConfigError",
+    "TinyModelConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "RolloutConfig",
+    "AlgorithmConfig",
+    "DataConfig",
+    "TrainerConfig",
+    "ScheduleConfig",
+    "LoggingConfig",
+    "Config",
+    "DEFAULT_CONFIG_PATH",
+    "load_config",
+    "load_config_file",
+    "config_from_dict",
+    "config_to_dict",
+    "save_config",
+]

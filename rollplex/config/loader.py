@@ -1,0 +1,276 @@
+"""Loading a Config: from a dict or a YAML file, strictly, and from the command
+line (tyro) over a YAML file; saving one as YAML. The rules are the package's
+(rollplex.config)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import sys
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from rollplex.config.sections import Config, ConfigError, field_types
+
+# The built-in default lives beside the package: <repo>/configs/tiny.yaml.
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+
+
+# --------------------------------------------------------------------------- dict / YAML
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(tp)))
+    if typing.get_origin(tp) is list:
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _check_value(value: Any, tp: Any, key: str, source: str) -> Any:
+    """Return `value` if it fits type `tp` (ints widened to float), else raise ConfigError."""
+
+    def bad() -> ConfigError:
+        got = "null" if value is None else f"{type(value).__name__} {value!r}"
+        return ConfigError(f"{key} in {source}: expected {_type_name(tp)}, got {got}")
+
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value not in typing.get_args(tp) or not isinstance(value, str):
+            raise bad()
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise bad()
+        (elem,) = typing.get_args(tp)
+        return [_check_value(v, elem, f"{key}[{i}]", source) for i, v in enumerate(value)]
+    # bool is a subclass of int: reject it for numeric fields so `n: true` is an error.
+    if tp is bool:
+        ok = isinstance(value, bool)
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif tp is str:
+        ok = isinstance(value, str)
+    else:  # a field type this loader does not know: a bug in this file, not in the YAML
+        raise TypeError(f"config field {key} has unsupported type {tp!r}")
+    if not ok:
+        raise bad()
+    return value
+
+
+def _build(cls: type, data: Any, prefix: str, source: str) -> Any:
+    """Construct dataclass `cls` from a mapping, strictly (see module docstring)."""
+    where = prefix or "top level"
+    if data is None:  # an empty section (`logging:` with everything commented out)
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} in {source}: expected a mapping, got {type(data).__name__} {data!r}")
+    hints = field_types(cls)
+    valid = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in valid:
+            msg = f"unknown key '{key}' in {source}. Valid keys of {where}: {', '.join(valid)}"
+            close = difflib.get_close_matches(str(k), valid, n=1)
+            if close:
+                msg += f". Did you mean '{prefix + '.' if prefix else ''}{close[0]}'?"
+            raise ConfigError(msg)
+        tp = hints[k]
+        if dataclasses.is_dataclass(tp):
+            kwargs[k] = _build(tp, v, key, source)
+        else:
+            kwargs[k] = _check_value(v, tp, key, source)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:  # range/choice checks in __post_init__: add the file
+        raise ConfigError(f"{e} (in {source})") from None
+
+
+def config_from_dict(d: dict | None, source: str = "<dict>") -> Config:
+    """Build a Config from a nested dict (e.g. parsed YAML); missing keys keep defaults.
+
+    `source` names where the dict came from (a file path) in error messages.
+    """
+    return _build(Config, d, "", source)
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """Nested plain dict of `cfg`; `config_from_dict(config_to_dict(cfg)) == cfg`."""
+    return dataclasses.asdict(cfg)
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that also reads `1e-3` as a float and rejects duplicate keys.
+
+    PyYAML follows YAML 1.1, where `1e-3` (no dot) is a *string*; in a config that
+    would turn `lr: 1e-3` into a type error. Duplicate keys would silently drop the
+    first block (e.g. two `trainer:` sections).
+    """
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _construct_mapping_no_dups(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        if key in seen:
+            raise ConfigError(f"duplicate key '{key}'{key_node.start_mark}")
+        seen.add(key)
+    return loader.construct_mapping(node)
+
+
+_YamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping_no_dups)
+
+
+def load_config_file(path: str | Path) -> Config:
+    """Load a YAML config file strictly; missing keys keep the dataclass defaults."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path} (resolved: {path.resolve()})")
+    source = str(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.load(f, Loader=_YamlLoader)  # noqa: S506 - SafeLoader subclass
+    except yaml.YAMLError as e:
+        raise ConfigError(f"cannot parse YAML in {source}: {e}") from None
+    return config_from_dict(data, source)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Write `cfg` as YAML that `load_config_file` reads back to an equal Config."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False, default_flow_style=False)
+
+
+# --------------------------------------------------------------------------- command line
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+def _pop_config_arg(argv: list[str]) -> tuple[str | None, list[str]]:
+    """Remove `--config PATH` / `--config=PATH` from argv; tyro never sees it."""
+    path: str | None = None
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--config" or a.startswith("--config="):
+            if path is not None:
+                raise ConfigError("--config given more than once")
+            if a == "--config":
+                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                    raise ConfigError("--config needs a path: --config PATH")
+                path = argv[i + 1]
+                i += 2
+                continue
+            path = a.split("=", 1)[1]
+            if not path:
+                raise ConfigError("--config needs a path: --config PATH")
+        else:
+            rest.append(a)
+        i += 1
+    return path, rest
+
+
+def _bool_fields(cls: type = Config, prefix: str = "") -> set[str]:
+    """Dotted names of all bool fields, e.g. {'parallel.freeze_vision', ...}."""
+    out: set[str] = set()
+    for name, tp in field_types(cls).items():
+        if name.startswith("_"):
+            continue
+        dotted = f"{prefix}{name}"
+        if dataclasses.is_dataclass(tp):
+            out |= _bool_fields(tp, dotted + ".")
+        elif tp is bool:
+            out.add(dotted)
+    return out
+
+
+def _rewrite_bool_values(args: list[str]) -> list[str]:
+    """Turn `--a.b true|false` and `--a.b=false` into tyro's `--a.b` / `--a.no_b` flags.
+
+    tyro 1.0 makes bools either flag pairs (default) or value options
+    (FlagConversionOff, which then *requires* a capitalized True/False). Rewriting
+    lets both styles work, and lower-case values like in the YAML file.
+    """
+    bools = _bool_fields()
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        name, eq, val = a[2:].partition("=") if a.startswith("--") else ("", "", "")
+        canon = name.replace("-", "_")
+        if canon in bools:
+            if eq:
+                value: str | None = val
+            elif i + 1 < len(args) and args[i + 1].lower() in _TRUE | _FALSE:
+                value = args[i + 1]
+                i += 1
+            else:
+                value = None  # plain flag: leave as is
+            if value is not None:
+                if value.lower() not in _TRUE | _FALSE:
+                    raise ConfigError(f"--{name}: expected true or false, got {value!r}")
+                section, _, leaf = canon.rpartition(".")
+                a = f"--{canon}" if value.lower() in _TRUE else f"--{section}.no_{leaf}"
+        out.append(a)
+        i += 1
+    return out
+
+
+def _description(source: str) -> str:
+    return (
+        "rollplex: RL post-training for vision-language models.\n\n"
+        "Values come from a YAML file; command-line options override them.\n"
+        "  --config PATH                       YAML config file (default: configs/tiny.yaml)\n"
+        f"                                      loaded now: {source}\n"
+        "  --rollout.n 4                       set any field by its dotted name\n"
+        "  --parallel.freeze_vision            bool on  (also: --parallel.freeze_vision true)\n"
+        "  --parallel.no_freeze_vision         bool off (also: --parallel.freeze_vision false)\n"
+        "  --data.train_files a.jsonl b.jsonl  lists take several values\n\n"
+        "Defaults shown below are the values after loading the YAML file."
+    )
+
+
+def load_config(argv: list[str] | None = None) -> Config:
+    """Load the config: YAML file (``--config PATH`` or configs/tiny.yaml), then CLI overrides.
+
+    `argv` defaults to ``sys.argv[1:]``. ``--help`` prints every option and raises
+    SystemExit(0); a bad command-line value makes tyro print an error and raise
+    SystemExit(2). Errors in the YAML file raise ConfigError.
+    """
+    import tyro  # imported here so that config_from_dict works without tyro's import cost
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    path, rest = _pop_config_arg(argv)
+    if path is not None:
+        base, source = load_config_file(path), str(path)
+    elif DEFAULT_CONFIG_PATH.is_file():
+        base, source = load_config_file(DEFAULT_CONFIG_PATH), str(DEFAULT_CONFIG_PATH)
+    else:  # e.g. installed as a wheel without the configs/ folder
+        base, source = Config(), "built-in dataclass defaults (configs/tiny.yaml not found)"
+    cfg = tyro.cli(
+        Config,
+        args=_rewrite_bool_values(rest),
+        default=base,
+        use_underscores=True,  # --trainer.output_dir, as in the YAML; hyphens still accepted
+        description=_description(source),
+    )
+    cfg.validate()
+    return cfg

@@ -1,0 +1,173 @@
+"""A step's rollout: n responses per prompt from the engine, on the trainer's own weights.
+
+Each dp rank rolls out its own share of the prompts (`balanced_share`); all n
+samples of a prompt stay on one rank. Sampling seeds come from the prompt's
+global index, so a prompt gets the same samples whatever rank, world size or
+schedule handles it. `Rollout` is what the training phases read: the responses
+grouped by prompt, with the engine's logprobs and finish reasons per sample.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from rollplex.config import RolloutConfig
+from rollplex.dist import all_gather_objects, all_reduce_values
+from rollplex.engine import Engine, EngineConfig, Request, SamplingParams
+from rollplex.engine.engine import mix_seed
+from rollplex.engine.sequence import RequestOutput, Sample
+from rollplex.models.packing import GroupInputs, SequenceInputs
+from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds
+from rollplex.rl.prefix import PrefixScheduler
+from rollplex.rl.weights import SharedWeights
+
+
+@dataclass
+class Rollout:
+    """One step's samples on this rank, responses in group order."""
+
+    examples: list  # rollplex.data Example per prompt
+    groups: list[GroupInputs]
+    texts: list[str]
+    logprobs: list[torch.Tensor]
+    finish_reasons: list[str]
+    prefix: PrefixScheduler | None = None  # the step's prompt work (all schedules but serial without share_prefix)
+
+    @classmethod
+    def from_samples(cls, examples: list, samples: list[list[Sample]], tokenizer,
+                     prefix: PrefixScheduler | None = None) -> Rollout:
+        """The rollout of `examples` from each one's samples (the engine's, or a disagg rollout rank's)."""
+        groups, texts, logprobs, reasons = [], [], [], []
+        for example, group in zip(examples, samples):
+            groups.append(GroupInputs(prompt_inputs(example), [s.token_ids for s in group]))
+            for s in group:
+                texts.append(tokenizer.decode(s.token_ids, skip_special_tokens=True))
+                logprobs.append(torch.tensor(s.logprobs))
+                reasons.append(s.finish_reason)
+        return cls(examples, groups, texts, logprobs, reasons, prefix)
+
+    def responses_of(self, groups: slice) -> slice:
+        """Where the responses of a run of groups lie in the per-sample lists."""
+        first = sum(len(g.responses) for g in self.groups[:groups.indices(len(self.groups))[0]])
+        return slice(first, first + sum(len(g.responses) for g in self.groups[groups]))
+
+    def group_samples(self, index: int) -> list[Sample]:
+        """Group `index`'s samples, as the engine returned them."""
+        at = self.responses_of(slice(index, index + 1))
+        return [Sample(tokens, logprobs.tolist(), reason) for tokens, logprobs, reason
+                in zip(self.groups[index].responses, self.logprobs[at], self.finish_reasons[at])]
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the training passes read: each sample's prompt and response."""
+        return sum(len(g.prompt.input_ids) * len(g.responses) + sum(map(len, g.responses)) for g in self.groups)
+
+
+def prompt_inputs(example) -> SequenceInputs:
+    """An example's prompt as the model's packing takes it."""
+    p = example.prompt
+    return SequenceInputs(p.input_ids, None, p.pixel_values, p.image_grid_thw, p.pixel_values_videos, p.video_grid_thw,
+                          p.second_per_grid_ts)
+
+
+def request(example, **options) -> Request:
+    """An example's prompt as the engine takes it; `options`: Request's n, seed, vision, max_tokens."""
+    p = example.prompt
+    return Request(p.input_ids.tolist(), p.pixel_values, p.image_grid_thw, p.pixel_values_videos, p.video_grid_thw,
+                   p.second_per_grid_ts, **options)
+
+
+def balanced_share(examples: list, ranks: int, rank: int) -> list:
+    """This rank's prompts: as many per rank as possible, prompt tokens balanced
+    (longest first, each to the rank with the fewest tokens and room left), kept
+    in batch order. Every rank computes the same assignment."""
+    cap = -(-len(examples) // ranks)
+    load, count, owner = [0] * ranks, [0] * ranks, {}
+    for i in sorted(range(len(examples)), key=lambda i: -len(examples[i].prompt.input_ids)):
+        r = min((r for r in range(ranks) if count[r] < cap), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += len(examples[i].prompt.input_ids)
+        count[r] += 1
+    return [e for i, e in enumerate(examples) if owner[i] == rank]
+
+
+def build_engine(weights: SharedWeights, r: RolloutConfig, num_blocks: int,
+                 group: dist.ProcessGroup | None = None) -> Engine:
+    """The engine on the rollout layout of the weights: built inside `for_rollout`,
+    where it reads its KV head count and dtype off the parameters (outside, FSDP's
+    dp shard of k_proj holds a fraction of the heads). Every rank of `group` (None:
+    the world) gets the same KV pool size, the smallest any of them can hold, so that
+    the ranks of a TP group schedule alike. Its pool's capacity is the memory plan's
+    `num_blocks`; the pool itself exists only while it generates."""
+    config = EngineConfig(block_size=r.block_size, num_blocks=num_blocks, max_num_seqs=r.max_num_seqs,
+                          enforce_eager=r.enforce_eager, progress=False)
+    with weights.for_rollout() as engine_model:
+        engine = Engine(engine_model, config)
+        if dist.get_world_size(group) > 1:
+            [blocks] = all_reduce_values([engine.cache.capacity], dist.ReduceOp.MIN, group)
+            if blocks != engine.cache.capacity:
+                config.num_blocks = int(blocks)
+                engine = Engine(engine_model, config)
+    engine.release_kv()
+    return engine
+
+
+class RolloutSampler:
+    """This rank's engine as the loop drives it: requests with the prompts' seeds
+    and limits, sampled (rollout.*) or greedy (evaluation), on the trainer's weights."""
+
+    def __init__(self, engine: Engine, weights: SharedWeights, model: Qwen2_5_VL, tokenizer, r: RolloutConfig,
+                 seed: int, tp_group: dist.ProcessGroup | None = None):
+        """`tp_group`: the engine's TP group when it spans several dp ranks (rollout.tp >
+        parallel.tp); the group then generates all its ranks' requests together."""
+        self.engine, self.weights, self.model, self.tokenizer = engine, weights, model, tokenizer
+        self.config, self.seed, self.tp_group = r, seed, tp_group
+        self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                       max_tokens=r.max_tokens, ignore_eos=r.ignore_eos)
+        self.greedy = SamplingParams(temperature=0.0, max_tokens=r.max_tokens)
+
+    @contextmanager
+    def session(self) -> Iterator[None]:
+        """The model in eval mode and the weights in their rollout layout; the KV pool freed after."""
+        self.model.eval()
+        with self.weights.for_rollout():
+            yield
+        self.engine.release_kv()  # the KV pool lives only during rollout
+
+    def requests(self, examples: list, step: int, vision: list[VisionEmbeds | None]) -> list[Request]:
+        """n samples per prompt, seeded by the run's seed, the step and the prompt's index."""
+        r = self.config
+        seeds = [mix_seed(self.seed, step, e.index) for e in examples]
+        # With min_tokens, each prompt's own limit, drawn from its seed (the same on any rank and schedule).
+        limits = [r.min_tokens + s % (r.max_tokens - r.min_tokens + 1) if r.min_tokens else None for s in seeds]
+        return [request(e, n=r.n, seed=seed, vision=v, max_tokens=limit)
+                for e, v, seed, limit in zip(examples, vision, seeds, limits)]
+
+    def pool_bytes(self, requests: list[Request]) -> int:
+        """Bytes of the KV pool the engine allocates for `requests`."""
+        return self.engine.cache.pool_bytes(self.engine.blocks_for(requests, self.sampling))
+
+    def generate(self, requests: list[Request], params: SamplingParams | None = None,
+                 between_steps: Callable[[int], None] | None = None) -> list[RequestOutput]:
+        """Generate on this rank's engine (`params`: the rollout's sampling by default),
+        with the TP group's requests when it has one; each rank keeps its own outputs
+        (seeds come from the prompts, so the samples do not depend on the grouping)."""
+        params = params or self.sampling
+        if self.tp_group is None:
+            return self.engine.generate(requests, params, between_steps)
+        # Vision features are left out: a peer's engine encodes its own (they are device tensors).
+        everyone = all_gather_objects([replace(q, vision=None) for q in requests], self.tp_group)
+        outputs = self.engine.generate([q for qs in everyone for q in qs], params, between_steps)
+        first = sum(len(qs) for qs in everyone[:dist.get_rank(self.tp_group)])
+        return outputs[first:first + len(requests)]
+
+    def greedy_texts(self, examples: list) -> list[str]:
+        """The greedy response to each example (evaluation)."""
+        with self.session():
+            outputs = self.generate([request(e) for e in examples], self.greedy)
+        return [self.tokenizer.decode(o.samples[0].token_ids, skip_special_tokens=True) for o in outputs]

@@ -1,0 +1,130 @@
+"""A step's metrics: the rollout's and the update's, reduced over the dp ranks;
+each phase's time and peak memory, beside the memory plan's; throughput.
+
+Every dp rank calls these functions in the same order: each reduction is a
+collective over the trainers' dp group.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from rollplex.data.reward_scoring import RewardScores
+from rollplex.dist import all_reduce_values
+from rollplex.metrics import Timer
+from rollplex.rl.memory import GiB, PHASE_MARK, CpuPhasePeaks, MemoryPlan, live_tensor_bytes, loop_phase_bytes
+from rollplex.rl.prefix import PrefixScheduler
+from rollplex.rl.rollout import Rollout
+from rollplex.train.flops import peak_flops
+
+# Actor metrics that are global already (see Actor.update); the others are this rank's share of a global sum,
+# or, ending in _max, this rank's maximum.
+GLOBAL_ACTOR_METRICS = ("actor/grad_norm", "actor/lr", "actor/skipped_steps", "training/nonfinite_logprobs")
+COUNTED_ACTOR_METRICS = ("training/nonfinite_logprobs",)  # summed over the step's updates, not averaged
+
+
+def combine_updates(updates: list[dict[str, float]]) -> dict[str, float]:
+    """The step's actor metrics from those of its optimizer steps: averaged, counts summed."""
+    combined: dict[str, float] = {}
+    for metrics in updates:
+        for key, value in metrics.items():
+            combined[key] = combined.get(key, 0.0) + (value if key in COUNTED_ACTOR_METRICS else value / len(updates))
+    return combined
+
+
+def gather_metrics(rollout: Rollout, rewards: RewardScores, actor: dict[str, float], skipped: float,
+                   group: dist.ProcessGroup | None) -> dict[str, float]:
+    """The step's scores, response lengths, reward failures and actor metrics over every dp rank of `group`."""
+    lengths = [len(r) for g in rollout.groups for r in g.responses]
+    clipped = sum(reason == "length" for reason in rollout.finish_reasons)
+    scores = rewards.scores
+    total, count, length_sum, clip_sum, error_sum, timeout_sum = all_reduce_values(
+        [sum(scores), len(scores), sum(lengths), clipped, rewards.errors, rewards.timeouts], group=group)
+    hi, lo = all_reduce_values([max(scores), -min(scores)], dist.ReduceOp.MAX, group)
+    metrics = {"critic/score/mean": total / count, "critic/score/max": hi, "critic/score/min": -lo,
+               "response_length/mean": length_sum / count, "response_length/clip_ratio": clip_sum / count,
+               "reward/errors": error_sum, "reward/timeouts": timeout_sum, "data/skipped": skipped}
+    shares = sorted(k for k in actor if k not in GLOBAL_ACTOR_METRICS and not k.endswith("_max"))
+    metrics.update(zip(shares, all_reduce_values([actor[k] for k in shares], group=group)))
+    maxima = sorted(k for k in actor if k.endswith("_max"))
+    metrics.update(zip(maxima, all_reduce_values([actor[k] for k in maxima], dist.ReduceOp.MAX, group)))
+    metrics.update({k: actor[k] for k in GLOBAL_ACTOR_METRICS})
+    return metrics
+
+
+def prefix_metrics(prefix: PrefixScheduler) -> dict[str, float]:
+    """How the step's prompt work ran: hidden in the decode window or exposed, deferred, dropped."""
+    return {**prefix.timing.as_metrics(), "prefix/deferred_items": len(prefix.deferred),
+            "prefix/dropped_for_memory": prefix.dropped_for_memory, "prefix/planned_bytes": prefix.planned_bytes}
+
+
+def speed_metrics(rollout: Rollout, seconds: float, actor_flops: float, update_seconds: float, world: int,
+                  device: torch.device, group: dist.ProcessGroup | None) -> dict[str, float]:
+    """The step's time, its tokens per second per rank, and on CUDA the update's model FLOPs
+    utilisation (its FLOPs over its time, per GPU: rollplex/train/flops.py)."""
+    tokens = all_reduce_values([rollout.tokens], group=group)[0]
+    metrics = {"timing_s/step": seconds, "perf/throughput": tokens / seconds / world}
+    if device.type == "cuda":
+        peak = peak_flops(torch.cuda.get_device_name(device))
+        if peak:
+            metrics["perf/mfu/actor"] = actor_flops / (update_seconds * peak * world)
+    return metrics
+
+
+def memory_metrics(peaks: dict[str, int], plan: MemoryPlan | None) -> dict[str, float]:
+    """Each phase's measured peak, its planned peak (`plan`: colocated schedules) and the plan's error."""
+    metrics = {f"perf/max_memory_allocated_gb/{phase}": b / GiB for phase, b in peaks.items()}
+    if peaks:
+        metrics["perf/max_memory_allocated_gb"] = max(peaks.values()) / GiB
+    if plan is None:
+        return metrics
+    planned = loop_phase_bytes(plan)
+    metrics.update({f"perf/planned_memory_gb/{phase}": b / GiB for phase, b in planned.items()})
+    for phase in planned.keys() & peaks.keys():
+        metrics[f"perf/memory_plan_error/{phase}"] = peaks[phase] / planned[phase] - 1
+    return metrics
+
+
+class PhaseMeter:
+    """Each phase's time and peak allocated bytes: the CUDA allocator's, or on CPU,
+    where `measure_cpu` asks for it (trainer.device_memory), the live tensor bytes
+    (CpuPhasePeaks, which reads the profiler ranges `phase` marks)."""
+
+    def __init__(self, device: torch.device, measure_cpu: bool):
+        self.device = device
+        self.cpu_peaks = CpuPhasePeaks() if measure_cpu else None
+        self.cuda_peaks: dict[str, int] = {}
+
+    @contextmanager
+    def step(self) -> Iterator[dict[str, int]]:
+        """Yields a dict that holds each phase's peak bytes once the step is done."""
+        if self.cpu_peaks is not None:
+            with self.cpu_peaks.step() as peaks:
+                yield peaks
+        else:
+            self.cuda_peaks = {}
+            yield self.cuda_peaks
+
+    @contextmanager
+    def phase(self, timer: Timer, name: str) -> Iterator[None]:
+        """Time a phase and mark it for its peak memory."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        with timer(name), record_function(PHASE_MARK + name):
+            yield
+        if cuda:
+            self.cuda_peaks[name] = torch.cuda.max_memory_allocated(self.device)
+
+    def live_bytes(self) -> int:
+        """Tensor bytes this rank holds between steps, the step's temporaries freed: what a
+        leak grows. On CPU it is counted from the tensors Python references (about 0.3 s,
+        so only on the steps that save a checkpoint)."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        return live_tensor_bytes()
