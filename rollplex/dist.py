@@ -23,6 +23,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t`: a DTensor's local tensor; a plain tensor is its own."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """`t` whole: a DTensor gathered over its mesh (collective); a plain tensor as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from distributed import run_distributed
 from rollplex.models import ModelArgs, SequenceInputs, build_model, from_pretrained, pack_sequences
 from rollplex.dist import ParallelDims, build_mesh
-from rollplex.models.tiny import make_tiny_checkpoint
+from rollplex.tiny import make_tiny_checkpoint
 from rollplex.train.checkpoint import (MARKER, CheckpointSaveError, export_hf, latest_checkpoint, load_checkpoint,
                                        save_checkpoint)
 from rollplex.train.parallelize import parallelize

@@ -289,7 +289,7 @@ def test_device_option_is_honoured_and_checked():
 
 def test_sections_build_the_components_own_configs():
     """The tiny model's spec and the actor's config are built from the run's sections, one classmethod each."""
-    from rollplex.models.tiny import TinySpec
+    from rollplex.tiny import TinySpec
     from rollplex.train.actor import ActorConfig
 
     assert TinySpec.from_config(TinyModelConfig()) == TinySpec()

@@ -14,7 +14,7 @@ from PIL import Image
 
 from rollplex.data.datasets import PromptDataset, RowSkipped
 from rollplex.data.processing import load_processor, prepare_prompt
-from rollplex.models.tiny import TinySpec, write_tiny_files
+from rollplex.tiny import TinySpec, write_tiny_files
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rollplex.config import config_from_dict
-from rollplex.models.loader import hf_config_from_args
+from rollplex.models.qwen2_5_vl.hf import hf_config_from_args
 from rollplex.models.qwen2_5_vl import ModelArgs, Qwen2_5_VL, TextArgs, VisionArgs
 from rollplex.rl.memory import (GiB, PHASES, PRESETS, TENSOR_CLASSES, UNCOUNTED_FRACTION, BatchShape, MemoryOptions,
                                 MemoryPlanError, ParallelLayout, PrefixItem, count_params, kv_bytes_per_token,

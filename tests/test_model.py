@@ -11,23 +11,14 @@ import pytest
 import torch
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from rollplex.models import ModelArgs, TextArgs, VisionArgs, build_model, from_pretrained, save_pretrained
+from rollplex.models import build_model, from_pretrained, save_pretrained
 from rollplex.models.loader import CheckpointError
 from rollplex.models.packing import SequenceInputs, pack_padded, pack_sequences
+from rollplex.models.qwen2_5_vl import tiny_args
 from rollplex.models.rope import mrope_positions
 
-IMG, VID, VSTART, VEND = 90, 91, 92, 93
+IMG, VID, VSTART, VEND = 90, 91, 92, 93  # tiny_args's image pad, video pad, vision start and end
 ROW = 3 * 2 * 14 * 14  # channels * temporal_patch * patch * patch
-
-
-def tiny_args(tie: bool = False, window_size: int = 56) -> ModelArgs:
-    return ModelArgs(
-        vision=VisionArgs(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
-                          window_size=window_size, fullatt_block_indexes=[1], tokens_per_second=2),
-        text=TextArgs(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, mrope_section=[2, 3, 3], rope_theta=10000.0),
-        tie_word_embeddings=tie, image_token_id=IMG, video_token_id=VID, vision_start_token_id=VSTART,
-        vision_end_token_id=VEND, eos_token_id=94, bos_token_id=95)
 
 
 def make_pair(tmp_path_factory, **kw):

@@ -22,7 +22,7 @@ from rollplex.data.processing import (
     sample_frame_indices,
     text_to_messages,
 )
-from rollplex.models.tiny import TinySpec, write_tiny_files
+from rollplex.tiny import TinySpec, write_tiny_files
 
 transformers = pytest.importorskip("transformers")
 

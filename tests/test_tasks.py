@@ -20,7 +20,7 @@ from rollplex.data.tasks import (
     task_batches,
     validation_examples,
 )
-from rollplex.models.tiny import IMAGE_MEAN, IMAGE_STD, TinySpec, write_tiny_files
+from rollplex.tiny import IMAGE_MEAN, IMAGE_STD, TinySpec, write_tiny_files
 
 
 @pytest.fixture(scope="module")

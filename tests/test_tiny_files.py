@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from rollplex.models.tiny import (
+from rollplex.tiny import (
     CHAT_TEMPLATE,
     IMAGE_PAD,
     SPECIAL_TOKENS,

@@ -9,7 +9,7 @@ from distributed import run_distributed
 from rollplex.models import ModelArgs, TextArgs, VisionArgs, build_model, from_pretrained, save_pretrained
 from rollplex.models.packing import SequenceInputs, pack_sequences
 from rollplex.models.qwen2_5_vl import Qwen2_5_VL
-from rollplex.train.parallelize import check_tp, vision_splits
+from rollplex.models.qwen2_5_vl.tp_plan import check_tp, vision_splits
 from test_model import IMG, VEND, VID, VSTART, image, tiny_args
 
 SEED = 7

@@ -8,7 +8,7 @@
     python tools/bench_engine.py --n 8 --output-len 64 --host-overhead     # host time per decode step (engine only)
 
 Both sides generate the same workload from the same random tiny checkpoint
-(built into a temp dir with rollplex.models.tiny.make_tiny_checkpoint, bytes
+(built into a temp dir with rollplex.tiny.make_tiny_checkpoint, bytes
 vocabulary, so 320 embedding rows): `--prompts` prompts of `--prompt-len` text
 tokens and `--images` images each, `--n` samples per prompt, exactly
 `--output-len` new tokens per sample (EOS ignored), sampled at temperature 1
@@ -72,7 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rollplex.engine import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
 from rollplex.models import Qwen2_5_VL, from_pretrained  # noqa: E402
-from rollplex.models.tiny import TinySpec, default_mrope_section, make_tiny_checkpoint  # noqa: E402
+from rollplex.tiny import TinySpec, default_mrope_section, make_tiny_checkpoint  # noqa: E402
 
 RANDOM_WEIGHTS_NOTE = "weights are random: the figures are timings only, the generated text means nothing"
 SEED = 0

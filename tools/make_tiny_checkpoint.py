@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rollplex.models.tiny import TinySpec, default_mrope_section, make_tiny_checkpoint  # noqa: E402
+from rollplex.tiny import TinySpec, default_mrope_section, make_tiny_checkpoint  # noqa: E402
 
 
 def main() -> None:

@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from rollplex.models.loader import args_from_hf_config, read_hf_config  # noqa: E402
+from rollplex.models.loader import read_hf_config  # noqa: E402
+from rollplex.models.qwen2_5_vl.hf import args_from_hf_config  # noqa: E402
 from rollplex.models.qwen2_5_vl import ModelArgs  # noqa: E402
 from rollplex.rl.memory import (GiB, PRESETS, SCHEDULES, BatchShape, MemoryOptions, MemoryPlan,  # noqa: E402
                                 ParallelLayout, format_plan, plan_memory)

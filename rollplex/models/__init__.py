@@ -1,10 +1,12 @@
-"""Qwen2.5-VL model, its loader and packing helpers."""
+"""The model families (Qwen2.5-VL today), what callers may call on them
+(`protocol`), the checkpoint loader and packing helpers."""
 
 from rollplex.models.loader import build_model, from_pretrained, save_pretrained
 from rollplex.models.packing import PackedBatch, SequenceInputs, pack_sequences
+from rollplex.models.protocol import VisionLanguageModel
 from rollplex.models.qwen2_5_vl import ModelArgs, Qwen2_5_VL, TextArgs, VisionArgs, VisionEmbeds
 
 __all__ = [
     "ModelArgs", "PackedBatch", "Qwen2_5_VL", "SequenceInputs", "TextArgs", "VisionArgs", "VisionEmbeds",
-    "build_model", "from_pretrained", "pack_sequences", "save_pretrained",
+    "VisionLanguageModel", "build_model", "from_pretrained", "pack_sequences", "save_pretrained",
 ]

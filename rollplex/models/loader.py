@@ -1,18 +1,10 @@
 """Read and write Hugging Face Qwen2.5-VL checkpoint directories.
 
-Reads config.json in both styles (the hub's flat one with a nested
-`vision_config`, and transformers 5's `text_config` / `vision_config`),
-single-file or sharded safetensors, and both key styles (`visual.*` /
-`model.layers.*` as on the hub, `model.visual.*` / `model.language_model.*` as
-transformers 5 saves). The model is built on the meta device and each tensor is
-read straight into the target dtype and device, so no full fp32 copy exists on
-the side. Saving writes the hub style, which every transformers version and
-other tools read.
-
-The hub fuses each vision block's q, k and v projections into one
-`attn.qkv` Linear (rows: q, then k, then v); the model keeps them apart so
-that tensor parallelism can split each by heads. Loading splits the fused
-tensor, saving concatenates the three back.
+Single-file or sharded safetensors; config.json and the key names are
+converted by the family's `hf` module (rollplex.models.qwen2_5_vl.hf). The
+model is built on the meta device and each tensor is read straight into the
+target dtype and device, so no full fp32 copy exists on the side. Saving writes
+the hub layout.
 """
 
 from __future__ import annotations
@@ -26,18 +18,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from rollplex.models.qwen2_5_vl import ModelArgs, Qwen2_5_VL, TextArgs, VisionArgs
+from rollplex.dist import full_tensor
+from rollplex.models.protocol import CheckpointError
+from rollplex.models.qwen2_5_vl.args import ModelArgs
+from rollplex.models.qwen2_5_vl.hf import args_from_hf_config, hf_config_from_args, hf_key_to_params, param_to_hf_key
+from rollplex.models.qwen2_5_vl.model import Qwen2_5_VL
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be read: the message says what is wrong and where."""
-
-
-# ----------------------------------------------------------------------------- config
 
 
 def read_hf_config(path: str | os.PathLike) -> dict:
@@ -48,125 +37,6 @@ def read_hf_config(path: str | os.PathLike) -> dict:
         return json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{file} is not valid JSON: {e}") from e
-
-
-def args_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArgs:
-    """ModelArgs from a config.json dict of either style."""
-    if cfg.get("model_type") not in (None, "qwen2_5_vl"):
-        raise CheckpointError(f"{source}: model_type is {cfg.get('model_type')!r}, expected 'qwen2_5_vl'")
-    if "vision_config" not in cfg:
-        raise CheckpointError(f"{source}: no vision_config; is this a Qwen2.5-VL checkpoint?")
-    text = {**cfg, **cfg.get("text_config", {})}  # flat style keeps text fields at the top level
-    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-    vision = cfg["vision_config"]
-    vision_rope = vision.get("rope_parameters") or {}
-    tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-
-    def pick(d: dict, dataclass_type, **extra):
-        names = dataclass_type.__dataclass_fields__
-        return dataclass_type(**{k: v for k, v in d.items() if k in names}, **extra)
-
-    try:
-        text_args = pick({k: v for k, v in text.items() if k not in ("rope_theta", "mrope_section")}, TextArgs,
-                         rope_theta=float(rope.get("rope_theta", text.get("rope_theta", TextArgs.rope_theta))),
-                         mrope_section=list(rope.get("mrope_section", [16, 24, 24])))
-        vision_args = pick({k: v for k, v in vision.items() if k != "rope_theta"}, VisionArgs,
-                           rope_theta=float(vision_rope.get("rope_theta", 10000.0)))
-        vision_args.fullatt_block_indexes = list(vision_args.fullatt_block_indexes)
-        if "out_hidden_size" not in vision:
-            vision_args.out_hidden_size = text_args.hidden_size
-        top = {k: cfg[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
-                                   "vision_end_token_id", "eos_token_id", "bos_token_id") if k in cfg}
-        for k in ("eos_token_id", "bos_token_id"):
-            if k not in top and k in text:
-                top[k] = text[k]
-        args = ModelArgs(vision=vision_args, text=text_args, tie_word_embeddings=bool(tie), **top)
-    except TypeError as e:
-        raise CheckpointError(f"{source}: {e}") from e
-    if 2 * sum(text_args.mrope_section) != text_args.head_dim:
-        raise CheckpointError(f"{source}: mrope_section {text_args.mrope_section} must sum to head_dim/2 = "
-                              f"{text_args.head_dim // 2}")
-    if vision_args.out_hidden_size != text_args.hidden_size:
-        raise CheckpointError(f"{source}: vision out_hidden_size {vision_args.out_hidden_size} != text hidden_size "
-                              f"{text_args.hidden_size}")
-    return args
-
-
-def hf_config_from_args(args: ModelArgs) -> dict:
-    """config.json in the hub's flat style, readable by transformers 4 and 5."""
-    t, v = args.text, args.vision
-    return {
-        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
-        "model_type": "qwen2_5_vl",
-        "vocab_size": t.vocab_size,
-        "hidden_size": t.hidden_size,
-        "intermediate_size": t.intermediate_size,
-        "num_hidden_layers": t.num_hidden_layers,
-        "num_attention_heads": t.num_attention_heads,
-        "num_key_value_heads": t.num_key_value_heads,
-        "hidden_act": t.hidden_act,
-        "rms_norm_eps": t.rms_norm_eps,
-        "max_position_embeddings": t.max_position_embeddings,
-        "rope_theta": t.rope_theta,
-        "rope_scaling": {"type": "mrope", "mrope_section": list(t.mrope_section)},
-        "tie_word_embeddings": args.tie_word_embeddings,
-        "image_token_id": args.image_token_id,
-        "video_token_id": args.video_token_id,
-        "vision_start_token_id": args.vision_start_token_id,
-        "vision_end_token_id": args.vision_end_token_id,
-        "eos_token_id": args.eos_token_id,
-        "bos_token_id": args.bos_token_id,
-        "use_sliding_window": False,
-        "attention_dropout": 0.0,
-        "torch_dtype": "bfloat16",
-        "vision_config": {
-            "depth": v.depth,
-            "hidden_size": v.hidden_size,
-            "intermediate_size": v.intermediate_size,
-            "num_heads": v.num_heads,
-            "in_channels": v.in_channels,
-            "patch_size": v.patch_size,
-            "spatial_merge_size": v.spatial_merge_size,
-            "temporal_patch_size": v.temporal_patch_size,
-            "tokens_per_second": v.tokens_per_second,
-            "window_size": v.window_size,
-            "out_hidden_size": v.out_hidden_size,
-            "fullatt_block_indexes": list(v.fullatt_block_indexes),
-            "hidden_act": v.hidden_act,
-        },
-    }
-
-
-# ----------------------------------------------------------------------------- weights
-
-
-FUSED_QKV = ".attn.qkv."
-SPLIT_QKV = (".attn.q.", ".attn.k.", ".attn.v.")
-
-
-def hf_key_to_params(key: str) -> list[str]:
-    """Checkpoint key (either style) -> the parameter names it holds, in row order:
-    none for keys we do not keep, three for a vision block's fused qkv."""
-    if key.endswith("rotary_emb.inv_freq"):
-        return []
-    for prefix, ours in (("model.visual.", "visual."), ("model.language_model.", "language_model."),
-                         ("visual.", "visual."), ("model.", "language_model.")):
-        if key.startswith(prefix):
-            name = ours + key[len(prefix):]
-            if name.startswith("visual.blocks.") and FUSED_QKV in name:
-                return [name.replace(FUSED_QKV, part) for part in SPLIT_QKV]
-            return [name]
-    return [key]  # lm_head.weight
-
-
-def param_to_hf_key(name: str) -> str:
-    """Our parameter name -> hub-style checkpoint key (q, k and v of a vision block share one)."""
-    if name.startswith("language_model."):
-        return "model." + name[len("language_model."):]
-    if name.startswith("visual.blocks."):
-        for part in SPLIT_QKV:
-            name = name.replace(part, FUSED_QKV)
-    return name
 
 
 def _weight_files(path: Path) -> dict[str, Path]:
@@ -296,9 +166,7 @@ def save_pretrained(model: Qwen2_5_VL, path: str | os.PathLike, max_shard_bytes:
     path = Path(path)
     ours = {}
     for name, p in model.state_dict().items():
-        if hasattr(p, "full_tensor"):  # DTensor: gather the full parameter
-            p = p.full_tensor()
-        ours[name] = p.detach().to("cpu").contiguous()
+        ours[name] = full_tensor(p).detach().to("cpu").contiguous()  # collective for a DTensor
     tensors = {}
     for key in {param_to_hf_key(name) for name in ours}:
         parts = [ours.pop(name) for name in hf_key_to_params(key)]

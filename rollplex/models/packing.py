@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rollplex.models.qwen2_5_vl import ModelArgs, mrope_for
+from rollplex.models.protocol import RopeArgs
+from rollplex.models.rope import mrope_positions
 from rollplex.ops.attention import GroupLayout
 
 
@@ -49,7 +50,7 @@ class PackedBatch:
         return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
 
 
-def pack_sequences(args: ModelArgs, seqs: list[SequenceInputs]) -> PackedBatch:
+def pack_sequences(args: RopeArgs, seqs: list[SequenceInputs]) -> PackedBatch:
     if not seqs:
         raise ValueError("cannot pack an empty list of sequences")
     lengths = [len(s.input_ids) for s in seqs]
@@ -58,8 +59,8 @@ def pack_sequences(args: ModelArgs, seqs: list[SequenceInputs]) -> PackedBatch:
     positions, deltas, prompt_masks = [], [], []
     for s in seqs:
         n_prompt = len(s.input_ids) if s.prompt_len is None else s.prompt_len
-        pos, delta = mrope_for(args, s.input_ids[:n_prompt], s.image_grid_thw, s.video_grid_thw,
-                               s.second_per_grid_ts)
+        pos, delta = mrope_positions(s.input_ids[:n_prompt], args.rope_spec, s.image_grid_thw, s.video_grid_thw,
+                                     s.second_per_grid_ts)
         # Response tokens are text: index + rope delta on all three axes.
         response = torch.arange(n_prompt, len(s.input_ids), device=pos.device) + delta
         positions.append(torch.cat([pos, response.expand(3, -1)], dim=1))
@@ -86,18 +87,19 @@ def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
     return torch.cat(present) if present else None
 
 
-def split_padded(args: ModelArgs, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+def split_padded(args: RopeArgs, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
                  pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
                  second_per_grid_ts: torch.Tensor | None = None) -> list[SequenceInputs]:
     """A processor's padded batch -> one `SequenceInputs` per row, each with its own
     images and videos (the processor concatenates them in row order)."""
     mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    merge2 = args.vision.spatial_merge_size**2
+    spec = args.rope_spec
+    merge2 = spec.spatial_merge_size**2
     taken = {"image": 0, "video": 0}  # grids consumed so far
     patch_offset = {"image": 0, "video": 0}
-    sources = {"image": (pixel_values, image_grid_thw, args.image_token_id),
-               "video": (pixel_values_videos, video_grid_thw, args.video_token_id)}
+    sources = {"image": (pixel_values, image_grid_thw, spec.image_token_id),
+               "video": (pixel_values_videos, video_grid_thw, spec.video_token_id)}
     rows = []
     for row, row_mask in zip(input_ids, mask):
         ids = row[row_mask]
@@ -131,7 +133,7 @@ def split_padded(args: ModelArgs, input_ids: torch.Tensor, attention_mask: torch
     return rows
 
 
-def pack_padded(args: ModelArgs, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+def pack_padded(args: RopeArgs, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
                 pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
                 second_per_grid_ts: torch.Tensor | None = None) -> PackedBatch:
@@ -164,7 +166,7 @@ class TrainBatch:
     response_lens: list[int]
 
 
-def pack_groups(args: ModelArgs, groups: list[GroupInputs], share_prefix: bool) -> TrainBatch:
+def pack_groups(args: RopeArgs, groups: list[GroupInputs], share_prefix: bool) -> TrainBatch:
     """Pack GRPO groups for a training or logprob pass.
 
     share_prefix=True: each group is [prompt | response_1 | ... | response_n]; the
@@ -189,7 +191,7 @@ def pack_groups(args: ModelArgs, groups: list[GroupInputs], share_prefix: bool) 
     return _train_batch(pack_sequences(args, seqs), target_index, groups)
 
 
-def _pack_shared(args: ModelArgs, groups: list[GroupInputs]) -> TrainBatch:
+def _pack_shared(args: RopeArgs, groups: list[GroupInputs]) -> TrainBatch:
     seqs, layouts, target_index, offset = [], [], [], 0
     for g in groups:
         p = g.prompt

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from rollplex.dist import all_gather_objects
+from rollplex.dist import all_gather_objects, full_tensor
 from rollplex.rl.rollout import Rollout, balanced_share
 
 
@@ -95,7 +95,7 @@ class WeightBroadcast:
         over the trainers' mesh). Returns the bytes sent."""
         sent = 0
         for p in model.parameters():
-            whole = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+            whole = full_tensor(p.detach())
             if self.rank == 0:
                 whole = whole.to(self.dtype).contiguous()
                 dist.broadcast(whole, src=0, group=self.group)

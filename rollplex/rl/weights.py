@@ -59,7 +59,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from rollplex.dist import all_reduce_values
+from rollplex.dist import all_reduce_values, full_tensor, local_tensor
 from rollplex.models.qwen2_5_vl import Qwen2_5_VL
 from rollplex.train.parallelize import apply_tp, reshard_after_forward
 
@@ -164,7 +164,7 @@ class SharedWeights:
         # parameters; with uneven layouts one rank may hold its block while another does not.
         needs_rebuild = all_reduce_values([block is None for *_, block in found], dist.ReduceOp.MAX)
         for (trainer_module, engine_module, name, layout, block), rebuild in zip(found, needs_rebuild):
-            trainer_local = _local(trainer_module._parameters[name])
+            trainer_local = local_tensor(trainer_module._parameters[name])
             if rebuild:
                 b = _Binding(trainer_module, engine_module, name, layout, "rebuilt", _global_block(layout),
                              torch.empty(_local_shape(layout), dtype=trainer_local.dtype, device=trainer_local.device))
@@ -185,9 +185,9 @@ class SharedWeights:
             if b.kind == "rebuilt":
                 b.buffer.untyped_storage().resize_(b.buffer.numel() * b.buffer.element_size())
                 # The whole parameter exists only while it is copied: one at a time.
-                b.buffer.copy_(_full(trainer_param)[b.block])
+                b.buffer.copy_(full_tensor(trainer_param)[b.block])
             else:
-                _set_param(b.engine_module, b.name, _local(trainer_param)[b.block], b.layout)
+                _set_param(b.engine_module, b.name, local_tensor(trainer_param)[b.block], b.layout)
         # Copied each rollout, so a backend chosen on the trainer's model later still applies.
         self._engine_model.attn_backend = self.model.attn_backend
         self._engine_model.visual.attn_backend = self.model.visual.attn_backend
@@ -239,14 +239,6 @@ def _global_block(t: torch.Tensor) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(_global_offset(t), _local_shape(t)))
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def _set_param(module: nn.Module, name: str, local: torch.Tensor, layout: torch.Tensor) -> None:
     """Make `local` (no copy) the engine's parameter, as a DTensor when the engine's layout is one."""
     if isinstance(layout, DTensor):
@@ -256,4 +248,4 @@ def _set_param(module: nn.Module, name: str, local: torch.Tensor, layout: torch.
 
 
 def _local_bytes(p: torch.Tensor) -> int:
-    return _local(p).numel() * p.element_size()
+    return local_tensor(p).numel() * p.element_size()

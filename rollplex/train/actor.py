@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from rollplex.dist import all_reduce_values
+from rollplex.dist import all_reduce_values, full_tensor, local_tensor
 from rollplex.models.packing import GroupInputs, TrainBatch, pack_groups
 from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds
 from rollplex.train.flops import forward_flops, suffix_flops
@@ -323,7 +323,7 @@ class OptimizerOffload:
         for state in self.optimizer.state.values():
             for value in state.values():
                 if torch.is_tensor(value) and value.numel() > 1:  # AdamW's scalar step stays put
-                    out.append(value.to_local() if hasattr(value, "to_local") else value)
+                    out.append(local_tensor(value))
         return out
 
     def offload(self) -> None:
@@ -369,7 +369,7 @@ def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     (TP-sharded layers on the 2D mesh, the rest on the dp mesh alone): each
     parameter's norm is made whole on its own mesh, then the norms combine."""
     norms = [torch.linalg.vector_norm(g.detach(), 2, dtype=torch.float32) for g in grads]
-    norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+    norms = [full_tensor(n) for n in norms]
     return torch.linalg.vector_norm(torch.stack(norms), 2)
 
 

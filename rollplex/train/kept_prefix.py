@@ -149,7 +149,7 @@ def prompt_forward(model: Qwen2_5_VL, chunk: PromptChunk) -> Iterator[KeptPrefix
     h = model.embed_prompts(chunk.input_ids, vision, chunk.slots)
     yield None
     capture = _CaptureKV(chunk.attention)
-    for h in model.language_model.layer_by_layer(h, chunk.position_ids, capture):
+    for h in model.layer_by_layer(h, chunk.position_ids, capture):
         yield None
     yield KeptPrefix(capture.keys, capture.values, h[chunk.last], chunk.lengths, chunk.rope_deltas, chunk.flops)
 

@@ -1,5 +1,6 @@
-"""The memory plan's inputs: the model shapes of the published sizes, where the
-trainer and the engine live, one step's batch, and the run's options."""
+"""The memory plan's inputs: where the trainer and the engine live, one step's
+batch, and the run's options. (The model shapes of the published sizes,
+`PRESETS`, are rollplex.models.qwen2_5_vl.args's.)"""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollplex.models.qwen2_5_vl import ModelArgs, TextArgs, VisionArgs
+from rollplex.models.qwen2_5_vl import ModelArgs
 
 GiB = 1 << 30
 
@@ -17,25 +18,6 @@ GiB = 1 << 30
 UNCOUNTED_FRACTION = 0.1
 
 SCHEDULES = ("overlap", "serial-prefix", "serial-naive")
-
-
-def _preset(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int, tie: bool,
-            vision_inter: int) -> ModelArgs:
-    text = TextArgs(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                    num_attention_heads=heads, num_key_value_heads=kv_heads)
-    return ModelArgs(vision=VisionArgs(intermediate_size=vision_inter, out_hidden_size=hidden), text=text,
-                     tie_word_embeddings=tie)
-
-
-# The hub's config.json values of Qwen/Qwen2.5-VL-{3B,7B,32B,72B}-Instruct. The vision tower is depth 32,
-# width 1280, 16 heads, out_hidden_size = the LM width; its MLP is 3420 wide in 3B/7B and 3456 in 32B/72B.
-# Totals: 3,754,622,976 / 8,292,166,656 / 33,452,718,336 / 73,410,777,344 parameters.
-PRESETS: dict[str, ModelArgs] = {
-    "qwen2.5-vl-3b": _preset(151936, 2048, 11008, 36, 16, 2, tie=True, vision_inter=3420),
-    "qwen2.5-vl-7b": _preset(152064, 3584, 18944, 28, 28, 4, tie=False, vision_inter=3420),
-    "qwen2.5-vl-32b": _preset(152064, 5120, 27648, 64, 40, 8, tie=False, vision_inter=3456),
-    "qwen2.5-vl-72b": _preset(152064, 8192, 29568, 80, 64, 8, tie=False, vision_inter=3456),
-}
 
 
 @dataclass

@@ -4,87 +4,31 @@ No parallelism and no scheduling in here. The same module serves the trainer's
 packed forward, the engine's prefill and decode, and the shared-prefix passes:
 attention goes through the `AttentionBackend` the caller passes in
 (rollplex.ops.attention), and tensor/data parallelism is applied from outside
-(rollplex.train.parallelize). Head counts are read off the weight shapes at run
-time (`view(T, -1, head_dim)`), so a TP-sharded module runs unchanged.
+(its plan in `tp_plan`, applied by rollplex.train.parallelize). Head counts are
+read off the weight shapes at run time (`view(T, -1, head_dim)`), so a
+TP-sharded module runs unchanged.
 
 Module names follow the Hugging Face checkpoint (`visual.*`, `model.*`,
 `lm_head`), with `language_model` standing for the hub's `model.` prefix; the
-loader maps both naming styles.
+key mapping (`hf`) maps both naming styles.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from rollplex.models.rope import (MRotaryEmbedding, RopeIndexSpec, apply_rotary, mrope_positions, vision_positions,
-                                  vision_rotary)
-if TYPE_CHECKING:
-    from rollplex.models.packing import PackedBatch
+from rollplex.dist import local_tensor
+from rollplex.models.packing import PackedBatch, pack_padded
+from rollplex.models.qwen2_5_vl.args import ModelArgs, TextArgs, VisionArgs
+from rollplex.models.rope import MRotaryEmbedding, apply_rotary, vision_positions, vision_rotary
 from rollplex.ops.attention import (AttentionBackend, PackedSegments, SharedPrefixAttention, VarlenAttention,
                                     resolve_backend)
-
-
-@dataclass
-class VisionArgs:
-    depth: int = 32
-    hidden_size: int = 1280
-    intermediate_size: int = 3420
-    num_heads: int = 16
-    in_channels: int = 3
-    patch_size: int = 14
-    spatial_merge_size: int = 2
-    temporal_patch_size: int = 2
-    tokens_per_second: float = 2.0
-    window_size: int = 112
-    out_hidden_size: int = 2048
-    fullatt_block_indexes: list[int] = field(default_factory=lambda: [7, 15, 23, 31])
-    hidden_act: str = "silu"
-    rope_theta: float = 10000.0
-
-
-@dataclass
-class TextArgs:
-    vocab_size: int = 151936
-    hidden_size: int = 2048
-    intermediate_size: int = 11008
-    num_hidden_layers: int = 36
-    num_attention_heads: int = 16
-    num_key_value_heads: int = 2
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1000000.0
-    mrope_section: list[int] = field(default_factory=lambda: [16, 24, 24])
-    max_position_embeddings: int = 128000
-    hidden_act: str = "silu"
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-
-@dataclass
-class ModelArgs:
-    """Everything the model's shape and inputs depend on; built from a HF config.json."""
-
-    vision: VisionArgs = field(default_factory=VisionArgs)
-    text: TextArgs = field(default_factory=TextArgs)
-    tie_word_embeddings: bool = False
-    image_token_id: int = 151655
-    video_token_id: int = 151656
-    vision_start_token_id: int = 151652
-    vision_end_token_id: int = 151653
-    eos_token_id: int | list[int] | None = 151645
-    bos_token_id: int | None = 151643
-
-    @property
-    def rope_spec(self) -> RopeIndexSpec:
-        return RopeIndexSpec(self.image_token_id, self.video_token_id, self.vision.spatial_merge_size,
-                             self.vision.tokens_per_second)
 
 
 def _check_act(act: str) -> None:
@@ -480,6 +424,17 @@ class Qwen2_5_VL(nn.Module):
         """input_ids (T,) packed, position_ids (3, T) -> final hidden states (T, hidden)."""
         return self.language_model(self.embed(input_ids, vision, prompt_mask), position_ids, attn)
 
+    def layer_by_layer(self, h: torch.Tensor, position_ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                       attn: AttentionBackend) -> Iterator[torch.Tensor]:
+        """`LanguageModel.layer_by_layer` of embedded tokens `h` (see `embed_prompts`)."""
+        return self.language_model.layer_by_layer(h, position_ids, attn)
+
+    def kv_heads_per_rank(self) -> int:
+        """The KV heads of this rank's attention layers, read off k_proj's rows: under
+        tensor parallelism it holds this rank's heads only."""
+        weight = self.language_model.layers[0].self_attn.k_proj.weight
+        return local_tensor(weight).shape[0] // self.args.text.head_dim
+
     def forward_generated(self, input_ids: torch.Tensor,
                           position_ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                           attn: AttentionBackend) -> torch.Tensor:
@@ -493,7 +448,7 @@ class Qwen2_5_VL(nn.Module):
             return F.linear(hidden, self.language_model.embed_tokens.weight)
         return self.lm_head(hidden)  # through the module, so a parallel plan's hooks apply
 
-    def forward_packed(self, batch: "PackedBatch", vision: VisionEmbeds | None = None) -> torch.Tensor:
+    def forward_packed(self, batch: PackedBatch, vision: VisionEmbeds | None = None) -> torch.Tensor:
         """Hidden states of a packed batch; encodes its images/videos unless `vision` is given."""
         if vision is None:
             vision = self.encode_vision(batch.pixel_values, batch.image_grid_thw, batch.pixel_values_videos,
@@ -511,8 +466,6 @@ class Qwen2_5_VL(nn.Module):
                    second_per_grid_ts: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, L, vocab) for exactly what the transformers processor returns
         for a left- or right-padded batch. Pad positions get zero logits."""
-        from rollplex.models.packing import pack_padded
-
         batch = pack_padded(self.args, input_ids, attention_mask, pixel_values, image_grid_thw,
                             pixel_values_videos, video_grid_thw, second_per_grid_ts)
         logits = self.logits(self.forward_packed(batch))
@@ -537,9 +490,3 @@ def check_pixels(pixels: torch.Tensor, grid_thw: torch.Tensor | None, args: Visi
     m = args.spatial_merge_size
     if bool(((grid_thw[:, 1:] % m) != 0).any()):
         raise ValueError(f"{kind} grid {grid_thw.tolist()} has a height or width not divisible by the merge size {m}")
-
-
-def mrope_for(args: ModelArgs, input_ids: torch.Tensor, image_grid_thw=None, video_grid_thw=None,
-              second_per_grid_ts=None) -> tuple[torch.Tensor, int]:
-    """M-RoPE positions and rope delta of one unpadded sequence under `args`."""
-    return mrope_positions(input_ids, args.rope_spec, image_grid_thw, video_grid_thw, second_per_grid_ts)

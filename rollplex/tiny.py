@@ -627,7 +627,8 @@ def make_tiny_checkpoint(out_dir: str | os.PathLike, spec: TinySpec | None = Non
     """A complete tiny random Qwen2.5-VL directory, fully offline: config, random
     fp32 weights (built by Rollplex's own model), tokenizer with the Qwen special
     tokens and chat template, and the image/video preprocessor configs."""
-    from rollplex.models.loader import args_from_hf_config, build_model, save_pretrained
+    from rollplex.models.loader import build_model, save_pretrained
+    from rollplex.models.qwen2_5_vl.hf import args_from_hf_config
 
     info = write_tiny_files(out_dir, spec, style=style)
     # Fan-in init: with transformers' N(0, 0.02) the first policy is so uniform that the
