@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import Qwen2_5_VLForConditionalGeneration
 
+from rollplex.config import RolloutConfig
 from rollplex.engine import Engine, EngineConfig, Request, SamplingParams
 from rollplex.engine.block_manager import BlockManager
 from rollplex.models import build_model, save_pretrained
@@ -247,3 +248,12 @@ def test_pool_is_sized_for_the_batch():
     assert want == sum(r.n * -(-(len(r.prompt_ids) + 8) // 4) for r in requests)
     assert [[s.token_ids for s in o.samples] for o in small.generate(requests, params)] == tokens
     assert small.cache.num_blocks == 40 < want
+
+
+def test_the_rl_loop_builds_engine_and_sampling_configs_from_its_rollout_section():
+    rollout = RolloutConfig(block_size=8, max_num_seqs=5, enforce_eager=True, temperature=0.5, top_p=0.9, top_k=4,
+                            max_tokens=7, ignore_eos=True)
+    assert EngineConfig.from_config(rollout, num_blocks=12) == EngineConfig(
+        block_size=8, num_blocks=12, max_num_seqs=5, enforce_eager=True, progress=False)
+    assert SamplingParams.from_config(rollout) == SamplingParams(temperature=0.5, top_p=0.9, top_k=4, max_tokens=7,
+                                                                 ignore_eos=True)

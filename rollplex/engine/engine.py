@@ -1,8 +1,9 @@
 """The decode engine: generate(requests) -> sampled tokens with their logprobs.
 
 The loop, readable in one sitting: schedule a step (prefill or decode), run
-the model for it, sample, then postprocess (fork a group's children after its
-prompt's prefill, append tokens, finish and free sequences).
+the model for it, sample, then postprocess (append the sampled tokens; finished
+sequences record their samples and free their blocks), then hand the caller its
+`between_steps`. The scheduler owns the sequences' lifecycle (rollplex.engine.scheduler).
 
 The running sequences' state lives in a `DecodeBatch`, persistent tensors
 updated in place: a decode step's inputs, its sampled tokens and its stop
@@ -27,13 +28,11 @@ output is non-finite for them (rollplex.engine.nonfinite).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-import os
 import random
-import sys
-import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, NoReturn
 
 import torch
 
@@ -41,11 +40,16 @@ from rollplex.engine.block_manager import BlockManager
 from rollplex.engine.decode_batch import DecodeBatch
 from rollplex.engine.kv_cache import KVCache
 from rollplex.engine.nonfinite import NonFiniteLogitsError, first_nonfinite_stage
+from rollplex.device import free_memory
+from rollplex.engine.progress import Progress
 from rollplex.engine.runner import ModelRunner
-from rollplex.engine.sampler import SamplingParams, sample
+from rollplex.engine.sampler import SamplingParams, mix_seed, sample
 from rollplex.engine.scheduler import Scheduler, Step
-from rollplex.engine.sequence import PromptState, Request, RequestOutput, Sample, Sequence
+from rollplex.engine.sequence import PromptState, Request, RequestOutput, Sequence
 from rollplex.models.qwen2_5_vl import Qwen2_5_VL, check_pixels, mrope_for
+
+if TYPE_CHECKING:
+    from rollplex.config import RolloutConfig
 
 
 @dataclass
@@ -66,6 +70,13 @@ class EngineConfig:
         if self.kv_cache_memory <= 0:
             raise ValueError(f"EngineConfig.kv_cache_memory must be > 0, got {self.kv_cache_memory}")
 
+    @classmethod
+    def from_config(cls, rollout: RolloutConfig, num_blocks: int) -> EngineConfig:
+        """The RL loop's engine: the rollout section's blocks, batch and graphs, a pool
+        of `num_blocks` (the memory plan's), no progress line (the loop logs its own)."""
+        return cls(block_size=rollout.block_size, num_blocks=num_blocks, max_num_seqs=rollout.max_num_seqs,
+                   enforce_eager=rollout.enforce_eager, progress=False)
+
 
 class Engine:
     def __init__(self, model: Qwen2_5_VL, config: EngineConfig | None = None):
@@ -74,9 +85,7 @@ class Engine:
         self.max_model_len = min(cfg.max_model_len, text.max_position_embeddings)
         self.device = model.device
         self.dtype = model.language_model.embed_tokens.weight.dtype
-        # Read the KV width off the weights: under tensor parallelism k_proj holds this rank's heads only.
-        k_proj = model.language_model.layers[0].self_attn.k_proj.weight
-        kv_heads = _local_rows(k_proj) // text.head_dim
+        kv_heads = model.kv_heads_per_rank()
         self.cache = KVCache(text.num_hidden_layers, self._num_blocks(kv_heads), cfg.block_size, kv_heads,
                              text.head_dim, self.dtype, self.device)
         self.runner = ModelRunner(model, self.cache, self.max_model_len, cfg.max_num_seqs,
@@ -115,55 +124,55 @@ class Engine:
         still decoding: the RL loop's prefix scheduler runs its work there."""
         params = params or SamplingParams()
         prompts = [self._prepare(i, r, params) for i, r in enumerate(requests)]
-        self.cache.allocate(self.blocks_for(requests, params))
-        self.runner.storage_may_have_moved = True
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        scheduler = self._scheduler(prompts, stop_ids)
-        blocks, batch = scheduler.blocks, scheduler.batch
-        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
-        captures, capture_seconds = self.runner.captures, self.runner.capture_seconds
-        progress = _Progress(sum(r.n for r in requests), enabled=self.config.progress and _is_rank0())
-        samples_done = 0
+        scheduler = self._start(requests, prompts, params)
+        progress = Progress(sum(r.n for r in requests), enabled=self.config.progress)
         while scheduler.has_work():
             step = scheduler.schedule()
-            self.stats["steps"] += 1
-            if step.is_prefill:
-                slots = [blocks.slots(s.block_table, 0, len(s)) for s in step.seqs]
-                logits = self.runner.prefill(step.seqs, slots)
-                self.stats["prefill_tokens"] += sum(len(s) for s in step.seqs)
-                finished = self._after_prefill(step, slots, logits, scheduler, params)
-            else:
-                with self.runner.on_decode_stream():
-                    logits = self.runner.decode(batch, step.copies)
-                    tokens, logprobs = self._sample(logits, batch.uniforms(), params)
-                    logprobs = self._checked(logprobs, step, batch.seqs,
-                                             lambda rows: self._locate_in_decode(batch, rows))
-                    finished = scheduler.append(tokens, logprobs)
-                self.stats["decode_tokens"] += len(step.seqs)
-            for s in finished:
-                self._record(s, stop_ids)
-            samples_done += len(finished)
-            progress.update(samples_done, self.stats["decode_tokens"])
+            with self._stream_for(step):
+                logits = self._run(step, scheduler.batch)
+                tokens, logprobs = self._sample(logits, step, scheduler.batch, params)
+                finished = scheduler.postprocess(tokens, logprobs, step.first)
+            progress.update(len(finished), self.stats["decode_tokens"])
             if between_steps is not None and scheduler.has_work():
                 between_steps(len(scheduler.running))
         progress.close()
-        self.stats["preemptions"] = scheduler.num_preemptions
-        # A new pool (or moved weights) means new graphs: inside this generation's time.
-        self.stats["graph_captures"] = self.runner.captures - captures
-        self.stats["graph_capture_s"] = self.runner.capture_seconds - capture_seconds
-        assert blocks.num_free == self.cache.num_blocks, "KV blocks leaked"
+        self._end(scheduler)
         return [RequestOutput(list(p.request.prompt_ids), list(p.samples), p.vision, p.rope_delta) for p in prompts]
 
-    def _scheduler(self, prompts: list[PromptState], stop_ids: set[int]) -> Scheduler:
-        """A scheduler over a new block manager and decode batch, with every prompt waiting."""
+    def _start(self, requests: list[Request], prompts: list[PromptState], params: SamplingParams) -> Scheduler:
+        """A new generation: its KV pool, the runner told, and a scheduler over a new
+        block manager and decode batch, with every prompt waiting."""
+        self.cache.allocate(self.blocks_for(requests, params))
+        self.runner.start_generation()
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         blocks = BlockManager(self.cache.num_blocks, self.cache.block_size)
         # A group larger than max_num_seqs still runs, alone.
         rows = max([self.config.max_num_seqs] + [p.request.n for p in prompts])
         batch = DecodeBatch(prompts, rows, self.runner.max_blocks, self.cache.sink_block, stop_ids, self.device)
-        scheduler = Scheduler(blocks, batch, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        scheduler = Scheduler(blocks, batch, self.config.max_num_seqs, self.config.max_num_batched_tokens, stop_ids)
         for p in prompts:
-            scheduler.add(Sequence(p, -1, list(p.request.prompt_ids)))
+            scheduler.add(p)
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
         return scheduler
+
+    def _end(self, scheduler: Scheduler) -> None:
+        self.stats["preemptions"] = scheduler.num_preemptions
+        # A new pool (or moved weights) means new graphs: inside this generation's time.
+        self.stats["graph_captures"], self.stats["graph_capture_s"] = self.runner.captures_since_start()
+        assert scheduler.blocks.num_free == self.cache.num_blocks, "KV blocks leaked"
+
+    def _stream_for(self, step: Step) -> contextlib.AbstractContextManager:
+        """Decode steps run, sample and postprocess on the decode stream; prefill on the caller's."""
+        return contextlib.nullcontext() if step.is_prefill else self.runner.on_decode_stream()
+
+    def _run(self, step: Step, batch: DecodeBatch) -> torch.Tensor:
+        """The model's float32 logits for the step: one row per prefilled sequence, or per running one."""
+        self.stats["steps"] += 1
+        if step.is_prefill:
+            self.stats["prefill_tokens"] += sum(len(s) for s in step.seqs)
+            return self.runner.prefill(step.seqs, step.slots)
+        self.stats["decode_tokens"] += len(step.seqs)
+        return self.runner.decode(batch, step.copies)
 
     def blocks_for(self, requests: list[Request], params: SamplingParams) -> int:
         """The KV pool a generation gets: what its samples could fill at full length,
@@ -204,50 +213,36 @@ class Engine:
             raise ValueError(f"the KV pool ({self.cache.capacity} blocks of {self.cache.block_size} tokens) cannot "
                              f"hold one sequence of request {index} ({longest} tokens, {needed} blocks); raise "
                              "kv_cache_memory / num_blocks or lower max_tokens")
-        if r.seed is not None:  # e.g. the RL loop: a prompt samples the same on any rank
-            seeds = [mix_seed(r.seed, j) for j in range(r.n)]
-        else:
-            base = params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
-            seeds = [mix_seed(base, index, j) for j in range(r.n)]
-        return PromptState(index, r, positions, delta, seeds, longest, vision=r.vision, samples=[None] * r.n)
+        return PromptState(index, r, positions, delta, _seeds(index, r, params), longest, vision=r.vision,
+                           samples=[None] * r.n)
 
-    def _after_prefill(self, step: Step, slots: list[list[int]], logits: torch.Tensor, scheduler: Scheduler,
-                       params: SamplingParams) -> list[Sequence]:
-        """Sample the next token of every prefilled sequence; returns those that
-        finished. A group's prompt gives each of its n children a first token, and
-        the children take over its blocks (shared, copy-on-write on the last partial one)."""
-        seqs, blocks = step.seqs, scheduler.blocks
-        rows, decoding = [], []
-        for i, s in enumerate(seqs):
-            n = s.prompt.request.n if s.is_group_prompt else 1
-            rows += [i] * n
-            decoding += ([Sequence(s.prompt, j, list(s.token_ids), blocks.fork(s.block_table)) for j in range(n)]
-                         if s.is_group_prompt else [s])
-        for s in seqs:
-            if s.is_group_prompt:
-                blocks.free(s.block_table)
-        first = scheduler.start(decoding)
-        tokens, logprobs = self._sample(logits[torch.tensor(rows, device=logits.device)],
-                                        scheduler.batch.uniforms(first), params)
-        logprobs = self._checked(logprobs, step, decoding,
-                                 lambda bad: self._locate_in_prefill(seqs, slots, sorted({rows[r] for r in bad})))
-        return scheduler.append(tokens, logprobs, first)
-
-    def _checked(self, logprobs: torch.Tensor, step: Step, seqs: list[Sequence],
-                 locate: Callable[[list[int]], str]) -> torch.Tensor:
-        """The step's sampled logprobs (one per sequence of `seqs`), read back to the host:
-        the step's wait on the device, after which the batch reads its tokens back at
-        once. A non-finite one means NaN or inf in its logits (rollplex.engine.nonfinite):
-        then `locate(rows)` names where they first appear, and the step raises."""
+    def _sample(self, logits: torch.Tensor, step: Step, batch: DecodeBatch,
+                params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's sampled tokens (on the device) and their logprobs (read back to the
+        host: the step's wait on the device, after which the batch reads its tokens back
+        at once). A non-finite logprob means NaN or inf in its logits (rollplex.engine.nonfinite):
+        the step then raises, naming where they first appear."""
+        if step.logit_rows is not None:
+            logits = logits[torch.tensor(step.logit_rows, device=logits.device)]
+        # One value per parameter for every row: the sampler skips what they make needless.
+        tokens, logprobs = sample(logits, params.temperature, params.top_p, params.top_k, batch.uniforms(step.first),
+                                  truncate=params.top_p < 1 or params.top_k > 0)
         host = logprobs.cpu()
-        if torch.isfinite(host).all():
-            return host
-        rows = (~torch.isfinite(host)).nonzero().flatten().tolist()
-        where = locate(rows)
+        if not torch.isfinite(host).all():
+            self._raise_nonfinite(step, batch, (~torch.isfinite(host)).nonzero().flatten().tolist())
+        return tokens, host
+
+    def _raise_nonfinite(self, step: Step, batch: DecodeBatch, rows: list[int]) -> NoReturn:
+        """Raise for the non-finite logits of `rows` (indices into step.sampling)."""
+        if step.is_prefill:
+            where = self._locate_in_prefill(step.seqs, step.slots, sorted({step.logit_rows[r] for r in rows}))
+        else:
+            where = self._locate_in_decode(batch, rows)
         # The pool may hold non-finite K/V now, which a later generation would read through its masked slots.
         self.release_kv()
         raise NonFiniteLogitsError("prefill" if step.is_prefill else "decode", self.stats["steps"] - 1,
-                                   [(seqs[r].prompt.index, seqs[r].sample_index) for r in rows], where)
+                                   [(step.sampling[r].prompt.index, step.sampling[r].sample_index) for r in rows],
+                                   where)
 
     def _locate_in_prefill(self, seqs: list[Sequence], slots: list[list[int]], failing: list[int]) -> str:
         """Where the logits of prefilled sequences `failing` (indices into `seqs`) turn
@@ -268,69 +263,14 @@ class Engine:
         finally:
             self.runner.use_cuda_graphs = graphs
 
-    def _sample(self, logits: torch.Tensor, uniforms: torch.Tensor,
-                params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-        # One value per parameter for every row: the sampler skips what they make needless.
-        return sample(logits, params.temperature, params.top_p, params.top_k, uniforms,
-                      truncate=params.top_p < 1 or params.top_k > 0)
 
-    @staticmethod
-    def _record(seq: Sequence, stop_ids: set[int]) -> None:
-        """Record a finished sequence's sample."""
-        reason = "stop" if seq.token_ids[-1] in stop_ids else "length"
-        seq.prompt.samples[seq.sample_index] = Sample(seq.token_ids[seq.num_prompt:], seq.logprobs, reason)
-
-
-def mix_seed(*values: int) -> int:
-    """A 63-bit seed from several integers (splitmix64 steps), so each child of each
-    request gets its own stream from one user seed."""
-    x = 0x9E3779B97F4A7C15
-    for v in values:
-        x = (x ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        x = (x ^ (x >> 31)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
-    return x >> 1
-
-
-def _local_rows(weight: torch.Tensor) -> int:
-    return weight.to_local().shape[0] if hasattr(weight, "to_local") else weight.shape[0]
+def _seeds(index: int, r: Request, params: SamplingParams) -> list[int]:
+    """One sampling seed per child of request `index`."""
+    if r.seed is not None:  # e.g. the RL loop: a prompt samples the same on any rank
+        return [mix_seed(r.seed, j) for j in range(r.n)]
+    base = params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
+    return [mix_seed(base, index, j) for j in range(r.n)]
 
 
 def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     return None if t is None else t.to(device)
-
-
-def free_memory(device: torch.device) -> int:
-    """Bytes free for new tensors: on CUDA the device's free memory plus what the
-    caching allocator holds but no tensor uses (last rollout's KV pool, say); on
-    CPU the available RAM."""
-    if device.type == "cuda":
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return torch.cuda.mem_get_info(device)[0] + cached
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _is_rank0() -> bool:
-    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-
-
-class _Progress:
-    """A one-line progress display (samples done, output tokens/s) for generations
-    that last more than a couple of seconds, on an interactive stderr."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled = total, enabled and sys.stderr.isatty()
-        self.start = self.last = time.perf_counter()
-        self.shown = False
-
-    def update(self, done: int, tokens: int) -> None:
-        now = time.perf_counter()
-        if not self.enabled or now - self.last < 0.5 or now - self.start < 2.0:
-            return
-        self.last, self.shown = now, True
-        rate = tokens / (now - self.start)
-        sys.stderr.write(f"\rgenerate: {done}/{self.total} samples, {rate:,.0f} tok/s ")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.shown:
-            sys.stderr.write("\n")

@@ -89,11 +89,21 @@ class ModelRunner:
         self.graphs: dict[int, "torch.cuda.CUDAGraph | _EagerGraph"] = {}
         self.graph_logits: dict[int, torch.Tensor] = {}  # each graph's static output
         self.captured: GraphAddresses | None = None  # what the graphs read; anything else needs new graphs
-        self.storage_may_have_moved = True  # set by the engine at each generate()
         self.captures, self.capture_seconds = 0, 0.0  # graph sets captured so far, and their wall time
+        self.start_generation()
         # Highest priority (the lowest number): decode kernels go before the prefix work's side stream.
         self.decode_stream = (torch.cuda.Stream(self.device, priority=min(torch.cuda.Stream.priority_range()))
                               if self.device.type == "cuda" else None)
+
+    def start_generation(self) -> None:
+        """A generation starts, on a newly allocated KV pool and maybe moved weights:
+        its first graph replay checks the graphs' addresses first (`addresses`)."""
+        self.addresses_may_have_moved = True
+        self.captures_at_start = self.captures, self.capture_seconds
+
+    def captures_since_start(self) -> tuple[int, float]:
+        """Graph sets captured in this generation, and their wall time."""
+        return self.captures - self.captures_at_start[0], self.capture_seconds - self.captures_at_start[1]
 
     @contextlib.contextmanager
     def on_decode_stream(self) -> Iterator[None]:
@@ -157,10 +167,10 @@ class ModelRunner:
         inputs = self._decode_inputs(running)
         if not self.use_cuda_graphs or batch > self.max_num_seqs:
             return self._decode_eager(*inputs).float()
-        if self.storage_may_have_moved:
+        if self.addresses_may_have_moved:
             if self.addresses() != self.captured:
                 self.capture()
-            self.storage_may_have_moved = False
+            self.addresses_may_have_moved = False
         bucket = next(b for b in sorted(self.graphs) if b >= batch)
         static = self.static
         self._pad_rows(batch, bucket)

@@ -36,9 +36,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from rollplex.config import RolloutConfig
 
 
 @dataclass
@@ -72,10 +76,27 @@ class SamplingParams:
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed}")
 
+    @classmethod
+    def from_config(cls, rollout: RolloutConfig) -> SamplingParams:
+        """The rollout section's sampling (its seeds come per request, from the prompts)."""
+        return cls(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                   max_tokens=rollout.max_tokens, ignore_eos=rollout.ignore_eos)
+
 
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's increment (2^64 / golden ratio)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
+
+
+def mix_seed(*values: int) -> int:
+    """A 63-bit seed from several integers (splitmix64 steps), so each child of each
+    request gets its own stream from one user seed."""
+    mask = 0xFFFFFFFFFFFFFFFF
+    x = int(_GAMMA)
+    for v in values:
+        x = (x ^ (v & mask)) * int(_M1) & mask
+        x = (x ^ (x >> 31)) * int(_M2) & mask
+    return x >> 1
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:

@@ -16,33 +16,48 @@ preempted: its blocks are freed and it waits to be recomputed. It then resumes
 with the same tokens it had, so no request is dropped, and under greedy decoding
 (or seeded sampling, whose noise depends only on seed and position) it finishes
 with the same tokens it would have produced without the preemption.
+
+The scheduler owns each sequence's life: a request's prompt is admitted as one
+waiting sequence; when it is scheduled for prefill its n children fork off it
+(sharing its blocks, copy-on-write on the last partial one) and join the running
+batch, to sample their first tokens from its logits; each step's sampled tokens
+are appended (`postprocess`), and a sequence that finishes records its sample
+and frees its blocks.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from rollplex.engine.block_manager import BlockManager, NoFreeBlocks
 from rollplex.engine.decode_batch import DecodeBatch
-from rollplex.engine.sequence import Sequence
+from rollplex.engine.sequence import PromptState, Sample, Sequence
 
 
 @dataclass
 class Step:
-    seqs: list[Sequence]
+    """One engine step: the sequences the model runs, and those that sample a token
+    from its logits (running indices `first` on)."""
+
+    seqs: list[Sequence]  # prefill: whole sequences, end to end; decode: every running sequence's last token
     is_prefill: bool
-    copies: list[tuple[int, int]]  # decode: copy-on-write block copies to make before the step
+    sampling: list[Sequence]  # prefill: the sequences that decode from it on (a group prompt's children)
+    first: int = 0  # the running index of sampling[0]
+    slots: list[list[int]] = field(default_factory=list)  # prefill: each sequence's KV slot per token
+    logit_rows: list[int] | None = None  # prefill: which sequence's logits each of `sampling` samples from
+    copies: list[tuple[int, int]] = field(default_factory=list)  # decode: copy-on-write block copies to make first
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, batch: DecodeBatch, max_num_seqs: int,
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int, stop_ids: set[int]):
         self.blocks, self.batch = block_manager, batch
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.stop_ids = stop_ids
         self.waiting: deque[Sequence] = deque()
         self.num_preemptions = 0
 
@@ -50,8 +65,9 @@ class Scheduler:
     def running(self) -> list[Sequence]:
         return self.batch.seqs
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add(self, prompt: PromptState) -> None:
+        """Admit a request: its prompt waits for prefill, as one sequence for the whole group."""
+        self.waiting.append(Sequence(prompt, -1, list(prompt.request.prompt_ids)))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -59,8 +75,26 @@ class Scheduler:
     def schedule(self) -> Step:
         prefill = self._schedule_prefill()
         if prefill:
-            return Step(prefill, True, [])
+            return self._fork(prefill)
         return self._schedule_decode()
+
+    def _fork(self, prefill: list[Sequence]) -> Step:
+        """The prefill step of `prefill`, whose sequences decode from it on: a group
+        prompt's n children take over its blocks (shared), a recomputed sequence goes on
+        as itself. They join the running batch now; their first tokens are sampled from
+        the step's logits."""
+        slots = [self.blocks.slots(s.block_table, 0, len(s)) for s in prefill]
+        rows, decoding = [], []
+        for i, s in enumerate(prefill):
+            n = s.prompt.request.n if s.is_group_prompt else 1
+            rows += [i] * n
+            decoding += ([Sequence(s.prompt, j, list(s.token_ids), self.blocks.fork(s.block_table))
+                          for j in range(n)] if s.is_group_prompt else [s])
+        for s in prefill:
+            if s.is_group_prompt:
+                self.blocks.free(s.block_table)
+        first = self.batch.join(decoding)
+        return Step(prefill, True, decoding, first, slots, rows)
 
     def _schedule_prefill(self) -> list[Sequence]:
         batch: list[Sequence] = []
@@ -99,7 +133,8 @@ class Scheduler:
         if not self.running:
             raise RuntimeError("the KV pool cannot hold even one sequence; give the engine more KV memory")
         self.batch.last_blocks_changed(grown)
-        return Step(list(self.running), False, copies)
+        running = list(self.running)
+        return Step(running, False, running, copies=copies)
 
     def _grow(self, i: int, length: int) -> tuple[int, int] | None:
         """Room in running[i]'s blocks for its next token (at index length - 1),
@@ -120,15 +155,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def start(self, seqs: list[Sequence]) -> int:
-        """Sequences that finished prefill and decode from now on (their next token is
-        still to be sampled); returns the running index of the first."""
-        return self.batch.join(seqs)
-
-    def append(self, tokens: torch.Tensor, logprobs: torch.Tensor, start: int = 0) -> list[Sequence]:
-        """Record the sampled token of each running sequence from index `start` on;
-        returns the sequences that finished, their blocks freed."""
+    def postprocess(self, tokens: torch.Tensor, logprobs: torch.Tensor, start: int = 0) -> list[Sequence]:
+        """Append the sampled token of each running sequence from index `start` on;
+        returns the sequences that finished, their samples recorded and blocks freed."""
         finished = self.batch.leave(self.batch.append(tokens, logprobs, start))
         for seq in finished:
+            reason = "stop" if seq.token_ids[-1] in self.stop_ids else "length"
+            seq.prompt.samples[seq.sample_index] = Sample(seq.token_ids[seq.num_prompt:], seq.logprobs, reason)
             self.blocks.free(seq.block_table)
         return finished

@@ -1,9 +1,9 @@
 """Requests, the sequences they become, and what generation returns.
 
 A request is one prompt with `n` samples (a GRPO group). The engine prefills
-the prompt once as a single "prompt" sequence, samples each child's first
-token from its logits, then forks n child sequences that share the prompt's KV
-blocks and decode independently.
+the prompt once as a single "prompt" sequence, off which the scheduler forks n
+child sequences that share the prompt's KV blocks: each samples its first token
+from the prompt's logits, then decodes independently.
 
 While a sequence decodes, the tokens and logprobs it samples are kept in the
 engine's `DecodeBatch`, not in its own lists: they catch up when it leaves the

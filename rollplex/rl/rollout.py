@@ -19,7 +19,7 @@ import torch.distributed as dist
 from rollplex.config import RolloutConfig
 from rollplex.dist import all_gather_objects, all_reduce_values
 from rollplex.engine import Engine, EngineConfig, Request, SamplingParams
-from rollplex.engine.engine import mix_seed
+from rollplex.engine.sampler import mix_seed
 from rollplex.engine.sequence import RequestOutput, Sample
 from rollplex.models.packing import GroupInputs, SequenceInputs
 from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds
@@ -104,8 +104,7 @@ def build_engine(weights: SharedWeights, r: RolloutConfig, num_blocks: int,
     the world) gets the same KV pool size, the smallest any of them can hold, so that
     the ranks of a TP group schedule alike. Its pool's capacity is the memory plan's
     `num_blocks`; the pool itself exists only while it generates."""
-    config = EngineConfig(block_size=r.block_size, num_blocks=num_blocks, max_num_seqs=r.max_num_seqs,
-                          enforce_eager=r.enforce_eager, progress=False)
+    config = EngineConfig.from_config(r, num_blocks)
     with weights.for_rollout() as engine_model:
         engine = Engine(engine_model, config)
         if dist.get_world_size(group) > 1:
@@ -127,8 +126,7 @@ class RolloutSampler:
         parallel.tp); the group then generates all its ranks' requests together."""
         self.engine, self.weights, self.model, self.tokenizer = engine, weights, model, tokenizer
         self.config, self.seed, self.tp_group = r, seed, tp_group
-        self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                       max_tokens=r.max_tokens, ignore_eos=r.ignore_eos)
+        self.sampling = SamplingParams.from_config(r)
         self.greedy = SamplingParams(temperature=0.0, max_tokens=r.max_tokens)
 
     @contextmanager

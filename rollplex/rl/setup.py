@@ -11,9 +11,10 @@ import torch.distributed as dist
 
 from rollplex.config import Config, DataConfig
 from rollplex.dist import ParallelDims, all_reduce_values
-from rollplex.engine.engine import free_memory
-from rollplex.models.loader import args_from_hf_config, read_hf_config
-from rollplex.models.tiny import TinySpec, make_tiny_checkpoint
+from rollplex.device import free_memory
+from rollplex.models.loader import read_hf_config
+from rollplex.models.qwen2_5_vl.hf import args_from_hf_config
+from rollplex.tiny import TinySpec, make_tiny_checkpoint
 from rollplex.ops.attention import resolve_backend
 from rollplex.rl.memory import BatchShape, MemoryOptions, MemoryPlan, ParallelLayout, plan_memory
 
