@@ -26,6 +26,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 
+def rank() -> int:
+    """This process's global rank; 0 outside a process group."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of `t`: a DTensor's local tensor; a plain tensor is its own."""
     return t.to_local() if isinstance(t, DTensor) else t

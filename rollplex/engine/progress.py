@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-import torch
+from rollplex.dist import rank
 
 
 class Progress:
@@ -13,8 +13,7 @@ class Progress:
     of seconds, on an interactive stderr, on rank 0 only."""
 
     def __init__(self, total: int, enabled: bool):
-        rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-        self.total, self.enabled = total, enabled and rank0 and sys.stderr.isatty()
+        self.total, self.enabled = total, enabled and rank() == 0 and sys.stderr.isatty()
         self.start = self.last = time.perf_counter()
         self.done, self.shown = 0, False
 

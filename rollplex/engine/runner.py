@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rollplex.dist import local_tensor
 from rollplex.engine.decode_batch import DecodeBatch
 from rollplex.engine.kv_cache import KVCache, PagedAttention
 from rollplex.engine.sequence import Sequence
@@ -263,7 +264,7 @@ class ModelRunner:
 
     def weight_addresses(self) -> tuple[int, ...]:
         tensors = itertools.chain(self.model.parameters(), self.model.buffers())
-        return tuple((t.to_local() if hasattr(t, "to_local") else t).data_ptr() for t in tensors)
+        return tuple(local_tensor(t).data_ptr() for t in tensors)
 
 
 class _EagerGraph:

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from rollplex.dist import full_tensor
+from rollplex.dist import full_tensor, rank
 from rollplex.models.protocol import CheckpointError
 from rollplex.models.qwen2_5_vl.args import ModelArgs
 from rollplex.models.qwen2_5_vl.hf import args_from_hf_config, hf_config_from_args, hf_key_to_params, param_to_hf_key
@@ -171,7 +171,7 @@ def save_pretrained(model: Qwen2_5_VL, path: str | os.PathLike, max_shard_bytes:
     for key in {param_to_hf_key(name) for name in ours}:
         parts = [ours.pop(name) for name in hf_key_to_params(key)]
         tensors[key] = torch.cat(parts) if len(parts) > 1 else parts[0]
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+    if rank() != 0:
         return
     path.mkdir(parents=True, exist_ok=True)
     config = hf_config if hf_config is not None else hf_config_from_args(model.args)

@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
-from rollplex.dist import all_reduce_values
+from rollplex.dist import all_reduce_values, rank
 from rollplex.models import Qwen2_5_VL, save_pretrained
 
 MARKER = "COMPLETE.json"
@@ -80,10 +80,6 @@ class CheckpointState:
 
     step: int
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _world_size(group: dist.ProcessGroup | None = None) -> int:
@@ -153,13 +149,13 @@ def save_checkpoint(root: str | Path, step: int, model: torch.nn.Module, optimiz
     # at once instead of leaving the other ranks waiting in a barrier.
     marker = {"step": step, "world_size": _world_size(group), "extra": extra or {}}
     json.dumps(marker)
-    if _rank() == 0 and tmp.exists():
+    if rank() == 0 and tmp.exists():
         shutil.rmtree(tmp)  # left by a crashed save of this step; may hold shards of another world size
     _barrier(group)
     _every_rank_or_raise(lambda: _write_shards(tmp, model, optimizer, lr_scheduler, group), root, step, group)
 
     def publish() -> None:  # every rank's files are on disk: rank 0 lists them in the marker, renames the folder
-        if _rank() == 0:
+        if rank() == 0:
             _publish(tmp, final, marker, keep_last)
 
     _every_rank_or_raise(publish, root, step, group)  # no rank returns (and, say, loads it) before the rename
@@ -196,7 +192,7 @@ def _where(failure: BaseException | None) -> str:
         return "on another rank"
     if isinstance(failure, CheckpointException):  # DCP's: the causes by rank, with tracebacks we leave out
         return "; ".join(f"on rank {rank}: {cause!r}" for rank, (cause, _) in failure.failures.items())
-    return f"on rank {_rank()}: {failure!r}"
+    return f"on rank {rank()}: {failure!r}"
 
 
 def _write_shards(tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -215,7 +211,7 @@ def _write_shards(tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
         state["lr_scheduler"] = lr_scheduler.state_dict()
     with _single_process_is_intended():
         dcp.save(state, checkpoint_id=tmp, process_group=group)  # creates `tmp`; collective
-    torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
+    torch.save(_rng_state(), tmp / f"rng_rank{rank()}.pt")
 
 
 def _publish(tmp: Path, final: Path, marker: dict[str, Any], keep_last: int) -> None:
@@ -348,11 +344,11 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     if lr_scheduler is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
 
-    rng_file = path / f"rng_rank{_rank()}.pt"
+    rng_file = path / f"rng_rank{rank()}.pt"
     if rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=True))
     else:
-        warnings.warn(f"{path} was saved by {meta['world_size']} rank(s); rank {_rank()} keeps its current RNG state",
+        warnings.warn(f"{path} was saved by {meta['world_size']} rank(s); rank {rank()} keeps its current RNG state",
                       stacklevel=2)
     return CheckpointState(step=meta["step"], extra=meta["extra"])
 
@@ -367,7 +363,7 @@ def export_hf(model: Qwen2_5_VL, out_dir: str | Path, source_dir: str | Path | N
     Collective: every rank calls it (sharded parameters are gathered); rank 0 writes."""
     out_dir = Path(out_dir)
     save_pretrained(model, out_dir)
-    if _rank() == 0 and source_dir is not None:
+    if rank() == 0 and source_dir is not None:
         for name in HF_ASSET_FILES:
             if (Path(source_dir) / name).is_file():
                 shutil.copy2(Path(source_dir) / name, out_dir / name)
