@@ -631,52 +631,16 @@ def prepare_prompt(
 
     render = processor if getattr(processor, "chat_template", None) else tokenizer
     text = render.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    merge = processor.image_processor.merge_size
 
     result = PromptInputs(input_ids=torch.empty(0, dtype=torch.long), text=text)
     expanded = text
     if image_inputs:
-        pil_images = [load_image(img, f"image {i}") for i, img in enumerate(image_inputs)]
-        out = processor.image_processor(images=pil_images, return_tensors="pt")
-        result.pixel_values = out["pixel_values"]
-        result.image_grid_thw = out["image_grid_thw"].long()
-        counts = [int(g.prod()) // merge**2 for g in result.image_grid_thw]
-        expanded = _expand_pads(expanded, IMAGE_PAD, counts, "image")
+        expanded = _add_images(processor, image_inputs, result, expanded)
     elif IMAGE_PAD in text:
         raise ValueError(f"the rendered prompt has {text.count(IMAGE_PAD)} {IMAGE_PAD} tokens but no images")
-
     if video_inputs:
-        vp = processor.video_processor
-        if not isinstance(vp, TorchFreeQwen2VLVideoProcessor):
-            # A transformers video processor (e.g. loaded by AutoProcessor with
-            # torchvision): take its numbers, do the work the torchvision-free way.
-            vp = TorchFreeQwen2VLVideoProcessor(
-                patch_size=vp.patch_size,
-                temporal_patch_size=vp.temporal_patch_size,
-                merge_size=vp.merge_size,
-                size={"shortest_edge": vp.size["shortest_edge"], "longest_edge": vp.size["longest_edge"]},
-                image_mean=vp.image_mean,
-                image_std=vp.image_std,
-                rescale_factor=vp.rescale_factor,
-            )
-        if native_fps is None or isinstance(native_fps, (int, float)):
-            natives = [native_fps] * len(video_inputs)
-        else:
-            natives = list(native_fps)
-            if len(natives) != len(video_inputs):
-                raise ValueError(f"native_fps has {len(natives)} entries for {len(video_inputs)} videos")
-        rows, grids, seconds = [], [], []
-        for i, (video, nat) in enumerate(zip(video_inputs, natives)):
-            frames, used_fps = sample_video(video, video_fps, nat, name=f"video {i}")
-            r, grid = vp.frames_to_patches(frames)
-            rows.append(r)
-            grids.append(grid)
-            seconds.append(vp.temporal_patch_size / used_fps)
-        result.pixel_values_videos = torch.from_numpy(np.concatenate(rows, axis=0))
-        result.video_grid_thw = torch.tensor(grids, dtype=torch.long)
-        result.second_per_grid_ts = torch.tensor(seconds, dtype=torch.float32)
-        counts = [int(g.prod()) // vp.merge_size**2 for g in result.video_grid_thw]
-        expanded = _expand_pads(expanded, VIDEO_PAD, counts, "video")
+        natives = _native_rates(native_fps, len(video_inputs))
+        expanded = _add_videos(processor, video_inputs, natives, video_fps, result, expanded)
     elif VIDEO_PAD in text:
         raise ValueError(f"the rendered prompt has {text.count(VIDEO_PAD)} {VIDEO_PAD} tokens but no videos")
 
@@ -684,3 +648,58 @@ def prepare_prompt(
     ids = tokenizer(expanded, add_special_tokens=False)["input_ids"]
     result.input_ids = torch.tensor(ids, dtype=torch.long)
     return result
+
+
+def _add_images(processor: Any, images: Sequence[ImageLike], result: PromptInputs, text: str) -> str:
+    """Preprocess `images` into `result`; returns `text` with each image's pad token
+    repeated once per merged patch."""
+    pil_images = [load_image(img, f"image {i}") for i, img in enumerate(images)]
+    out = processor.image_processor(images=pil_images, return_tensors="pt")
+    result.pixel_values = out["pixel_values"]
+    result.image_grid_thw = out["image_grid_thw"].long()
+    merge = processor.image_processor.merge_size
+    counts = [int(g.prod()) // merge**2 for g in result.image_grid_thw]
+    return _expand_pads(text, IMAGE_PAD, counts, "image")
+
+
+def _native_rates(native_fps: float | Sequence[float | None] | None, videos: int) -> list[float | None]:
+    if native_fps is None or isinstance(native_fps, (int, float)):
+        return [native_fps] * videos
+    if len(native_fps) != videos:
+        raise ValueError(f"native_fps has {len(native_fps)} entries for {videos} videos")
+    return list(native_fps)
+
+
+def _torch_free(vp: Any) -> TorchFreeQwen2VLVideoProcessor:
+    """A transformers video processor (e.g. loaded by AutoProcessor with torchvision)
+    gives its numbers; the work is done the torchvision-free way."""
+    if isinstance(vp, TorchFreeQwen2VLVideoProcessor):
+        return vp
+    return TorchFreeQwen2VLVideoProcessor(
+        patch_size=vp.patch_size,
+        temporal_patch_size=vp.temporal_patch_size,
+        merge_size=vp.merge_size,
+        size={"shortest_edge": vp.size["shortest_edge"], "longest_edge": vp.size["longest_edge"]},
+        image_mean=vp.image_mean,
+        image_std=vp.image_std,
+        rescale_factor=vp.rescale_factor,
+    )
+
+
+def _add_videos(processor: Any, videos: Sequence[VideoLike], natives: list[float | None], video_fps: float,
+                result: PromptInputs, text: str) -> str:
+    """Sample and preprocess `videos` into `result`; returns `text` with each video's
+    pad token repeated once per merged patch."""
+    vp = _torch_free(processor.video_processor)
+    rows, grids, seconds = [], [], []
+    for i, (video, native) in enumerate(zip(videos, natives)):
+        frames, used_fps = sample_video(video, video_fps, native, name=f"video {i}")
+        patches, grid = vp.frames_to_patches(frames)
+        rows.append(patches)
+        grids.append(grid)
+        seconds.append(vp.temporal_patch_size / used_fps)
+    result.pixel_values_videos = torch.from_numpy(np.concatenate(rows, axis=0))
+    result.video_grid_thw = torch.tensor(grids, dtype=torch.long)
+    result.second_per_grid_ts = torch.tensor(seconds, dtype=torch.float32)
+    counts = [int(g.prod()) // vp.merge_size**2 for g in result.video_grid_thw]
+    return _expand_pads(text, VIDEO_PAD, counts, "video")
