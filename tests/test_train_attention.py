@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from rollplex.ops import attention
-from rollplex.ops.attention import GroupLayout, KeptPrefixAttention, SharedPrefixAttention, SuffixGroup
+from rollplex.ops.attention import GroupLayout, KeptPrefixAttention, SharedPrefixAttention
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 6, 2, 8
 # Two groups; equal-length responses share one kernel call, the odd ones get their own.
@@ -74,7 +74,7 @@ def test_shared_prefix_attention_equals_per_response_sdpa(backend):
     groups = [random_group(p, lens, seed) for seed, (p, lens) in enumerate(zip(PROMPT_LENS, RESPONSE_LENS))]
     layouts, start = [], 0
     for p, lens in zip(PROMPT_LENS, RESPONSE_LENS):
-        layouts.append(GroupLayout(start, p, lens))
+        layouts.append(GroupLayout.packed(start, p, lens))
         start = layouts[-1].end
     packed = [torch.cat([t for prompt, resp in groups for t in (prompt[i], resp[i])]) for i in range(3)]
     out = SharedPrefixAttention(layouts, backend)(0, *packed)
@@ -94,7 +94,7 @@ def test_kept_prefix_attention_equals_per_response_sdpa(backend):
     prompt_starts = [PROMPT_LENS[1], 0]
     suffix, start = [], 0
     for p0, p, lens in zip(prompt_starts, PROMPT_LENS, RESPONSE_LENS):
-        suffix.append(SuffixGroup(p0, p, start, lens))
+        suffix.append(GroupLayout(p0, p, start, lens))
         start = suffix[-1].end
     q, k, v = (torch.cat([resp[i] for _, resp in groups]) for i in range(3))
     out = KeptPrefixAttention([kept_k], [kept_v], suffix, backend)(0, q, k, v)

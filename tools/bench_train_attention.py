@@ -115,7 +115,7 @@ def _measure_cpu(fn: Callable[[], None]) -> Measured:
 def bench_one(q_heads: int, kv_heads: int, prompt_len: int, n: int, response_len: int, device: torch.device,
               dtype: torch.dtype, backend: str) -> tuple[Measured, Measured]:
     """(shared-prefix, naive) for one group of n responses of `response_len` tokens."""
-    group = GroupLayout(0, prompt_len, (response_len,) * n)
+    group = GroupLayout.packed(0, prompt_len, (response_len,) * n)
     shared = run_pass(SharedPrefixAttention([group], backend), group.end, q_heads, kv_heads, device, dtype)
     naive_attention = VarlenAttention.from_lengths([prompt_len + response_len] * n, device, backend=backend)
     naive = run_pass(naive_attention, n * (prompt_len + response_len), q_heads, kv_heads, device, dtype)

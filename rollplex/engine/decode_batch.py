@@ -44,7 +44,7 @@ class StepInputs(NamedTuple):
     on the device (int64 but `uniforms`), and the longest length, on the host."""
 
     lengths: torch.Tensor  # tokens so far: the last one is fed, the next one sampled at this index
-    positions: torch.Tensor  # the fed token's rope position: its index + the prompt's rope delta (all three axes)
+    positions: torch.Tensor  # the fed token's rope position (text: one for all three axes)
     slots: torch.Tensor  # the KV pool slot the fed token's K/V goes to
     uniforms: torch.Tensor  # float64: the sampler's U for the next token (rollplex.engine.sampler.uniforms)
     longest: int
@@ -158,6 +158,8 @@ class DecodeBatch:
             fed = lengths - 1  # the index of the fed token
             slots = self.host_block_tables[rows, fed // block_size] * block_size + fed % block_size
             u = self.token_uniforms[rows, lengths]
+            # The position is rope.generated_positions' rule, index + rope delta, on the numpy rows here:
+            # all four inputs go to the device in one copy.
             host = torch.from_numpy(np.stack([lengths, fed + self.rope_deltas[rows], slots, u.view(np.int64)]))
             if self.device.type == "cuda":
                 host = host.pin_memory()

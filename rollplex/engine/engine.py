@@ -46,7 +46,7 @@ from rollplex.engine.runner import ModelRunner
 from rollplex.engine.sampler import SamplingParams, mix_seed, sample
 from rollplex.engine.scheduler import Scheduler, Step
 from rollplex.engine.sequence import PromptState, Request, RequestOutput, Sequence
-from rollplex.models.qwen2_5_vl import Qwen2_5_VL, check_pixels, mrope_for
+from rollplex.models.qwen2_5_vl import Qwen2_5_VL, mrope_for
 
 if TYPE_CHECKING:
     from rollplex.config import RolloutConfig
@@ -186,7 +186,9 @@ class Engine:
         return max(1, min(self.cache.capacity, need))
 
     def _prepare(self, index: int, r: Request, params: SamplingParams) -> PromptState:
-        """Validate a request up front (bad input fails before any work starts)."""
+        """Validate a request up front (bad input fails before any work starts; its
+        pixels are checked against their grids where the vision tower takes them,
+        at the prompt's first prefill: `prepare_vision`)."""
         if r.n < 1:
             raise ValueError(f"request {index}: n must be >= 1, got {r.n}")
         if not r.prompt_ids:
@@ -194,11 +196,6 @@ class Engine:
         if len(r.prompt_ids) >= self.max_model_len:
             raise ValueError(f"request {index}: prompt of {len(r.prompt_ids)} tokens does not fit the model's "
                              f"maximum length {self.max_model_len} (with room for one generated token)")
-        vision = self.model.args.vision
-        if r.pixel_values is not None:
-            check_pixels(r.pixel_values, r.image_grid_thw, vision, "image")
-        if r.pixel_values_videos is not None:
-            check_pixels(r.pixel_values_videos, r.video_grid_thw, vision, "video")
         ids = torch.tensor(r.prompt_ids, device=self.device)
         try:
             positions, delta = mrope_for(self.model.args, ids, _on(r.image_grid_thw, self.device),

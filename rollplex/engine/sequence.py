@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rollplex.models.qwen2_5_vl import VisionEmbeds
+from rollplex.models.rope import generated_positions
 
 
 @dataclass
@@ -92,13 +93,12 @@ class Sequence:
 
     def positions(self, start: int, end: int) -> torch.Tensor:
         """M-RoPE positions (3, end - start) of tokens [start, end): the prompt's own,
-        then generated tokens at index + rope delta on all three axes."""
+        then the generated tokens'."""
         p = self.prompt
         n_prompt = self.num_prompt
         parts = []
         if start < n_prompt:
             parts.append(p.positions[:, start:min(end, n_prompt)])
         if end > n_prompt:
-            gen = torch.arange(max(start, n_prompt), end, device=p.positions.device) + p.rope_delta
-            parts.append(gen.expand(3, -1))
+            parts.append(generated_positions(max(start, n_prompt), end, p.rope_delta, p.positions.device))
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from rollplex.models.protocol import RopeArgs
-from rollplex.models.rope import mrope_positions
+from rollplex.models.rope import generated_positions, mrope_positions
 from rollplex.ops.attention import GroupLayout
 
 
@@ -61,9 +61,7 @@ def pack_sequences(args: RopeArgs, seqs: list[SequenceInputs]) -> PackedBatch:
         n_prompt = len(s.input_ids) if s.prompt_len is None else s.prompt_len
         pos, delta = mrope_positions(s.input_ids[:n_prompt], args.rope_spec, s.image_grid_thw, s.video_grid_thw,
                                      s.second_per_grid_ts)
-        # Response tokens are text: index + rope delta on all three axes.
-        response = torch.arange(n_prompt, len(s.input_ids), device=pos.device) + delta
-        positions.append(torch.cat([pos, response.expand(3, -1)], dim=1))
+        positions.append(torch.cat([pos, generated_positions(n_prompt, len(s.input_ids), delta, pos.device)], dim=1))
         deltas.append(delta)
         prompt_masks.append(torch.arange(len(s.input_ids), device=pos.device) < n_prompt)
     device = seqs[0].input_ids.device
@@ -198,7 +196,7 @@ def _pack_shared(args: RopeArgs, groups: list[GroupInputs]) -> TrainBatch:
         n_prompt = len(p.input_ids)
         for r in g.responses:
             _check_response(r)
-        layouts.append(GroupLayout(offset, n_prompt, tuple(len(r) for r in g.responses)))
+        layouts.append(GroupLayout.packed(offset, n_prompt, tuple(len(r) for r in g.responses)))
         seqs.append(p)
         start = offset + n_prompt
         for r in g.responses:
@@ -208,7 +206,7 @@ def _pack_shared(args: RopeArgs, groups: list[GroupInputs]) -> TrainBatch:
             start += len(r)
         offset = start
     prompts = pack_sequences(args, seqs)
-    # Insert each group's responses after its prompt: ids, and positions continuing the prompt's (text: + delta).
+    # Insert each group's responses after its prompt: ids, and positions continuing the prompt's.
     ids, positions, prompt_mask = [], [], []
     for i, (g, layout) in enumerate(zip(groups, layouts)):
         a, b = int(prompts.cu_seqlens[i]), int(prompts.cu_seqlens[i + 1])
@@ -217,14 +215,14 @@ def _pack_shared(args: RopeArgs, groups: list[GroupInputs]) -> TrainBatch:
         prompt_mask.append(torch.ones(b - a, dtype=torch.bool))
         for r in g.responses:
             ids.append(torch.tensor(r, dtype=torch.long))
-            positions.append((torch.arange(b - a, b - a + len(r)) + prompts.rope_deltas[i]).expand(3, -1))
+            positions.append(generated_positions(b - a, b - a + len(r), prompts.rope_deltas[i]))
             prompt_mask.append(torch.zeros(len(r), dtype=torch.bool))
     device = prompts.input_ids.device
     packed = PackedBatch(
         input_ids=torch.cat(ids).to(device),
         position_ids=torch.cat(positions, dim=1).to(device),
         cu_seqlens=torch.tensor([0] + [lay.end for lay in layouts], dtype=torch.int32, device=device),
-        max_seqlen=max(lay.end - lay.start for lay in layouts),
+        max_seqlen=max(lay.end - lay.prompt_start for lay in layouts),
         rope_deltas=prompts.rope_deltas,
         prompt_mask=torch.cat(prompt_mask).to(device),
         groups=layouts,

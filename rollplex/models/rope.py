@@ -118,7 +118,8 @@ def mrope_positions(
     as the reference Qwen2.5-VL implementation (and vLLM) do.
 
     The rope delta is (largest position + 1) - L: a token generated at index
-    L + i (0-based, after the prompt) gets position L + i + delta on all axes.
+    L + i (0-based, after the prompt) gets position L + i + delta on all axes
+    (`generated_positions`).
 
     `image_grid_thw` / `video_grid_thw` hold the grids of this sequence's images
     and videos in order; a mismatch between pad tokens and grids is an error.
@@ -177,6 +178,14 @@ def mrope_positions(
             raise ValueError(f"{len(grids[tok])} {name} grids given but the sequence holds {used[tok]} {name} blocks")
     positions = torch.cat(chunks, dim=1) if chunks else torch.zeros(3, 0, dtype=torch.long, device=device)
     return positions, next_pos - len(ids)
+
+
+def generated_positions(start: int, end: int, rope_delta: int,
+                        device: torch.device | str | None = None) -> torch.Tensor:
+    """M-RoPE positions (3, end - start) of the tokens at indices [start, end)
+    after a prompt whose rope delta is `rope_delta`: generated tokens are text,
+    so each one's position is its index + the delta, the same on all three axes."""
+    return (torch.arange(start, end, device=device) + rope_delta).expand(3, -1)
 
 
 def _grid_list(grid_thw: torch.Tensor | None) -> list[list[int]]:

@@ -192,16 +192,32 @@ def paged_decode_attention(
 
 @dataclass(frozen=True)
 class GroupLayout:
-    """Where one GRPO group sits in a packed batch: its prompt tokens at
-    [start, start + prompt_len), then its responses back to back."""
+    """Where one GRPO group sits: its prompt's K/V at rows [prompt_start,
+    prompt_start + prompt_len), and its responses back to back from token
+    `responses_start` of the batch. In a packed batch (`packed`) the responses
+    follow the prompt; in a suffix-only batch the prompt's rows are kept ones."""
 
-    start: int
+    prompt_start: int
     prompt_len: int
+    responses_start: int
     response_lens: tuple[int, ...]
+
+    @classmethod
+    def packed(cls, start: int, prompt_len: int, response_lens: tuple[int, ...]) -> GroupLayout:
+        """A group laid out in the batch itself: prompt from `start`, then the responses."""
+        return cls(start, prompt_len, start + prompt_len, response_lens)
 
     @property
     def end(self) -> int:
-        return self.start + self.prompt_len + sum(self.response_lens)
+        return self.responses_start + sum(self.response_lens)
+
+    def response_segments(self, own_keys_offset: int = 0) -> list[QuerySegment]:
+        """Each response, attending to the prompt's K/V then causally to its own."""
+        segments, offset = [], self.responses_start
+        for n in self.response_lens:
+            segments.append(QuerySegment(offset, n, self.prompt_start, self.prompt_len, own_keys_offset))
+            offset += n
+        return segments
 
 
 class SharedPrefixAttention:
@@ -230,28 +246,10 @@ class SharedPrefixAttention:
 def _shared_prefix_segments(groups: list[GroupLayout]) -> list[QuerySegment]:
     segments = []
     for g in groups:
-        segments.append(QuerySegment(g.start, g.prompt_len, g.start, 0))  # the prompt: causal over itself
-        offset = g.start + g.prompt_len
-        for n in g.response_lens:
-            segments.append(QuerySegment(offset, n, g.start, g.prompt_len))
-            offset += n
+        # The prompt: causal over itself.
+        segments.append(QuerySegment(g.prompt_start, g.prompt_len, g.prompt_start, 0))
+        segments += g.response_segments()
     return segments
-
-
-@dataclass(frozen=True)
-class SuffixGroup:
-    """Responses of one group in a suffix-only batch, and where their prompt's
-    kept K/V rows are: prompt rows [prompt_start, prompt_start + prompt_len) of
-    the kept tensors, response tokens from `start` in the batch."""
-
-    prompt_start: int
-    prompt_len: int
-    start: int
-    response_lens: tuple[int, ...]
-
-    @property
-    def end(self) -> int:
-        return self.start + sum(self.response_lens)
 
 
 class KeptPrefixAttention:
@@ -261,7 +259,7 @@ class KeptPrefixAttention:
     SharedPrefixAttention's responses, so the two paths agree; gradients flow
     into the kept K/V. A plain class for the reason SharedPrefixAttention is."""
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], groups: list[SuffixGroup],
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], groups: list[GroupLayout],
                  backend: str = "torch"):
         self.keys, self.values, self.groups, self.backend = keys, values, groups, backend
         self.segments: PrefixedSegments | None = None
@@ -269,19 +267,10 @@ class KeptPrefixAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kept_k, kept_v = self.keys[layer], self.values[layer]
         if self.segments is None:
-            self.segments = PrefixedSegments(_suffix_segments(self.groups, kept_k.shape[0]), self.backend, q.device)
+            segments = [s for g in self.groups for s in g.response_segments(own_keys_offset=kept_k.shape[0])]
+            self.segments = PrefixedSegments(segments, self.backend, q.device)
         # Keys are read from [kept prompt rows | this batch's rows]; the segments index that concatenation.
         return self.segments(q, torch.cat([kept_k, k]), torch.cat([kept_v, v]))
-
-
-def _suffix_segments(groups: list[SuffixGroup], kept_rows: int) -> list[QuerySegment]:
-    segments = []
-    for g in groups:
-        offset = g.start
-        for n in g.response_lens:
-            segments.append(QuerySegment(offset, n, g.prompt_start, g.prompt_len, own_keys_offset=kept_rows))
-            offset += n
-    return segments
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ import torch
 
 from rollplex.models.packing import GroupInputs, SequenceInputs, pack_sequences
 from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds, VisionInputs, VisionSlots
-from rollplex.ops.attention import KeptPrefixAttention, PackedSegments, SuffixGroup
+from rollplex.models.rope import generated_positions
+from rollplex.ops.attention import GroupLayout, KeptPrefixAttention, PackedSegments
 from rollplex.train.flops import prompt_flops
 
 
@@ -171,14 +172,13 @@ def suffix_hidden(model: Qwen2_5_VL, kept: KeptPrefix, units: list[SuffixUnit]) 
     for u in units:
         n_prompt, delta = kept.prompt_lens[u.prompt], kept.rope_deltas[u.prompt]
         lens = tuple(len(r) for r in u.group.responses)
-        groups.append(SuffixGroup(starts[u.prompt], n_prompt, offset, lens))
+        groups.append(GroupLayout(starts[u.prompt], n_prompt, offset, lens))
         for r in u.group.responses:
             ids.append(torch.tensor(r, dtype=torch.long))
-            # Response tokens are text: the index after the prompt + the prompt's rope delta, on all axes.
-            positions.append(torch.arange(n_prompt, n_prompt + len(r)) + delta)
+            positions.append(generated_positions(n_prompt, n_prompt + len(r), delta))
             rows.append((u.prompt, offset, len(r)))
             offset += len(r)
-    hidden = model.forward_generated(torch.cat(ids).to(device), torch.cat(positions).expand(3, -1).to(device),
+    hidden = model.forward_generated(torch.cat(ids).to(device), torch.cat(positions, dim=1).to(device),
                                      KeptPrefixAttention(kept.keys, kept.values, groups,
                                                          model.attn_backend))
     return torch.cat([piece for prompt, start, n in rows
