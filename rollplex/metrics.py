@@ -68,6 +68,7 @@ GiB = 1024**3
 # (metric, console label, unit suffix) for the console progress line, in print order.
 _CONSOLE_KEYS = (
     ("critic/score/mean", "score", ""),
+    ("val/score", "val", ""),
     ("response_length/mean", "len", ""),
     ("actor/pg_loss", "pg_loss", ""),
     ("timing_s/step", "step time", "s"),

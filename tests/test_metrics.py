@@ -31,7 +31,7 @@ def test_logger_writes_one_json_line_per_step(tmp_path, capsys):
     with MetricsLogger(tmp_path, total_steps=10) as logger:
         logger.log(1, {"critic/score/mean": 0.5, "timing_s/step": 2.0, "actor/lr": 1e-6})
         logger.log(2, {"critic/score/mean": 0.123456789, "response_length/mean": torch.tensor(17.0),
-                       "weights/bytes_shared": 6_123_456_789})
+                       "weights/bytes_shared": 6_123_456_789, "val/score": 0.75})
     first, second = lines(tmp_path)
     assert first == {"step": 1, "critic/score/mean": 0.5, "timing_s/step": 2.0, "actor/lr": 1e-6}
     assert second["critic/score/mean"] == 0.123457  # 6 significant digits
@@ -40,7 +40,8 @@ def test_logger_writes_one_json_line_per_step(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2
     assert out[0].startswith("step 1/10 |") and "ETA" in out[0] and "score 0.5" in out[0]
-    assert out[1].startswith("step 2/10 |") and "len 17" in out[1]
+    assert out[1].startswith("step 2/10 |") and "len 17" in out[1] and "val 0.75" in out[1]
+    assert "val" not in out[0]  # shown on the steps that evaluate
 
 
 def test_non_finite_values_become_null(tmp_path):
