@@ -229,7 +229,8 @@ class AlgorithmConfig(_Section):
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
     updates_per_batch: int = 1
-    """Optimizer passes over each rollout batch (PPO epochs)."""
+    """Optimizer steps per rollout batch: its groups are split into this many mini-batches, one step each,
+    every sample used once (verl: train_batch_size / ppo_mini_batch_size; not PPO epochs)."""
     recompute_old_logprobs: bool = False
     """Recompute old log-probs with the trainer instead of using the rollout's."""
     tis_cap: float = 0.0
