@@ -336,8 +336,10 @@ class TrainerConfig(_Section):
     """auto, cpu, cuda or cuda:N."""
     num_threads: int = 0
     """torch CPU threads; 0 = leave torch's default."""
-    resume: bool = True
-    """Resume from the latest checkpoint in output_dir if there is one."""
+    resume: str = "auto"
+    """auto = resume from the latest complete checkpoint in output_dir, if the saved config.yaml agrees on every key
+    that changes the run; never = start fresh, refused if output_dir holds checkpoints; or a checkpoint folder
+    (output_dir/checkpoints/step_N) to resume from, whatever the saved config says."""
     device_memory: float = 0.0
     """Bytes of one device's memory the memory plan sizes the run within; 0 = the device's own (CUDA: its total
     memory; CPU: the available RAM). On CPU a value stands for a GPU's memory, and each phase's peak live tensor
@@ -355,6 +357,7 @@ class TrainerConfig(_Section):
         self._require(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch",
                       ">= 0 (0 = the memory plan's)")
         self._require(self.device_memory >= 0, "device_memory", ">= 0 (0 = the device's own)")
+        self._require(bool(self.resume), "resume", "auto, never or a checkpoint folder")
 
 
 @dataclass

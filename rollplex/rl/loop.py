@@ -47,12 +47,12 @@ from rollplex.rl.disagg import DisaggExchange, DisaggLayout, WeightBroadcast
 from rollplex.rl.memory import GiB, PrefixKind
 from rollplex.rl.prefix import PrefixPlanner, PrefixWork, update_chunks
 from rollplex.rl.rollout import Rollout, RolloutSampler, balanced_share, build_engine, prompt_inputs
-from rollplex.rl.setup import PromptSource, model_path, plan_run_memory
+from rollplex.rl.setup import PromptSource, model_path, plan_run_memory, resume_point
 from rollplex.rl.step_metrics import (PhaseMeter, combine_updates, gather_metrics, memory_metrics, prefix_metrics,
                                       speed_metrics)
 from rollplex.rl.weights import SharedWeights
 from rollplex.train.actor import Actor, ActorConfig, PolicyBatch, lr_schedule
-from rollplex.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rollplex.train.checkpoint import load_checkpoint, save_checkpoint
 from rollplex.train.loss import group_advantages
 from rollplex.train.parallelize import apply_tp, parallelize
 
@@ -74,6 +74,10 @@ class RLTrainer:
             torch.set_num_threads(cfg.trainer.num_threads)
         torch.manual_seed(cfg.trainer.seed)
         self.out = Path(cfg.trainer.output_dir)
+        self.start = resume_point(cfg, self.out, self.rank, self.world)
+        self.step = self.start.step
+        if self.complete:
+            return  # nothing to build: fit() says the run is done
         # disagg: the last schedule.rollout_ranks ranks only generate (rollplex/rl/disagg.py); the rest train.
         self.disagg = DisaggLayout(self.world, cfg.schedule.rollout_ranks, cfg.rollout.tp) \
             if cfg.schedule.kind == "disagg" else None
@@ -87,7 +91,7 @@ class RLTrainer:
             raise ValueError(f"data.batch_size {cfg.data.batch_size} over {self.dims.dp_shard} dp rank(s) leaves a rank "
                              f"{fewest} prompt(s), fewer than algorithm.updates_per_batch "
                              f"{cfg.algorithm.updates_per_batch}: raise the batch size or lower updates_per_batch")
-        path = model_path(cfg, self.out, self.rank, self.world)
+        path = model_path(cfg, self.out, self.rank, self.world, self.start)
         self.compute_dtype = getattr(torch, cfg.model.dtype)
         self.processor = load_processor(path)
         self.tokenizer = self.processor.tokenizer
@@ -110,7 +114,6 @@ class RLTrainer:
         self.logger = MetricsLogger(self.out, rank=self.rank, console=cfg.logging.console, jsonl=cfg.logging.jsonl,
                                     tensorboard=cfg.logging.tensorboard, total_steps=cfg.trainer.total_steps)
         self.gpu_sampler = GpuSampler(device=self.device.index if self.device.type == "cuda" else None)
-        self.step = 0
 
     def _load_models(self, path: Path) -> None:
         """A trainer holds fp32 master weights and computes in model.dtype (FSDP gathers them in it, one process
@@ -172,8 +175,18 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ the loop
 
+    @property
+    def complete(self) -> bool:
+        """The run in output_dir has reached trainer.total_steps already."""
+        return self.start.checkpoint is not None and self.start.step >= self.cfg.trainer.total_steps
+
     def fit(self) -> None:
         cfg = self.cfg
+        if self.complete:
+            if self.rank == 0:
+                print(f"run already complete at step {self.step} in {self.out}: raise trainer.total_steps to "
+                      f"train further, or set a new trainer.output_dir for another run")
+            return
         self._resume()
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -340,16 +353,9 @@ class RLTrainer:
                             group=self.train_group)
 
     def _resume(self) -> None:
-        if not self.cfg.trainer.resume:
-            return
-        path = latest_checkpoint(self.out / "checkpoints")
+        """Load the checkpoint `resume_point` chose (every rank knows its step: a disagg rollout rank too)."""
+        path = self.start.checkpoint
         if path is not None and self.trains:
-            state = load_checkpoint(path, self.model, self.actor.optimizer, self.actor.scheduler,
-                                    group=self.train_group)
-            self.step = state.step
-            if self.rank == 0:
-                print(f"resumed from {path} at step {self.step}")
-        if self.disagg is not None:  # the rollout ranks follow trainer rank 0's step
-            step = [self.step]
-            dist.broadcast_object_list(step, src=0)
-            self.step = step[0]
+            load_checkpoint(path, self.model, self.actor.optimizer, self.actor.scheduler, group=self.train_group)
+        if path is not None and self.rank == 0:
+            print(f"resumed from {path} at step {self.step}")

@@ -1,15 +1,20 @@
-"""A run's set-up before any weights load: the checkpoint (the tiny model, built
-when model.path is empty), the prompts, and the memory plan that sizes the run."""
+"""A run's set-up before any weights load: where it resumes (trainer.resume,
+checked against the run folder's config.yaml), the checkpoint (the tiny model,
+built when model.path is empty), the prompts, and the memory plan that sizes the run."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
-from rollplex.config import Config, DataConfig
+from rollplex.config import Config, ConfigError, DataConfig, config_to_dict, load_config_file
 from rollplex.dist import ParallelDims, all_reduce_values
 from rollplex.device import free_memory
 from rollplex.models.loader import read_hf_config
@@ -17,15 +22,129 @@ from rollplex.models.qwen2_5_vl.hf import args_from_hf_config
 from rollplex.tiny import TinySpec, make_tiny_checkpoint
 from rollplex.ops.attention import resolve_backend
 from rollplex.rl.memory import BatchShape, MemoryOptions, MemoryPlan, ParallelLayout, plan_memory
+from rollplex.train.checkpoint import MARKER, latest_checkpoint
 
 
-def model_path(cfg: Config, out: Path, rank: int, world: int) -> Path:
-    """model.path, or the tiny model (model.tiny), which rank 0 writes into `out` once."""
+# Keys a resumed run may change: how long it runs, where and what it reports, how its processes are set up,
+# and the memory and speed settings that leave the samples and the update's math as they were (the engine's
+# tokens do not depend on its batch or pool size, nor on graphs; micro-batches only regroup a sum). After an
+# out-of-memory error, these are what a user lowers before resuming. Every other key changes what the run
+# computes (model, algorithm, data, rollout sampling, parallel layout, schedule, optimizer), so a saved
+# config.yaml that differs in one stops an automatic resume.
+RUN_LENGTH_AND_REPORTING_KEYS = frozenset({
+    "trainer.total_steps", "trainer.save_every", "trainer.keep_last", "trainer.eval_every", "trainer.output_dir",
+    "trainer.num_threads", "trainer.resume", "trainer.collective_timeout_s",
+    "logging.console", "logging.jsonl", "logging.tensorboard", "logging.log_every",
+    "rollout.max_num_seqs", "rollout.enforce_eager", "rollout.kv_cache_memory", "trainer.device_memory",
+    "trainer.max_tokens_per_micro_batch", "schedule.prefix_memory_budget", "parallel.activation_checkpointing",
+    "data.reward_workers",
+})  # fmt: skip
+TINY_SPEC_FILE = "rollplex_tiny.json"  # the model.tiny section a run folder's tiny model was built from
+
+
+class ResumeRefused(ConfigError):
+    """The run folder holds a run this config must not continue (or overwrite) silently."""
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a run starts: the checkpoint it loads (None: from scratch) and that checkpoint's step."""
+
+    checkpoint: Path | None = None
+    step: int = 0
+
+
+def resume_point(cfg: Config, out: Path, rank: int, world: int) -> ResumePoint:
+    """Where this run starts (trainer.resume), before any weights load. Rank 0 reads the run folder and every
+    rank gets its answer, or its error: all ranks decide alike and none waits on a peer that stopped."""
+    answer: list[Any] = [None]
+    if rank == 0:
+        try:
+            answer[0] = _decide_resume(cfg, out)
+        except Exception as error:  # noqa: BLE001 - sent to the other ranks, raised on every one
+            answer[0] = error
+    if world > 1:
+        dist.broadcast_object_list(answer, src=0)
+    if isinstance(answer[0], Exception):
+        raise answer[0]
+    return answer[0]
+
+
+def _decide_resume(cfg: Config, out: Path) -> ResumePoint:
+    resume, checkpoints = cfg.trainer.resume, out / "checkpoints"
+    if resume == "never":
+        if found := sorted(p.name for p in checkpoints.glob("step_*")):
+            raise ResumeRefused(f"trainer.resume is never, but {checkpoints} holds {', '.join(found)}: set "
+                                f"trainer.resume auto (or a checkpoint folder) to continue that run, or a new "
+                                f"trainer.output_dir to start another (nothing was deleted)")
+        return ResumePoint()
+    if resume == "auto":
+        latest = latest_checkpoint(checkpoints)
+        if latest is None:
+            return ResumePoint()
+        if (out / "config.yaml").is_file():
+            _require_same_run(load_config_file(out / "config.yaml"), cfg, out, latest)
+    else:
+        latest = Path(resume)
+        if not (latest / MARKER).is_file():
+            raise ResumeRefused(f"trainer.resume {resume}: not a complete checkpoint folder (no {MARKER}); "
+                                f"give one such as {checkpoints / 'step_00000100'}, or auto or never")
+    if not cfg.model.path:
+        _require_same_tiny_model(cfg, out)
+    return ResumePoint(latest, json.loads((latest / MARKER).read_text())["step"])
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        flat.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return flat
+
+
+def config_differences(saved: Config, new: Config) -> dict[str, tuple[Any, Any]]:
+    """{key: (saved value, new value)} of the keys that change the run (not RUN_LENGTH_AND_REPORTING_KEYS)."""
+    old, now = _flat(config_to_dict(saved)), _flat(config_to_dict(new))
+    return {k: (old[k], now[k]) for k in old if k not in RUN_LENGTH_AND_REPORTING_KEYS and old[k] != now[k]}
+
+
+def _require_same_run(saved: Config, cfg: Config, out: Path, checkpoint: Path) -> None:
+    if differences := config_differences(saved, cfg):
+        keys = "\n".join(f"  {k}: {old!r} -> {new!r}" for k, (old, new) in differences.items())
+        raise ResumeRefused(f"{out} holds a run with another config; its checkpoint {checkpoint.name} was not "
+                            f"loaded. Differing keys (saved -> now):\n{keys}\nTo start another run, set a new "
+                            f"trainer.output_dir; to continue this one with the new values, set "
+                            f"trainer.resume {checkpoint}")
+
+
+def _require_same_tiny_model(cfg: Config, out: Path) -> None:
+    """A resumed run's tiny model (its reference model, its processor) is the one its checkpoints came from."""
+    built = _built_tiny_spec(out / "tiny_model")
+    wanted = dataclasses.asdict(cfg.model.tiny)
+    if built is not None and built != wanted:
+        fields = ", ".join(f"model.tiny.{k}: {built.get(k)!r} -> {v!r}" for k, v in wanted.items()
+                           if built.get(k) != v)
+        raise ResumeRefused(f"{out / 'tiny_model'} was built with another model.tiny than its checkpoints are "
+                            f"resumed with ({fields}): set a new trainer.output_dir, or the old values")
+
+
+def _built_tiny_spec(path: Path) -> dict[str, Any] | None:
+    spec = path / TINY_SPEC_FILE
+    return json.loads(spec.read_text()) if spec.is_file() else None
+
+
+def model_path(cfg: Config, out: Path, rank: int, world: int, start: ResumePoint) -> Path:
+    """model.path, or the tiny model (model.tiny), which rank 0 writes into `out`: once, and again when a run
+    that starts from scratch finds one built from another model.tiny (a resumed one was checked: see
+    `resume_point`)."""
     if cfg.model.path:
         return Path(cfg.model.path)
     path = out / "tiny_model"
-    if rank == 0 and not (path / "config.json").exists():
+    wanted = dataclasses.asdict(cfg.model.tiny)
+    if rank == 0 and not ((path / "config.json").exists()
+                          and (start.checkpoint is not None or _built_tiny_spec(path) == wanted)):
+        shutil.rmtree(path, ignore_errors=True)  # no file of another vocabulary stays behind
         make_tiny_checkpoint(path, TinySpec.from_config(cfg.model.tiny), seed=cfg.model.tiny.seed)
+        (path / TINY_SPEC_FILE).write_text(json.dumps(wanted))  # last: a half-built model is built again
     if world > 1:
         dist.barrier()
     return path
