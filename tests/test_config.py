@@ -303,3 +303,9 @@ def test_sections_build_the_components_own_configs():
     actor = ActorConfig.from_config(cfg, micro_batch_tokens=123)  # the memory plan's budget, not the section's 0
     assert (actor.lr, actor.grad_clip, actor.kl_coef, actor.loss_agg_mode) == (1e-3, 0.5, 0.1, "seq-mean-token-mean")
     assert (actor.max_tokens_per_micro_batch, actor.max_response_len, actor.share_prefix) == (123, 7, False)
+
+
+def test_a_config_saved_with_a_boolean_resume_still_loads():
+    """Run folders written before trainer.resume took auto / never / a path hold true or false there."""
+    assert config_from_dict({"trainer": {"resume": True}}).trainer.resume == "auto"
+    assert config_from_dict({"trainer": {"resume": False}}).trainer.resume == "never"

@@ -99,7 +99,15 @@ def config_from_dict(d: dict | None, source: str = "<dict>") -> Config:
 
     `source` names where the dict came from (a file path) in error messages.
     """
-    return _build(Config, d, "", source)
+    return _build(Config, _upgraded(d), "", source)
+
+
+def _upgraded(d: dict | None) -> dict | None:
+    """A config saved before trainer.resume took auto / never / a path held a boolean there."""
+    trainer = d.get("trainer") if isinstance(d, dict) else None
+    if isinstance(trainer, dict) and isinstance(trainer.get("resume"), bool):
+        return {**d, "trainer": {**trainer, "resume": "auto" if trainer["resume"] else "never"}}
+    return d
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:
