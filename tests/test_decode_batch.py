@@ -18,7 +18,7 @@ def group(n: int, max_length: int) -> PromptState:
 
 
 def step(batch: DecodeBatch, tokens: list[int], logprobs: list[float], start: int = 0) -> list[int]:
-    return batch.append(torch.tensor(tokens), torch.tensor(logprobs), start)
+    return batch.append(torch.tensor(tokens), torch.tensor(tokens), torch.tensor(logprobs), start)
 
 
 def test_a_sequence_from_join_to_leave():

@@ -175,12 +175,14 @@ class DecodeBatch:
         rows = self.rows[start:]
         return torch.from_numpy(self.token_uniforms[rows, self.lengths[rows]]).to(self.device)
 
-    def append(self, tokens: torch.Tensor, logprobs: torch.Tensor, start: int = 0) -> list[int]:
-        """Record the token sampled for each running sequence from index `start` on;
+    def append(self, tokens: torch.Tensor, host_tokens: torch.Tensor, host_logprobs: torch.Tensor,
+               start: int = 0) -> list[int]:
+        """Record the token sampled for each running sequence from index `start` on (`tokens`
+        on the device, for the next step's input; the same and their logprobs on the host);
         returns the running indices of those now done (a stop token, or their maximum length)."""
         self.last_tokens[self.device_rows[start:]] = tokens
         rows = self.rows[start:]
-        tokens, logprobs = tokens.cpu().numpy(), logprobs.cpu().numpy()  # the step's one wait on the device
+        tokens, logprobs = host_tokens.numpy(), host_logprobs.numpy()
         positions = self.lengths[rows]
         self.sampled_tokens[rows, positions] = tokens
         self.sampled_logprobs[rows, positions] = logprobs

@@ -130,8 +130,8 @@ class Engine:
             step = scheduler.schedule()
             with self._stream_for(step):
                 logits = self._run(step, scheduler.batch)
-                tokens, logprobs = self._sample(logits, step, scheduler.batch, params)
-                finished = scheduler.postprocess(tokens, logprobs, step.first)
+                tokens, host_tokens, host_logprobs = self._sample(logits, step, scheduler.batch, params)
+                finished = scheduler.postprocess(tokens, host_tokens, host_logprobs, step.first)
             progress.update(len(finished), self.stats["decode_tokens"])
             if between_steps is not None and scheduler.has_work():
                 between_steps(len(scheduler.running))
@@ -214,20 +214,21 @@ class Engine:
                            samples=[None] * r.n)
 
     def _sample(self, logits: torch.Tensor, step: Step, batch: DecodeBatch,
-                params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's sampled tokens (on the device) and their logprobs (read back to the
-        host: the step's wait on the device, after which the batch reads its tokens back
-        at once). A non-finite logprob means NaN or inf in its logits (rollplex.engine.nonfinite):
-        the step then raises, naming where they first appear."""
+                params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's sampled tokens on the device, and the tokens and their logprobs on the
+        host, read back in one copy: the step's one wait on the device. A non-finite logprob
+        means NaN or inf in its logits (rollplex.engine.nonfinite): the step then raises,
+        naming where they first appear."""
         if step.logit_rows is not None:
             logits = logits[torch.tensor(step.logit_rows, device=logits.device)]
         # One value per parameter for every row: the sampler skips what they make needless.
         tokens, logprobs = sample(logits, params.temperature, params.top_p, params.top_k, batch.uniforms(step.first),
                                   truncate=params.top_p < 1 or params.top_k > 0)
-        host = logprobs.cpu()
-        if not torch.isfinite(host).all():
-            self._raise_nonfinite(step, batch, (~torch.isfinite(host)).nonzero().flatten().tolist())
-        return tokens, host
+        # float64 holds every token id and float32 logprob exactly.
+        host_tokens, host_logprobs = torch.stack([tokens.double(), logprobs.double()]).cpu()
+        if not torch.isfinite(host_logprobs).all():
+            self._raise_nonfinite(step, batch, (~torch.isfinite(host_logprobs)).nonzero().flatten().tolist())
+        return tokens, host_tokens.long(), host_logprobs.float()
 
     def _raise_nonfinite(self, step: Step, batch: DecodeBatch, rows: list[int]) -> NoReturn:
         """Raise for the non-finite logits of `rows` (indices into step.sampling)."""

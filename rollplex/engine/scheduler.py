@@ -155,10 +155,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, tokens: torch.Tensor, logprobs: torch.Tensor, start: int = 0) -> list[Sequence]:
-        """Append the sampled token of each running sequence from index `start` on;
-        returns the sequences that finished, their samples recorded and blocks freed."""
-        finished = self.batch.leave(self.batch.append(tokens, logprobs, start))
+    def postprocess(self, tokens: torch.Tensor, host_tokens: torch.Tensor, host_logprobs: torch.Tensor,
+                    start: int = 0) -> list[Sequence]:
+        """Append the sampled token of each running sequence from index `start` on (`tokens`
+        on the device, the same and their logprobs on the host); returns the sequences
+        that finished, their samples recorded and blocks freed."""
+        finished = self.batch.leave(self.batch.append(tokens, host_tokens, host_logprobs, start))
         for seq in finished:
             reason = "stop" if seq.token_ids[-1] in self.stop_ids else "length"
             seq.prompt.samples[seq.sample_index] = Sample(seq.token_ids[seq.num_prompt:], seq.logprobs, reason)

@@ -96,7 +96,6 @@ class RLTrainer:
         self.processor = load_processor(path)
         self.tokenizer = self.processor.tokenizer
         self.data = PromptSource(cfg.data, self.processor)
-        self.val_examples = self.data.val_examples
         # Before any weights load: a run whose shapes cannot fit fails here, naming what does not fit.
         self.memory = plan_run_memory(cfg, path, next(self._batches(0)), self.dims, self.device, self.compute_dtype)
         # On CPU, trainer.device_memory stands for a GPU's: each phase's peak live tensor bytes are measured too.
@@ -333,11 +332,11 @@ class RLTrainer:
     def evaluate(self) -> dict[str, float]:
         """Greedy score on the validation prompts, split across dp ranks (disagg:
         across the rollout replicas)."""
-        if not self.val_examples:
+        if not self.data.val_examples:
             return {}
         if self.exchange is not None:
-            return self.exchange.evaluate(self.val_examples, self._greedy_score)
-        total, count = all_reduce_values(self._greedy_score(self.val_examples[self.dp_rank::self.dims.dp_shard]),
+            return self.exchange.evaluate(self.data.val_examples, self._greedy_score)
+        total, count = all_reduce_values(self._greedy_score(self.data.val_examples[self.dp_rank::self.dims.dp_shard]),
                                          group=self.dp_group)
         return {"val/score": total / max(count, 1)}
 
