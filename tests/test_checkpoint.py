@@ -20,7 +20,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from distributed import run_distributed
-from rollplex.models import ModelArgs, SequenceInputs, build_model, from_pretrained, pack_sequences
+from rollplex.models import ModelArgs, Prompt, build_model, from_pretrained, pack_sequences
 from rollplex.dist import ParallelDims, build_mesh
 from rollplex.tiny import make_tiny_checkpoint
 from rollplex.train.checkpoint import (MARKER, CheckpointSaveError, export_hf, latest_checkpoint, load_checkpoint,
@@ -50,7 +50,7 @@ def make_trainer(args: ModelArgs, seed: int, parallel: bool = False):
 
 def train_step(model, optimizer, scheduler) -> float:
     """One next-token cross-entropy step on TOKENS; returns the loss."""
-    logits = model.logits(model.forward_packed(pack_sequences(model.args, [SequenceInputs(TOKENS)])))
+    logits = model.logits(model.forward_packed(pack_sequences(model.args, [Prompt(TOKENS)])))
     loss = torch.nn.functional.cross_entropy(logits[:-1], TOKENS[1:])
     loss.backward()
     optimizer.step()

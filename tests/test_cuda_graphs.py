@@ -11,7 +11,7 @@ import torch
 
 from rollplex.engine import Engine, EngineConfig, Request, SamplingParams
 from rollplex.engine.kv_cache import KVCache
-from rollplex.models import build_model
+from rollplex.models import Prompt, build_model
 from test_model import tiny_args
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
@@ -19,7 +19,7 @@ PARAMS = SamplingParams(temperature=1.0, max_tokens=6, seed=5, ignore_eos=True)
 
 
 def requests(n: int) -> list[Request]:
-    return [Request([1, 5, 9, 13, 2, 7], n=n), Request([3, 4, 8], n=n)]
+    return [Request(Prompt(torch.tensor([1, 5, 9, 13, 2, 7])), n=n), Request(Prompt(torch.tensor([3, 4, 8])), n=n)]
 
 
 def graphed_and_eager(device: str) -> tuple[Engine, Engine]:
@@ -79,7 +79,7 @@ def test_moved_weights_get_new_graphs(device):
 
 def test_the_stand_in_refuses_a_graph_whose_pool_weights_or_rotary_table_moved():
     graphed, _ = graphed_and_eager("cpu")
-    graphed.generate([Request([1, 2, 3])], SamplingParams(temperature=0.0, max_tokens=2))
+    graphed.generate([Request(Prompt(torch.tensor([1, 2, 3])))], SamplingParams(temperature=0.0, max_tokens=2))
     graph = graphed.runner.graphs[1]
     graph.replay()
     old_pool = graphed.cache.data  # kept alive, so the next pool lands elsewhere

@@ -7,13 +7,14 @@ import torch
 from rollplex.engine.decode_batch import DecodeBatch
 from rollplex.engine.sampler import uniforms
 from rollplex.engine.sequence import PromptState, Request, Sequence
+from rollplex.models.inputs import Prompt
 
 SINK, STOP = 9, 99
 PROMPT = [1, 2, 3, 4, 5]
 
 
 def group(n: int, max_length: int) -> PromptState:
-    return PromptState(0, Request(PROMPT, n=n), torch.zeros(3, len(PROMPT), dtype=torch.long), rope_delta=7,
+    return PromptState(0, Request(Prompt(torch.tensor(PROMPT)), n=n), torch.zeros(3, len(PROMPT), dtype=torch.long), rope_delta=7,
                        seeds=[11 + j for j in range(n)], max_length=max_length)
 
 

@@ -8,7 +8,8 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 from rollplex.config import RolloutConfig
 from rollplex.engine import Engine, EngineConfig, Request, SamplingParams
 from rollplex.engine.block_manager import BlockManager
-from rollplex.models import build_model, save_pretrained
+from rollplex.models import Prompt, build_model, save_pretrained
+from rollplex.models.rope import mrope_positions
 from test_model import IMG, VEND, VID, VSTART, image, tiny_args
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
@@ -31,20 +32,20 @@ def mixed_requests(n: int = 1) -> list[Request]:
     b, gb, nb = image(1, 8, 4, seed=21)
     v, gv, nv = image(2, 8, 8, seed=22)  # time span (1 step) shorter than the side: see test_model.test_video
     return [
-        Request([1, 5, 9, 13, 2, 7], n=n),
-        Request([3, VSTART] + [IMG] * na + [VEND, 11, 12], pixel_values=a, image_grid_thw=ga, n=n),
-        Request([4, VSTART] + [IMG] * na + [VEND, VSTART] + [IMG] * nb + [VEND, 8], n=n,
-                pixel_values=torch.cat([a, b]), image_grid_thw=torch.cat([ga, gb])),
-        Request([6, 6, VSTART] + [VID] * nv + [VEND, 10], pixel_values_videos=v, video_grid_thw=gv,
-                second_per_grid_ts=torch.tensor([0.5]), n=n),
+        Request(Prompt(torch.tensor([1, 5, 9, 13, 2, 7])), n=n),
+        Request(Prompt(torch.tensor([3, VSTART] + [IMG] * na + [VEND, 11, 12]), pixel_values=a, image_grid_thw=ga), n=n),
+        Request(Prompt(torch.tensor([4, VSTART] + [IMG] * na + [VEND, VSTART] + [IMG] * nb + [VEND, 8]),
+                       pixel_values=torch.cat([a, b]), image_grid_thw=torch.cat([ga, gb])), n=n),
+        Request(Prompt(torch.tensor([6, 6, VSTART] + [VID] * nv + [VEND, 10]), pixel_values_videos=v, video_grid_thw=gv,
+                       second_per_grid_ts=torch.tensor([0.5])), n=n),
     ]
 
 
 def hf_greedy(hf, r: Request, max_new: int) -> list[int]:
-    ids = torch.tensor([r.prompt_ids])
+    ids = r.prompt.input_ids[None]
     mm = (ids == IMG).long() + 2 * (ids == VID).long()
-    vision = {k: getattr(r, k) for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
-                                         "second_per_grid_ts") if getattr(r, k) is not None}
+    vision = {k: getattr(r.prompt, k) for k in ("pixel_values", "image_grid_thw", "pixel_values_videos",
+                                                "video_grid_thw", "second_per_grid_ts") if getattr(r.prompt, k) is not None}
     out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=mm, do_sample=False,
                       max_new_tokens=max_new, **vision)
     return out[0, ids.shape[1]:].tolist()
@@ -52,12 +53,13 @@ def hf_greedy(hf, r: Request, max_new: int) -> list[int]:
 
 def full_logprobs(model, r: Request, tokens: list[int]) -> torch.Tensor:
     """log-softmax of a full-sequence forward at each generated token."""
-    ids = torch.tensor([r.prompt_ids + tokens])
-    logits = model.hf_forward(ids, pixel_values=r.pixel_values, image_grid_thw=r.image_grid_thw,
-                              pixel_values_videos=r.pixel_values_videos, video_grid_thw=r.video_grid_thw,
-                              second_per_grid_ts=r.second_per_grid_ts)[0]
+    p = r.prompt
+    ids = torch.cat([p.input_ids, torch.tensor(tokens)])[None]
+    logits = model.hf_forward(ids, pixel_values=p.pixel_values, image_grid_thw=p.image_grid_thw,
+                              pixel_values_videos=p.pixel_values_videos, video_grid_thw=p.video_grid_thw,
+                              second_per_grid_ts=p.second_per_grid_ts)[0]
     lp = torch.log_softmax(logits.float(), -1)
-    start = len(r.prompt_ids) - 1
+    start = len(p.input_ids) - 1
     return lp[start:start + len(tokens)].gather(1, torch.tensor(tokens)[:, None])[:, 0]
 
 
@@ -85,26 +87,28 @@ def test_long_video_positions_follow_the_reference_rule(model):
     """A video spanning more time steps than its side: the engine's decode positions
     (prompt positions + rope delta) equal a full recompute at every step."""
     v, gv, nv = image(4, 4, 4, seed=23)
-    r = Request([2, VSTART] + [VID] * nv + [VEND, 5], pixel_values_videos=v, video_grid_thw=gv,
-                second_per_grid_ts=torch.tensor([2.0]))
-    s = Engine(model, EngineConfig(block_size=4, num_blocks=64)).generate([r], GREEDY)[0].samples[0]
-    ids = list(r.prompt_ids)
+    p = Prompt(torch.tensor([2, VSTART] + [VID] * nv + [VEND, 5]), pixel_values_videos=v, video_grid_thw=gv,
+               second_per_grid_ts=torch.tensor([2.0]))
+    s = Engine(model, EngineConfig(block_size=4, num_blocks=64)).generate([Request(p)], GREEDY)[0].samples[0]
+    ids = p.input_ids.tolist()
     for _ in range(GREEDY.max_tokens):
         logits = model.hf_forward(torch.tensor([ids]), pixel_values_videos=v, video_grid_thw=gv,
-                                  second_per_grid_ts=r.second_per_grid_ts)
+                                  second_per_grid_ts=p.second_per_grid_ts)
         ids.append(int(logits[0, -1].argmax()))
-    assert s.token_ids == ids[len(r.prompt_ids):]
+    assert s.token_ids == ids[len(p.input_ids):]
 
 
 def test_decode_positions_past_max_model_len_read_a_longer_rotary_table(model):
     """A video spread over more time than its tokens (rope delta > 0) makes decode feed
     rope positions past max_model_len: the runner's table of them grows to fit."""
     v, gv, nv = image(4, 4, 4, seed=23)
-    r = Request([2, VSTART] + [VID] * nv + [VEND, 5], pixel_values_videos=v, video_grid_thw=gv,
-                second_per_grid_ts=torch.tensor([20.0]))
-    engine = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_model_len=len(r.prompt_ids) + 8))
+    p = Prompt(torch.tensor([2, VSTART] + [VID] * nv + [VEND, 5]), pixel_values_videos=v, video_grid_thw=gv,
+               second_per_grid_ts=torch.tensor([20.0]))
+    r = Request(p)
+    engine = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_model_len=len(p.input_ids) + 8))
     out = engine.generate([r], SamplingParams(temperature=1.0, max_tokens=8, seed=2, ignore_eos=True))[0]
-    assert out.rope_delta > 0 and len(engine.runner.rotary_table) > engine.max_model_len
+    _, rope_delta = mrope_positions(p.input_ids, model.args.rope_spec, None, gv, p.second_per_grid_ts)
+    assert rope_delta > 0 and len(engine.runner.rotary_table) > engine.max_model_len
     s = out.samples[0]
     assert (torch.tensor(s.logprobs) - full_logprobs(model, r, s.token_ids)).abs().max() <= 1e-5
 
@@ -114,7 +118,7 @@ def test_group_prefills_its_prompt_once(model):
     r = mixed_requests()[1]
     r.n = 8
     out = engine.generate([r], SamplingParams(temperature=1.0, max_tokens=5, seed=0, ignore_eos=True))[0]
-    assert engine.stats["prefill_tokens"] == len(r.prompt_ids)
+    assert engine.stats["prefill_tokens"] == len(r.prompt.input_ids)
     assert engine.stats["decode_tokens"] == 8 * 4  # the first token of each sample comes from the prefill
     assert len({tuple(s.token_ids) for s in out.samples}) > 1, "children must sample independently"
 
@@ -143,7 +147,7 @@ def test_only_sequences_needing_a_block_reach_the_block_manager(model, monkeypat
         return append_slot(self, block_table, num_tokens)
 
     monkeypatch.setattr(BlockManager, "append_slot", counted)
-    r = Request([1, 5, 9, 13, 2, 7], n=8)  # 6 tokens: a full block of 4 and a partial one
+    r = Request(Prompt(torch.tensor([1, 5, 9, 13, 2, 7])), n=8)  # 6 tokens: a full block of 4 and a partial one
     out = Engine(model, EngineConfig(block_size=4, num_blocks=64)).generate(
         [r], SamplingParams(temperature=1.0, max_tokens=9, seed=0, ignore_eos=True),
         between_steps=lambda running: calls_per_step.append(0))
@@ -167,10 +171,10 @@ def test_seeded_sampling_is_reproducible_across_batch_composition(model):
 
 
 def test_top_k_restricts_the_support(model):
-    r = Request([1, 2, 3], n=64)
+    r = Request(Prompt(torch.tensor([1, 2, 3])), n=64)
     out = Engine(model, EngineConfig(block_size=4, num_blocks=256)).generate(
         [r], SamplingParams(temperature=2.0, top_k=3, max_tokens=1, seed=0, ignore_eos=True))[0]
-    logits = model.hf_forward(torch.tensor([r.prompt_ids]))[0, -1]
+    logits = model.hf_forward(r.prompt.input_ids[None])[0, -1]
     allowed = set(logits.topk(3).indices.tolist())
     firsts = {s.token_ids[0] for s in out.samples}
     assert firsts <= allowed and len(firsts) > 1
@@ -178,7 +182,7 @@ def test_top_k_restricts_the_support(model):
 
 def test_stop_tokens_and_eos(model):
     engine = Engine(model, EngineConfig(block_size=4, num_blocks=64))
-    r = Request([1, 5, 9, 13, 2, 7])
+    r = Request(Prompt(torch.tensor([1, 5, 9, 13, 2, 7])))
     greedy = engine.generate([r], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].samples[0]
     stop_at = greedy.token_ids[3]
     first = greedy.token_ids.index(stop_at)
@@ -190,7 +194,7 @@ def test_stop_tokens_and_eos(model):
 def test_vision_features_of_a_finished_request_are_returned(model):
     r = mixed_requests()[1]
     out = Engine(model, EngineConfig(block_size=4, num_blocks=64)).generate([r], GREEDY)[0]
-    expected = model.encode_vision(r.pixel_values, r.image_grid_thw).image
+    expected = model.encode_vision(r.prompt.pixel_values, r.prompt.image_grid_thw).image
     assert torch.equal(out.vision.image, expected)
 
 
@@ -208,14 +212,15 @@ def test_release_and_reallocate_the_pool(model):
 def test_bad_input_is_a_clear_error(model):
     engine = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_model_len=32))
     with pytest.raises(ValueError, match="does not fit the model's maximum length 32"):
-        engine.generate([Request(list(range(1, 40)))])
+        engine.generate([Request(Prompt(torch.arange(1, 40)))])
     pv, grid, n = image(1, 4, 4, seed=24)
     with pytest.raises(ValueError, match="does not match its grids"):
-        engine.generate([Request([1, VSTART] + [IMG] * n + [VEND], pixel_values=pv[:-2], image_grid_thw=grid)])
+        engine.generate([Request(Prompt(torch.tensor([1, VSTART] + [IMG] * n + [VEND]), pixel_values=pv[:-2],
+                                        image_grid_thw=grid))])
     with pytest.raises(ValueError, match="n must be >= 1"):
-        engine.generate([Request([1, 2], n=0)])
+        engine.generate([Request(Prompt(torch.tensor([1, 2])), n=0)])
     with pytest.raises(ValueError, match="cannot hold one sequence"):
-        Engine(model, EngineConfig(block_size=4, num_blocks=2)).generate([Request([1, 2, 3, 4, 5, 6])], GREEDY)
+        Engine(model, EngineConfig(block_size=4, num_blocks=2)).generate([Request(Prompt(torch.arange(1, 7)))], GREEDY)
 
 
 def test_cuda_graph_bookkeeping_matches_eager(model):
@@ -245,7 +250,7 @@ def test_pool_is_sized_for_the_batch():
     want = big.blocks_for(requests, params)
     tokens = [[s.token_ids for s in o.samples] for o in big.generate(requests, params)]
     assert big.cache.num_blocks == want < big.cache.capacity
-    assert want == sum(r.n * -(-(len(r.prompt_ids) + 8) // 4) for r in requests)
+    assert want == sum(r.n * -(-(len(r.prompt.input_ids) + 8) // 4) for r in requests)
     assert [[s.token_ids for s in o.samples] for o in small.generate(requests, params)] == tokens
     assert small.cache.num_blocks == 40 < want
 

@@ -10,7 +10,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from rollplex.config import load_config
 from rollplex.models import build_model
-from rollplex.models.packing import SequenceInputs
+from rollplex.models.inputs import Prompt
 from rollplex.models.qwen2_5_vl import ModelArgs, TextArgs, VisionArgs
 from rollplex.rl import memory, prefix
 from rollplex.rl.loop import RLTrainer, balanced_share
@@ -114,12 +114,12 @@ def prompt_args() -> ModelArgs:
         eos_token_id=94, bos_token_id=95)
 
 
-def prompts() -> list[SequenceInputs]:
+def prompts() -> list[Prompt]:
     out = []
     for seed in range(3):
         pixels, grid, n = image(1, 8, 8, seed=seed)
         ids = [1, VSTART] + [IMG] * n + [VEND] + [j % 80 + 5 for j in range(150)]
-        out.append(SequenceInputs(torch.tensor(ids), pixel_values=pixels, image_grid_thw=grid))
+        out.append(Prompt(torch.tensor(ids), pixel_values=pixels, image_grid_thw=grid))
     return out
 
 

@@ -13,7 +13,8 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 
 from rollplex.models import build_model, from_pretrained, save_pretrained
 from rollplex.models.loader import CheckpointError
-from rollplex.models.packing import SequenceInputs, pack_padded, pack_sequences
+from rollplex.models.inputs import Prompt
+from rollplex.models.packing import pack_padded, pack_sequences
 from rollplex.models.qwen2_5_vl import tiny_args
 from rollplex.models.rope import mrope_positions
 
@@ -177,9 +178,9 @@ def test_packed_forward_equals_hf_forward(pair):
     a, ga, na = image(1, 6, 6, seed=12)
     v, gv, nv = image(2, 4, 4, seed=13)
     seqs = [
-        SequenceInputs(torch.tensor([1, VSTART] + [IMG] * na + [VEND, 2, 3]), pixel_values=a, image_grid_thw=ga),
-        SequenceInputs(torch.tensor([4, 5, 6])),
-        SequenceInputs(torch.tensor([7, VSTART] + [VID] * nv + [VEND, 8]), pixel_values_videos=v,
+        Prompt(torch.tensor([1, VSTART] + [IMG] * na + [VEND, 2, 3]), pixel_values=a, image_grid_thw=ga),
+        Prompt(torch.tensor([4, 5, 6])),
+        Prompt(torch.tensor([7, VSTART] + [VID] * nv + [VEND, 8]), pixel_values_videos=v,
                        video_grid_thw=gv, second_per_grid_ts=torch.tensor([1.0])),
     ]
     with torch.no_grad():

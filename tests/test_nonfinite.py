@@ -13,7 +13,7 @@ from distributed import run_distributed
 from rollplex.config import load_config
 from rollplex.engine import Engine, EngineConfig, NonFiniteLogitsError, Request, SamplingParams
 from rollplex.engine.sampler import sample, uniforms
-from rollplex.models import build_model
+from rollplex.models import Prompt, build_model
 from rollplex.rl.loop import RLTrainer
 from rollplex.train.actor import Actor, ActorConfig, PolicyBatch
 from test_actor import policy_batch
@@ -25,7 +25,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 PARAMS = SamplingParams(temperature=1.0, max_tokens=6, seed=0, ignore_eos=True)
 # Prefilled together in step 0 (prompt rows 0-3, then 4-6), then decoding in running
 # order: request 0's samples 0 and 1, request 1's sample 0.
-REQUESTS = [Request([1, 5, 9, 13], n=2), Request([3, 4, 11])]
+REQUESTS = [Request(Prompt(torch.tensor([1, 5, 9, 13])), n=2), Request(Prompt(torch.tensor([3, 4, 11])))]
 
 
 @pytest.fixture(scope="module")
@@ -197,12 +197,12 @@ def test_nonfinite_reference_logprob_skips_the_step_and_is_counted():
     ref[2][0] = -INF
     before, state = parameters(model), optimizer_state(actor)
     metrics = actor.update(with_reference(good, ref))
-    assert metrics["training/nonfinite_logprobs"] == 1 and metrics["actor/skipped_steps"] == 1
+    assert metrics["training/nonfinite_logprobs"] == 1 and metrics["actor/skipped_steps_total"] == 1
     assert math.isfinite(metrics["actor/grad_norm"])
     assert_equal(list(parameters(model).values()), list(before.values()))
     assert_equal(optimizer_state(actor), state)
     metrics = actor.update(good)
-    assert metrics["training/nonfinite_logprobs"] == 0 and metrics["actor/skipped_steps"] == 1
+    assert metrics["training/nonfinite_logprobs"] == 0 and metrics["actor/skipped_steps_total"] == 1
     assert not torch.equal(parameters(model)["lm_head.weight"], before["lm_head.weight"])
 
 
@@ -222,7 +222,7 @@ def skip_on_one_rank(rank: int, world: int, out: str) -> None:
     metrics = Actor(model, cfg, dp_group=mesh["dp_shard"].get_group()).update(batch)
     unchanged = all(torch.equal(p, before[n]) for n, p in parameters(model).items())
     with open(f"{out}.{rank}", "w") as f:
-        json.dump({"nonfinite": metrics["training/nonfinite_logprobs"], "skipped": metrics["actor/skipped_steps"],
+        json.dump({"nonfinite": metrics["training/nonfinite_logprobs"], "skipped": metrics["actor/skipped_steps_total"],
                    "unchanged": unchanged}, f)
 
 
@@ -253,10 +253,10 @@ def test_rl_step_with_nan_reference_pass_is_skipped_counted_and_the_run_goes_on(
     # Every response token's reference logprob, and nothing else.
     responses = cfg.data.batch_size * cfg.rollout.n
     assert metrics["training/nonfinite_logprobs"] == round(metrics["response_length/mean"] * responses) > 0
-    assert metrics["actor/skipped_steps"] == 1
+    assert metrics["actor/skipped_steps_total"] == 1
     assert_equal(list(parameters(trainer.model).values()), list(before.values()))
     assert_equal(optimizer_state(trainer.actor), state)
     metrics = step()
-    assert metrics["training/nonfinite_logprobs"] == 0 and metrics["actor/skipped_steps"] == 1
+    assert metrics["training/nonfinite_logprobs"] == 0 and metrics["actor/skipped_steps_total"] == 1
     assert math.isfinite(metrics["actor/grad_norm"])
     assert not all(torch.equal(p, before[n]) for n, p in parameters(trainer.model).items())

@@ -15,13 +15,13 @@ from PIL import Image
 
 from rollplex.data.processing import (
     MediaLoadError,
-    PromptInputs,
     list_frame_files,
     load_processor,
     prepare_prompt,
     sample_frame_indices,
     text_to_messages,
 )
+from rollplex.models.inputs import Prompt
 from rollplex.tiny import TinySpec, write_tiny_files
 
 transformers = pytest.importorskip("transformers")
@@ -55,7 +55,7 @@ def _frames(n: int, h: int = 56, w: int = 84) -> list[np.ndarray]:
     return [_rand_image(100 + i, h, w) for i in range(n)]
 
 
-def _same(a: PromptInputs, b: PromptInputs) -> bool:
+def _same(a: Prompt, b: Prompt) -> bool:
     fields = ("input_ids", "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
               "second_per_grid_ts")  # fmt: skip
     for f in fields:
@@ -65,7 +65,7 @@ def _same(a: PromptInputs, b: PromptInputs) -> bool:
     return a.text == b.text
 
 
-def _pad_count(processor, r: PromptInputs, token: str) -> int:
+def _pad_count(processor, r: Prompt, token: str) -> int:
     return int((r.input_ids == processor.tokenizer.convert_tokens_to_ids(token)).sum())
 
 

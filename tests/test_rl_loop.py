@@ -92,26 +92,26 @@ def test_prompts_are_balanced_across_ranks_by_tokens():
 
 def test_a_rollout_rebuilt_from_its_groups_samples_is_the_same():
     """A disagg rollout rank sends each group's samples; the trainers rebuild the
-    rollout from them (Rollout.from_samples), logprobs bitwise."""
+    rollout from them (Rollout.of), logprobs bitwise."""
     import torch
 
     from rollplex.data.datasets import Example
-    from rollplex.data.processing import PromptInputs
-    from rollplex.engine.sequence import Sample
+    from rollplex.models.inputs import Group, Prompt, Sample
     from rollplex.rl.rollout import Rollout
 
     class Digits:
         def decode(self, ids, skip_special_tokens):
             return " ".join(map(str, ids))
 
-    examples = [Example(PromptInputs(torch.arange(n)), "a", i) for i, n in enumerate((3, 5))]
+    examples = [Example(Prompt(torch.arange(n)), "a", i) for i, n in enumerate((3, 5))]
     samples = [[Sample([5, 6], [-0.1, -0.2], "stop"), Sample([7], [-0.3], "length")],
                [Sample([8, 9, 10], [-0.4, -0.5, -1 / 3], "stop")]]
-    rollout = Rollout.from_samples(examples, samples, Digits())
+    rollout = Rollout.of(examples, [Group(e.prompt, s) for e, s in zip(examples, samples)], Digits())
     assert rollout.texts == ["5 6", "7", "8 9 10"] and rollout.finish_reasons == ["stop", "length", "stop"]
     assert rollout.responses_of(slice(1, 2)) == slice(2, 3) and rollout.responses_of(slice(0, 2)) == slice(0, 3)
     assert rollout.tokens == (2 * 3 + 3) + (5 + 3)  # each sample's prompt and response
-    again = Rollout.from_samples(examples, [rollout.group_samples(i) for i in range(2)], Digits())
+    sent = {e.index: g.samples for e, g in zip(rollout.examples, rollout.groups)}  # what a rollout rank sends
+    again = Rollout.of(examples, [Group(e.prompt, sent[e.index]) for e in examples], Digits())
     assert [g.responses for g in again.groups] == [g.responses for g in rollout.groups] == [[[5, 6], [7]], [[8, 9, 10]]]
     assert again.texts == rollout.texts and again.finish_reasons == rollout.finish_reasons
     assert all(torch.equal(a, b) for a, b in zip(again.logprobs, rollout.logprobs, strict=True))

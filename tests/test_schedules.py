@@ -11,7 +11,6 @@ from distributed import run_distributed
 from rollplex.config import load_config
 from rollplex.metrics import read_metrics
 from rollplex.rl.loop import RLTrainer
-from rollplex.rl.rollout import prompt_inputs
 
 REWARD = Path(__file__).with_name("length_reward.py")
 # kl_coef and recomputed old logprobs make every kind of prompt work run; a reward
@@ -69,7 +68,7 @@ def test_schedules_train_the_same_with_video_and_a_frozen_tower(tmp_path):
     features encoded once before rollout instead of running the tower."""
     video = ["--data.task", "direction", "--parallel.freeze_vision", "true", "--trainer.total_steps", "2"]
     trainer = RLTrainer(load_config(FAST + video + ["--trainer.output_dir", str(tmp_path / "items")]))
-    prompts = [prompt_inputs(e) for e in next(trainer._batches(0))]
+    prompts = [e.prompt for e in next(trainer._batches(0))]
     items = trainer._prefix_work(prompts, [trainer._encode(p) for p in prompts])
     assert {i.kind for i in items} == {"ref", "actor", "old"} and all(i.vision is not None for i in items)
     runs = {}

@@ -5,24 +5,30 @@ import pytest
 import torch
 
 from rollplex.models import build_model
-from rollplex.models.packing import GroupInputs, SequenceInputs, pack_groups
+from rollplex.models.inputs import Group, Prompt, Sample
+from rollplex.models.packing import pack_groups
 from rollplex.train.actor import response_logprobs
 from test_model import IMG, VEND, VID, VSTART, image, tiny_args
 
 
-def groups() -> list[GroupInputs]:
+def group(prompt: Prompt, responses: list[list[int]]) -> Group:
+    """A group of made-up responses (the passes read only their tokens)."""
+    return Group(prompt, [Sample(r, [0.0] * len(r), "stop") for r in responses])
+
+
+def groups() -> list[Group]:
     a, ga, na = image(1, 4, 6, seed=30)
     v, gv, nv = image(4, 4, 4, seed=31)
     g = torch.Generator().manual_seed(0)
     rand = lambda n: torch.randint(1, 89, (n,), generator=g).tolist()  # noqa: E731
     return [
-        GroupInputs(SequenceInputs(torch.tensor([1, VSTART] + [IMG] * na + [VEND, 5, 6]), pixel_values=a,
-                                   image_grid_thw=ga), [rand(3), rand(5), rand(1)]),
-        GroupInputs(SequenceInputs(torch.tensor([2, 3, VSTART] + [VID] * nv + [VEND, 7]), pixel_values_videos=v,
-                                   video_grid_thw=gv, second_per_grid_ts=torch.tensor([1.5])),
-                    [rand(4), rand(2)]),
+        group(Prompt(torch.tensor([1, VSTART] + [IMG] * na + [VEND, 5, 6]), pixel_values=a, image_grid_thw=ga),
+              [rand(3), rand(5), rand(1)]),
+        group(Prompt(torch.tensor([2, 3, VSTART] + [VID] * nv + [VEND, 7]), pixel_values_videos=v,
+                     video_grid_thw=gv, second_per_grid_ts=torch.tensor([1.5])),
+              [rand(4), rand(2)]),
         # a response that samples a vision pad id is plain text, not an image slot
-        GroupInputs(SequenceInputs(torch.tensor([4, 8, 9])), [rand(2) + [IMG], rand(6), rand(3), rand(2)]),
+        group(Prompt(torch.tensor([4, 8, 9])), [rand(2) + [IMG], rand(6), rand(3), rand(2)]),
     ]
 
 
@@ -73,8 +79,8 @@ def kept_loss_and_grads(model):
     *_, kept = prompt_forward(model, prepare_prompts(model, [g.prompt for g in gs]))  # its last yield: the KeptPrefix
     kept = kept.boundary()
     weights = torch.linspace(-1.0, 1.0, sum(len(r) for g in gs for r in g.responses))
-    micro_batches = [[SuffixUnit(0, gs[0]), SuffixUnit(2, GroupInputs(gs[2].prompt, gs[2].responses[:2]))],
-                     [SuffixUnit(1, gs[1]), SuffixUnit(2, GroupInputs(gs[2].prompt, gs[2].responses[2:]))]]
+    micro_batches = [[SuffixUnit(0, gs[0]), SuffixUnit(2, Group(gs[2].prompt, gs[2].samples[:2]))],
+                     [SuffixUnit(1, gs[1]), SuffixUnit(2, Group(gs[2].prompt, gs[2].samples[2:]))]]
     response_ids = [[0, 1, 2, 5, 6], [3, 4, 7, 8]]  # each micro-batch's responses, in the groups' order
     lens = [len(r) for g in gs for r in g.responses]
     per_response_weights = weights.split(lens)

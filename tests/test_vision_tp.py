@@ -7,7 +7,8 @@ from safetensors.torch import load_file
 
 from distributed import run_distributed
 from rollplex.models import ModelArgs, TextArgs, VisionArgs, build_model, from_pretrained, save_pretrained
-from rollplex.models.packing import SequenceInputs, pack_sequences
+from rollplex.models.inputs import Prompt
+from rollplex.models.packing import pack_sequences
 from rollplex.models.qwen2_5_vl import Qwen2_5_VL
 from rollplex.models.qwen2_5_vl.tp_plan import check_tp, vision_splits
 from test_model import IMG, VEND, VID, VSTART, image, tiny_args
@@ -19,9 +20,9 @@ def inputs():
     """(image/video pixels and grids, packed batch of an image and a video sequence)."""
     pv, grid, n = image(1, 8, 8, seed=20)  # 4 x 4 merged tokens: several attention windows
     vv, vgrid, vn = image(2, 4, 4, seed=21)
-    seqs = [SequenceInputs(torch.tensor([1, VSTART] + [IMG] * n + [VEND, 2, 3]), pixel_values=pv,
+    seqs = [Prompt(torch.tensor([1, VSTART] + [IMG] * n + [VEND, 2, 3]), pixel_values=pv,
                            image_grid_thw=grid),
-            SequenceInputs(torch.tensor([4, VSTART] + [VID] * vn + [VEND, 5]), pixel_values_videos=vv,
+            Prompt(torch.tensor([4, VSTART] + [VID] * vn + [VEND, 5]), pixel_values_videos=vv,
                            video_grid_thw=vgrid, second_per_grid_ts=torch.tensor([1.0]))]
     return (pv, grid, vv, vgrid), pack_sequences(tiny_args(), seqs)
 

@@ -163,14 +163,14 @@ def test_forward_keeps_the_root_gathered_before_and_after_a_rollout():
     encode_vision and forward) must not reshard the root at its end either.
     One process: a group and mesh of one, as a single-GPU trainer has."""
     from rollplex.dist import ParallelDims, build_mesh, init_distributed
-    from rollplex.models import SequenceInputs, pack_sequences
+    from rollplex.models import Prompt, pack_sequences
     from rollplex.rl.weights import SharedWeights
     from rollplex.train.parallelize import parallelize
 
     init_distributed("cpu")
     mesh = build_mesh(ParallelDims.resolve(1, -1, 1), "cpu")
     model = parallelize(build_model(tiny_args(), seed=3, init_std=None), mesh)
-    batch = pack_sequences(model.args, [SequenceInputs(torch.tensor([1, 5, 9, 13, 2, 7]))])
+    batch = pack_sequences(model.args, [Prompt(torch.tensor([1, 5, 9, 13, 2, 7]))])
     units = {"root": model, "layer": model.language_model.layers[0], "vision block": model.visual.blocks[0]}
 
     def sharded_after_forward() -> dict[str, bool]:

@@ -71,7 +71,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rollplex.engine import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
-from rollplex.models import Qwen2_5_VL, from_pretrained  # noqa: E402
+from rollplex.models import Prompt, Qwen2_5_VL, from_pretrained  # noqa: E402
 from rollplex.tiny import TinySpec, default_mrope_section, make_tiny_checkpoint  # noqa: E402
 
 RANDOM_WEIGHTS_NOTE = "weights are random: the figures are timings only, the generated text means nothing"
@@ -214,7 +214,7 @@ def random_requests(model: Qwen2_5_VL, wl: Workload) -> list[Request]:
         if wl.images:
             pixels = torch.randn(wl.images * side * side, row, generator=g)
             grid = torch.tensor([[1, side, side]] * wl.images)
-        requests.append(Request(ids, pixel_values=pixels, image_grid_thw=grid, n=wl.n))
+        requests.append(Request(Prompt(torch.tensor(ids), pixel_values=pixels, image_grid_thw=grid), n=wl.n))
     return requests
 
 
@@ -230,8 +230,7 @@ def processor_requests(path: Path, wl: Workload) -> list[Request]:
         question = "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz "), wl.prompt_len))
         images = [rng.integers(0, 256, (side_px, side_px, 3), dtype=np.uint8) for _ in range(wl.images)]
         out = prepare_prompt(processor, "<image>" * wl.images + question, images=images or None)
-        requests.append(Request(out.input_ids.tolist(), pixel_values=out.pixel_values,
-                                image_grid_thw=out.image_grid_thw, n=wl.n))
+        requests.append(Request(out, n=wl.n))
     return requests
 
 
@@ -241,17 +240,18 @@ def hf_batches(requests: list[Request], batch_size: int, model_args, pad_id: int
     batches = []
     for start in range(0, len(requests), batch_size):
         chunk = requests[start:start + batch_size]
-        width = max(len(r.prompt_ids) for r in chunk)
+        prompts = [r.prompt for r in chunk]
+        width = max(len(p.input_ids) for p in prompts)
         ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
-        for i, r in enumerate(chunk):
-            ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-            mask[i, width - len(r.prompt_ids):] = 1
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p.input_ids):] = p.input_ids
+            mask[i, width - len(p.input_ids):] = 1
         mm = (ids == model_args.image_token_id).long() + 2 * (ids == model_args.video_token_id).long()
         kw = {"input_ids": ids, "attention_mask": mask, "mm_token_type_ids": mm}
-        if any(r.pixel_values is not None for r in chunk):
-            kw["pixel_values"] = torch.cat([r.pixel_values for r in chunk if r.pixel_values is not None])
-            kw["image_grid_thw"] = torch.cat([r.image_grid_thw for r in chunk if r.image_grid_thw is not None])
+        if any(p.pixel_values is not None for p in prompts):
+            kw["pixel_values"] = torch.cat([p.pixel_values for p in prompts if p.pixel_values is not None])
+            kw["image_grid_thw"] = torch.cat([p.image_grid_thw for p in prompts if p.image_grid_thw is not None])
         batches.append({k: v.to(device) for k, v in kw.items()})
     return batches
 
@@ -276,7 +276,7 @@ def make_engine(model: Qwen2_5_VL, requests: list[Request], wl: Workload, a: arg
                 enforce_eager: bool = False) -> Engine:
     # A pool that holds every sequence at full length, without sharing: the benchmark
     # measures throughput, not how the scheduler copes with a tight pool.
-    longest = max(len(r.prompt_ids) for r in requests) + wl.output_len
+    longest = max(len(r.prompt.input_ids) for r in requests) + wl.output_len
     per_seq = -(-longest // a.block_size)
     config = EngineConfig(block_size=a.block_size, num_blocks=len(requests) * wl.n * per_seq,
                           max_num_seqs=wl.batch_size * wl.n, enforce_eager=enforce_eager, progress=False)
@@ -384,7 +384,7 @@ def kv_bytes_per_decode_step(model: Qwen2_5_VL, requests: list[Request], wl: Wor
     itemsize = model.language_model.embed_tokens.weight.element_size()  # the engine's KV dtype is the model's
     per_token = text.num_hidden_layers * 2 * text.num_key_value_heads * text.head_dim * itemsize
     L = wl.output_len
-    tokens = sum(r.n * ((L - 1) * len(r.prompt_ids) + (L - 1) * L // 2) for r in requests)
+    tokens = sum(r.n * ((L - 1) * len(r.prompt.input_ids) + (L - 1) * L // 2) for r in requests)
     return per_token * tokens / max(decode_steps, 1)
 
 
@@ -653,8 +653,8 @@ def comparison_report(a: argparse.Namespace, wl: Workload, device: torch.device,
         requests = build_requests(path, model, wl)
     report: dict[str, Any] = {
         "model": model_summary(model),
-        "mean_prompt_tokens": statistics.mean(len(r.prompt_ids) for r in requests),
-        "image_tokens_per_prompt": sum(t == model.args.image_token_id for t in requests[0].prompt_ids),
+        "mean_prompt_tokens": statistics.mean(len(r.prompt.input_ids) for r in requests),
+        "image_tokens_per_prompt": int((requests[0].prompt.input_ids == model.args.image_token_id).sum()),
         **side_by_side(model, hf, requests, wl, a, device),
     }
     del hf  # free its memory before the decode measurement

@@ -29,7 +29,8 @@ from typing import Callable
 import torch
 
 from bench_train_attention import Measured, add_device_options, device_options, measure
-from rollplex.models.qwen2_5_vl import VisionArgs, VisionBlock, VisionTransformer, vision_layout
+from rollplex.models.qwen2_5_vl import VisionArgs
+from rollplex.models.qwen2_5_vl.model import VisionBlock, VisionTransformer, vision_layout
 from rollplex.models.rope import vision_positions, vision_rotary
 from rollplex.ops.attention import PackedSegments
 

@@ -38,7 +38,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))  # sibling tools (bench_schedules)
 
 from rollplex.models import ModelArgs, TextArgs, VisionArgs, build_model, from_pretrained, save_pretrained  # noqa: E402
-from rollplex.models.packing import SequenceInputs, pack_sequences  # noqa: E402
+from rollplex.models.inputs import Prompt  # noqa: E402
+from rollplex.models.packing import pack_sequences  # noqa: E402
 
 
 def _tiny_args(vocab_size: int = 512) -> ModelArgs:
@@ -70,11 +71,16 @@ def _multimodal_prompt(args: ModelArgs, device: str, image_hw=(28, 40), video_th
     ni, nv = int(ig.prod()) // merge2, int(vg.prod()) // merge2
     vs, ve, img, vid = args.vision_start_token_id, args.vision_end_token_id, args.image_token_id, args.video_token_id
     ids = [1, 2, vs] + [img] * ni + [ve, 3, vs] + [vid] * nv + [ve] + list(range(10, 60))
-    return SequenceInputs(torch.tensor(ids, device=device),
-                          pixel_values=torch.randn(int(ig.prod()), row, generator=g).to(device),
-                          image_grid_thw=ig.to(device),
-                          pixel_values_videos=torch.randn(int(vg.prod()), row, generator=g).to(device),
-                          video_grid_thw=vg.to(device), second_per_grid_ts=torch.tensor([0.5], device=device))
+    return Prompt(torch.tensor(ids, device=device),
+                  pixel_values=torch.randn(int(ig.prod()), row, generator=g).to(device),
+                  image_grid_thw=ig.to(device),
+                  pixel_values_videos=torch.randn(int(vg.prod()), row, generator=g).to(device),
+                  video_grid_thw=vg.to(device), second_per_grid_ts=torch.tensor([0.5], device=device))
+
+
+def _text_prompt(first: int, end: int) -> Prompt:
+    """A text-only prompt of the token ids first..end-1."""
+    return Prompt(torch.arange(first, end))
 
 
 def _cuda(device: str) -> bool:
@@ -229,12 +235,9 @@ def check_engine_cuda_graphs(device: str) -> dict:
     args = _tiny_args()
     model = build_model(args, dtype=torch.bfloat16 if _cuda(device) else torch.float32, device=device, seed=0)
     model.set_attn_backend("auto")
-    seq = _multimodal_prompt(args, device, video_thw=(2, 16, 16))
-    multimodal = Request(seq.input_ids.tolist(), pixel_values=seq.pixel_values, image_grid_thw=seq.image_grid_thw,
-                         pixel_values_videos=seq.pixel_values_videos, video_grid_thw=seq.video_grid_thw,
-                         second_per_grid_ts=seq.second_per_grid_ts, n=4)
-    batches = {"mixed": [multimodal, Request(list(range(1, 40)), n=3)],
-               "larger_pool": [multimodal, Request(list(range(1, 200)), n=6), Request(list(range(7, 90)), n=2)]}
+    multimodal = Request(_multimodal_prompt(args, device, video_thw=(2, 16, 16)), n=4)
+    batches = {"mixed": [multimodal, Request(_text_prompt(1, 40), n=3)],
+               "larger_pool": [multimodal, Request(_text_prompt(1, 200), n=6), Request(_text_prompt(7, 90), n=2)]}
     params = SamplingParams(temperature=0.0, max_tokens=32 if _cuda(device) else 6, ignore_eos=True)
     config = dict(max_num_seqs=16, max_model_len=1024, progress=False)
     eager = Engine(model, EngineConfig(enforce_eager=True, **config))
@@ -404,7 +407,7 @@ def check_engine_throughput(device: str) -> dict:
     model = build_model(args, dtype=torch.bfloat16 if cuda else torch.float32, device=device, seed=0)
     model.set_attn_backend("auto")
     batch, prompt, steps = (64, 512, 128) if cuda else (4, 16, 8)
-    requests = [Request(list(range(100, 100 + prompt)), n=1) for _ in range(batch)]
+    requests = [Request(_text_prompt(100, 100 + prompt)) for _ in range(batch)]
     result = {"attn_backend": model.attn_backend, "batch": batch, "prompt_tokens": prompt,
               "note": "random weights; timing only"}
     for eager in (True, False):

@@ -36,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from rollplex.data.processing import FRAME_EXTENSIONS, MediaLoadError, PromptInputs, prepare_prompt
+from rollplex.data.processing import FRAME_EXTENSIONS, MediaLoadError, prepare_prompt
+from rollplex.models.inputs import Prompt
 
 FORMATS = ("auto", "easyr1", "verl")
 # verl's own name for the chat-messages column, used when `prompt_key` (EasyR1's
@@ -51,7 +52,7 @@ _PATH_KEYS = ("path", "image", "video", "frames")
 class Example:
     """One prompt, ready for rollout."""
 
-    prompt: PromptInputs  # input_ids + vision tensors + rendered text
+    prompt: Prompt  # input_ids + vision tensors + rendered text
     answer: str  # ground truth, for the reward
     index: int  # position in the dataset (for resume / logging)
 

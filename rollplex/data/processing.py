@@ -26,7 +26,6 @@ import math
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
@@ -44,6 +43,8 @@ VIDEO_PLACEHOLDER = "<video>"
 FRAME_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 
 # An image: PIL image, HxWxC / HxW array (uint8, or float in [0, 1]), file path,
+from rollplex.models.inputs import Prompt
+
 # encoded bytes, or a HF-datasets style {"bytes": ..., "path": ...} dict.
 ImageLike = Union[Image.Image, np.ndarray, torch.Tensor, str, os.PathLike, bytes, bytearray, dict]
 # A video: a sequence of frames (ImageLike each), a TxHxWxC array, a folder of frame
@@ -473,19 +474,6 @@ def sample_video(
 # --------------------------------------------------------------------------------------
 # Prompt
 # --------------------------------------------------------------------------------------
-@dataclass
-class PromptInputs:
-    """Model-ready tensors of one prompt (no batch dimension on input_ids)."""
-
-    input_ids: torch.LongTensor  # (seq,)
-    pixel_values: torch.Tensor | None = None  # (n_image_patches, C*T*p*p)
-    image_grid_thw: torch.LongTensor | None = None  # (n_images, 3)
-    pixel_values_videos: torch.Tensor | None = None  # (n_video_patches, C*T*p*p)
-    video_grid_thw: torch.LongTensor | None = None  # (n_videos, 3)
-    second_per_grid_ts: torch.Tensor | None = None  # (n_videos,) seconds per temporal patch
-    text: str = ""  # rendered prompt, before pad expansion
-
-
 _PLACEHOLDER_RE = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})")
 
 
@@ -599,7 +587,7 @@ def prepare_prompt(
     add_generation_prompt: bool = True,
     native_fps: float | Sequence[float | None] | None = None,
     system_prompt: str | None = None,
-) -> PromptInputs:
+) -> Prompt:
     """Render, load media, preprocess and tokenize one prompt.
 
     Args:
@@ -632,7 +620,7 @@ def prepare_prompt(
     render = processor if getattr(processor, "chat_template", None) else tokenizer
     text = render.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
-    result = PromptInputs(input_ids=torch.empty(0, dtype=torch.long), text=text)
+    result = Prompt(input_ids=torch.empty(0, dtype=torch.long), text=text)
     expanded = text
     if image_inputs:
         expanded = _add_images(processor, image_inputs, result, expanded)
@@ -650,7 +638,7 @@ def prepare_prompt(
     return result
 
 
-def _add_images(processor: Any, images: Sequence[ImageLike], result: PromptInputs, text: str) -> str:
+def _add_images(processor: Any, images: Sequence[ImageLike], result: Prompt, text: str) -> str:
     """Preprocess `images` into `result`; returns `text` with each image's pad token
     repeated once per merged patch."""
     pil_images = [load_image(img, f"image {i}") for i, img in enumerate(images)]
@@ -687,7 +675,7 @@ def _torch_free(vp: Any) -> TorchFreeQwen2VLVideoProcessor:
 
 
 def _add_videos(processor: Any, videos: Sequence[VideoLike], natives: list[float | None], video_fps: float,
-                result: PromptInputs, text: str) -> str:
+                result: Prompt, text: str) -> str:
     """Sample and preprocess `videos` into `result`; returns `text` with each video's
     pad token repeated once per merged patch."""
     vp = _torch_free(processor.video_processor)

@@ -28,7 +28,8 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from rollplex.data.datasets import Example
-from rollplex.data.processing import PromptInputs, prepare_prompt
+from rollplex.data.processing import prepare_prompt
+from rollplex.models.inputs import Prompt
 
 # Well apart in RGB, hence after the image processor's per-channel affine
 # normalisation too (it only scales each channel by ~1/0.27), and all far above
@@ -75,7 +76,7 @@ class Task(ABC):
         """Draw one example: (image HxWx3 or video TxHxWx3 uint8, answer word)."""
 
     @abstractmethod
-    def prompt(self, processor: Any, media: np.ndarray) -> PromptInputs:
+    def prompt(self, processor: Any, media: np.ndarray) -> Prompt:
         """The question about `media`, rendered with the chat template."""
 
 
@@ -111,7 +112,7 @@ class ColorTask(Task):
             draw.polygon([((x0 + x1) / 2, y0), (x0, y1), (x1, y1)], fill=fill)
         return np.asarray(img), colour
 
-    def prompt(self, processor: Any, media: np.ndarray) -> PromptInputs:
+    def prompt(self, processor: Any, media: np.ndarray) -> Prompt:
         return prepare_prompt(processor, f"<image> {self.question}", images=[media])
 
 
@@ -158,7 +159,7 @@ class DirectionTask(Task):
             frames.append(np.asarray(img))
         return np.stack(frames), direction
 
-    def prompt(self, processor: Any, media: np.ndarray) -> PromptInputs:
+    def prompt(self, processor: Any, media: np.ndarray) -> Prompt:
         # The frames are taken at `fps` and sampled at `fps`, so all are kept.
         return prepare_prompt(processor, f"<video> {self.question}", videos=[media], video_fps=self.fps)
 

@@ -3,6 +3,6 @@
 from rollplex.engine.engine import Engine, EngineConfig
 from rollplex.engine.nonfinite import NonFiniteLogitsError
 from rollplex.engine.sampler import SamplingParams
-from rollplex.engine.sequence import Request, RequestOutput, Sample
+from rollplex.engine.sequence import Request
 
-__all__ = ["Engine", "EngineConfig", "NonFiniteLogitsError", "Request", "RequestOutput", "Sample", "SamplingParams"]
+__all__ = ["Engine", "EngineConfig", "NonFiniteLogitsError", "Request", "SamplingParams"]

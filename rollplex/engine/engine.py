@@ -45,8 +45,10 @@ from rollplex.engine.progress import Progress
 from rollplex.engine.runner import ModelRunner
 from rollplex.engine.sampler import SamplingParams, mix_seed, sample
 from rollplex.engine.scheduler import Scheduler, Step
-from rollplex.engine.sequence import PromptState, Request, RequestOutput, Sequence
-from rollplex.models.qwen2_5_vl import Qwen2_5_VL, mrope_for
+from rollplex.engine.sequence import PromptState, Request, Sequence
+from rollplex.models.inputs import Group
+from rollplex.models.qwen2_5_vl import Qwen2_5_VL
+from rollplex.models.rope import mrope_positions
 
 if TYPE_CHECKING:
     from rollplex.config import RolloutConfig
@@ -118,7 +120,7 @@ class Engine:
     # ------------------------------------------------------------------ generate
 
     def generate(self, requests: list[Request], params: SamplingParams | None = None,
-                 between_steps: Callable[[int], None] | None = None) -> list[RequestOutput]:
+                 between_steps: Callable[[int], None] | None = None) -> list[Group]:
         """Sample every request's n responses. `between_steps(running)`, when
         given, is called after each engine step with the number of sequences
         still decoding: the RL loop's prefix scheduler runs its work there."""
@@ -137,7 +139,7 @@ class Engine:
                 between_steps(len(scheduler.running))
         progress.close()
         self._end(scheduler)
-        return [RequestOutput(list(p.request.prompt_ids), list(p.samples), p.vision, p.rope_delta) for p in prompts]
+        return [Group(p.request.prompt, list(p.samples), p.vision) for p in prompts]
 
     def _start(self, requests: list[Request], prompts: list[PromptState], params: SamplingParams) -> Scheduler:
         """A new generation: its KV pool, the runner told, and a scheduler over a new
@@ -181,7 +183,7 @@ class Engine:
         work in the decode window), and the size depends on the requests only, so
         every rank of a TP group gets the same pool."""
         bs = self.cache.block_size
-        need = sum(r.n * -(-min(len(r.prompt_ids) + (r.max_tokens or params.max_tokens), self.max_model_len) // bs)
+        need = sum(r.n * -(-min(len(r.prompt.input_ids) + (r.max_tokens or params.max_tokens), self.max_model_len) // bs)
                    for r in requests)
         return max(1, min(self.cache.capacity, need))
 
@@ -191,20 +193,21 @@ class Engine:
         at the prompt's first prefill: `prepare_vision`)."""
         if r.n < 1:
             raise ValueError(f"request {index}: n must be >= 1, got {r.n}")
-        if not r.prompt_ids:
+        p = r.prompt
+        if len(p.input_ids) == 0:
             raise ValueError(f"request {index}: empty prompt")
-        if len(r.prompt_ids) >= self.max_model_len:
-            raise ValueError(f"request {index}: prompt of {len(r.prompt_ids)} tokens does not fit the model's "
+        if len(p.input_ids) >= self.max_model_len:
+            raise ValueError(f"request {index}: prompt of {len(p.input_ids)} tokens does not fit the model's "
                              f"maximum length {self.max_model_len} (with room for one generated token)")
-        ids = torch.tensor(r.prompt_ids, device=self.device)
         try:
-            positions, delta = mrope_for(self.model.args, ids, _on(r.image_grid_thw, self.device),
-                                         _on(r.video_grid_thw, self.device), r.second_per_grid_ts)
+            positions, delta = mrope_positions(p.input_ids.to(self.device), self.model.args.rope_spec,
+                                               _on(p.image_grid_thw, self.device), _on(p.video_grid_thw, self.device),
+                                               p.second_per_grid_ts)
         except ValueError as e:
             raise ValueError(f"request {index}: {e}") from None
         if r.max_tokens is not None and r.max_tokens < 1:
             raise ValueError(f"request {index}: max_tokens must be >= 1, got {r.max_tokens}")
-        longest = min(len(r.prompt_ids) + (r.max_tokens or params.max_tokens), self.max_model_len)
+        longest = min(len(p.input_ids) + (r.max_tokens or params.max_tokens), self.max_model_len)
         needed = -(-longest // self.cache.block_size)
         if needed > self.cache.capacity:
             raise ValueError(f"the KV pool ({self.cache.capacity} blocks of {self.cache.block_size} tokens) cannot "

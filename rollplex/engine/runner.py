@@ -151,9 +151,9 @@ class ModelRunner:
         for s in seqs:
             p = s.prompt
             if p.has_vision and p.vision is None:
-                r = p.request
-                p.vision = self.model.encode_vision(r.pixel_values, r.image_grid_thw, r.pixel_values_videos,
-                                                    r.video_grid_thw)
+                q = p.request.prompt
+                p.vision = self.model.encode_vision(q.pixel_values, q.image_grid_thw, q.pixel_values_videos,
+                                                    q.video_grid_thw)
         return VisionEmbeds.concat([s.prompt.vision for s in seqs])
 
     # ------------------------------------------------------------------ decode

@@ -34,7 +34,8 @@ import torch
 
 from rollplex.engine.block_manager import BlockManager, NoFreeBlocks
 from rollplex.engine.decode_batch import DecodeBatch
-from rollplex.engine.sequence import PromptState, Sample, Sequence
+from rollplex.engine.sequence import PromptState, Sequence
+from rollplex.models.inputs import Sample
 
 
 @dataclass
@@ -67,7 +68,7 @@ class Scheduler:
 
     def add(self, prompt: PromptState) -> None:
         """Admit a request: its prompt waits for prefill, as one sequence for the whole group."""
-        self.waiting.append(Sequence(prompt, -1, list(prompt.request.prompt_ids)))
+        self.waiting.append(Sequence(prompt, -1, prompt.request.prompt.input_ids.tolist()))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

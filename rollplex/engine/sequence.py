@@ -1,6 +1,7 @@
-"""Requests, the sequences they become, and what generation returns.
+"""Requests and the sequences they become.
 
-A request is one prompt with `n` samples (a GRPO group). The engine prefills
+A request is one prompt with `n` samples (a GRPO group); generation returns a
+`Group` per request (rollplex.models.inputs). The engine prefills
 the prompt once as a single "prompt" sequence, off which the scheduler forks n
 child sequences that share the prompt's KV blocks: each samples its first token
 from the prompt's logits, then decodes independently.
@@ -16,39 +17,20 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollplex.models.inputs import Prompt, Sample
 from rollplex.models.qwen2_5_vl import VisionEmbeds
 from rollplex.models.rope import generated_positions
 
 
 @dataclass
 class Request:
-    """One prompt with its images/videos (as the processor returns them) and its group size."""
+    """One prompt and how many samples to draw from it (a GRPO group)."""
 
-    prompt_ids: list[int]
-    pixel_values: torch.Tensor | None = None
-    image_grid_thw: torch.Tensor | None = None
-    pixel_values_videos: torch.Tensor | None = None
-    video_grid_thw: torch.Tensor | None = None
-    second_per_grid_ts: torch.Tensor | None = None
+    prompt: Prompt
     n: int = 1
     seed: int | None = None  # this request's own sampling seed; default: from SamplingParams.seed and its index
-    vision: VisionEmbeds | None = None  # the prompt's vision features when already encoded (on these weights)
     max_tokens: int | None = None  # this request's generation limit; default: SamplingParams.max_tokens
-
-
-@dataclass
-class Sample:
-    token_ids: list[int]
-    logprobs: list[float]  # float32 logprob of each sampled token under the unmodified distribution
-    finish_reason: str  # "stop" (EOS or a stop token) or "length" (max_tokens or the model's maximum length)
-
-
-@dataclass
-class RequestOutput:
-    prompt_ids: list[int]
-    samples: list[Sample]
-    vision: VisionEmbeds | None  # the prompt's vision features, computed once, for reuse by training passes
-    rope_delta: int
+    vision: VisionEmbeds | None = None  # the prompt's vision features when already encoded (on these weights)
 
 
 @dataclass(eq=False)
@@ -66,8 +48,7 @@ class PromptState:
 
     @property
     def has_vision(self) -> bool:
-        r = self.request
-        return r.pixel_values is not None or r.pixel_values_videos is not None
+        return self.request.prompt.has_vision
 
 
 @dataclass(eq=False)
@@ -85,7 +66,7 @@ class Sequence:
 
     @property
     def num_prompt(self) -> int:
-        return len(self.prompt.request.prompt_ids)
+        return len(self.prompt.request.prompt.input_ids)
 
     def __len__(self) -> int:
         """Tokens in its own list: while it decodes, its DecodeBatch row is ahead."""

@@ -12,23 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from rollplex.models.inputs import Group, Prompt
 from rollplex.models.protocol import RopeArgs
 from rollplex.models.rope import generated_positions, mrope_positions
 from rollplex.ops.attention import GroupLayout
-
-
-@dataclass
-class SequenceInputs:
-    """One unpadded sequence with its own images and videos (what the processor
-    returns for one prompt, plus any response tokens appended after `prompt_len`)."""
-
-    input_ids: torch.Tensor  # (L,)
-    prompt_len: int | None = None  # None: the whole sequence is prompt
-    pixel_values: torch.Tensor | None = None
-    image_grid_thw: torch.Tensor | None = None
-    pixel_values_videos: torch.Tensor | None = None
-    video_grid_thw: torch.Tensor | None = None
-    second_per_grid_ts: torch.Tensor | None = None
 
 
 @dataclass
@@ -50,33 +37,39 @@ class PackedBatch:
         return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
 
 
-def pack_sequences(args: RopeArgs, seqs: list[SequenceInputs]) -> PackedBatch:
-    if not seqs:
+def pack_sequences(args: RopeArgs, prompts: list[Prompt], responses: list[list[int]] | None = None) -> PackedBatch:
+    """Pack `prompts`, each followed by its response's tokens when `responses` are given."""
+    if not prompts:
         raise ValueError("cannot pack an empty list of sequences")
-    lengths = [len(s.input_ids) for s in seqs]
-    if min(lengths) == 0:
-        raise ValueError("cannot pack an empty sequence")
-    positions, deltas, prompt_masks = [], [], []
-    for s in seqs:
-        n_prompt = len(s.input_ids) if s.prompt_len is None else s.prompt_len
-        pos, delta = mrope_positions(s.input_ids[:n_prompt], args.rope_spec, s.image_grid_thw, s.video_grid_thw,
-                                     s.second_per_grid_ts)
-        positions.append(torch.cat([pos, generated_positions(n_prompt, len(s.input_ids), delta, pos.device)], dim=1))
+    if responses is not None and len(responses) != len(prompts):
+        raise ValueError(f"{len(responses)} responses for {len(prompts)} prompts")
+    ids, positions, deltas, prompt_masks = [], [], [], []
+    for i, p in enumerate(prompts):
+        n_prompt = len(p.input_ids)
+        response = torch.tensor(responses[i] if responses is not None else [], dtype=torch.long,
+                                device=p.input_ids.device)
+        if n_prompt + len(response) == 0:
+            raise ValueError("cannot pack an empty sequence")
+        pos, delta = mrope_positions(p.input_ids, args.rope_spec, p.image_grid_thw, p.video_grid_thw,
+                                     p.second_per_grid_ts)
+        end = n_prompt + len(response)
+        ids.append(torch.cat([p.input_ids, response]))
+        positions.append(torch.cat([pos, generated_positions(n_prompt, end, delta, pos.device)], dim=1))
         deltas.append(delta)
-        prompt_masks.append(torch.arange(len(s.input_ids), device=pos.device) < n_prompt)
-    device = seqs[0].input_ids.device
-    all_prompt = all(s.prompt_len is None or s.prompt_len == len(s.input_ids) for s in seqs)
+        prompt_masks.append(torch.arange(end, device=pos.device) < n_prompt)
+    lengths = [len(x) for x in ids]
+    device = prompts[0].input_ids.device
     return PackedBatch(
-        input_ids=torch.cat([s.input_ids for s in seqs]),
+        input_ids=torch.cat(ids),
         position_ids=torch.cat(positions, dim=1),
         cu_seqlens=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device),
         max_seqlen=max(lengths),
         rope_deltas=deltas,
-        prompt_mask=None if all_prompt else torch.cat(prompt_masks),
-        pixel_values=_cat([s.pixel_values for s in seqs]),
-        image_grid_thw=_cat([s.image_grid_thw for s in seqs]),
-        pixel_values_videos=_cat([s.pixel_values_videos for s in seqs]),
-        video_grid_thw=_cat([s.video_grid_thw for s in seqs]),
+        prompt_mask=None if responses is None or not any(responses) else torch.cat(prompt_masks),
+        pixel_values=_cat([p.pixel_values for p in prompts]),
+        image_grid_thw=_cat([p.image_grid_thw for p in prompts]),
+        pixel_values_videos=_cat([p.pixel_values_videos for p in prompts]),
+        video_grid_thw=_cat([p.video_grid_thw for p in prompts]),
     )
 
 
@@ -88,8 +81,8 @@ def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
 def split_padded(args: RopeArgs, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
                  pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
-                 second_per_grid_ts: torch.Tensor | None = None) -> list[SequenceInputs]:
-    """A processor's padded batch -> one `SequenceInputs` per row, each with its own
+                 second_per_grid_ts: torch.Tensor | None = None) -> list[Prompt]:
+    """A processor's padded batch -> one `Prompt` per row, each with its own
     images and videos (the processor concatenates them in row order)."""
     mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     spec = args.rope_spec
@@ -101,7 +94,7 @@ def split_padded(args: RopeArgs, input_ids: torch.Tensor, attention_mask: torch.
     rows = []
     for row, row_mask in zip(input_ids, mask):
         ids = row[row_mask]
-        seq = SequenceInputs(ids)
+        seq = Prompt(ids)
         for kind, (pixels, grids, token_id) in sources.items():
             n_tokens = int((ids == token_id).sum())
             if n_tokens == 0:
@@ -143,14 +136,6 @@ def pack_padded(args: RopeArgs, input_ids: torch.Tensor, attention_mask: torch.T
 
 
 @dataclass
-class GroupInputs:
-    """One prompt and the n responses sampled for it."""
-
-    prompt: SequenceInputs
-    responses: list[list[int]]
-
-
-@dataclass
 class TrainBatch:
     """A packed batch of groups plus where each response token is predicted.
 
@@ -164,7 +149,7 @@ class TrainBatch:
     response_lens: list[int]
 
 
-def pack_groups(args: RopeArgs, groups: list[GroupInputs], share_prefix: bool) -> TrainBatch:
+def pack_groups(args: RopeArgs, groups: list[Group], share_prefix: bool) -> TrainBatch:
     """Pack GRPO groups for a training or logprob pass.
 
     share_prefix=True: each group is [prompt | response_1 | ... | response_n]; the
@@ -175,29 +160,25 @@ def pack_groups(args: RopeArgs, groups: list[GroupInputs], share_prefix: bool) -
     """
     if share_prefix:
         return _pack_shared(args, groups)
-    seqs, target_index, offset = [], [], 0
+    prompts, responses, target_index, offset = [], [], [], 0
     for g in groups:
         n_prompt = len(g.prompt.input_ids)
         for r in g.responses:
             _check_response(r)
-            p = g.prompt
-            seqs.append(SequenceInputs(torch.cat([p.input_ids, torch.tensor(r, dtype=torch.long)]), n_prompt,
-                                       p.pixel_values, p.image_grid_thw, p.pixel_values_videos, p.video_grid_thw,
-                                       p.second_per_grid_ts))
+            prompts.append(g.prompt)
+            responses.append(r)
             target_index.append(torch.arange(offset + n_prompt - 1, offset + n_prompt - 1 + len(r)))
             offset += n_prompt + len(r)
-    return _train_batch(pack_sequences(args, seqs), target_index, groups)
+    return _train_batch(pack_sequences(args, prompts, responses), target_index, groups)
 
 
-def _pack_shared(args: RopeArgs, groups: list[GroupInputs]) -> TrainBatch:
-    seqs, layouts, target_index, offset = [], [], [], 0
+def _pack_shared(args: RopeArgs, groups: list[Group]) -> TrainBatch:
+    layouts, target_index, offset = [], [], 0
     for g in groups:
-        p = g.prompt
-        n_prompt = len(p.input_ids)
+        n_prompt = len(g.prompt.input_ids)
         for r in g.responses:
             _check_response(r)
         layouts.append(GroupLayout.packed(offset, n_prompt, tuple(len(r) for r in g.responses)))
-        seqs.append(p)
         start = offset + n_prompt
         for r in g.responses:
             # First token predicted by the prompt's last token, the rest by their predecessor.
@@ -205,7 +186,7 @@ def _pack_shared(args: RopeArgs, groups: list[GroupInputs]) -> TrainBatch:
                                            torch.arange(start, start + len(r) - 1)]))
             start += len(r)
         offset = start
-    prompts = pack_sequences(args, seqs)
+    prompts = pack_sequences(args, [g.prompt for g in groups])
     # Insert each group's responses after its prompt: ids, and positions continuing the prompt's.
     ids, positions, prompt_mask = [], [], []
     for i, (g, layout) in enumerate(zip(groups, layouts)):
@@ -232,7 +213,7 @@ def _pack_shared(args: RopeArgs, groups: list[GroupInputs]) -> TrainBatch:
     return _train_batch(packed, target_index, groups)
 
 
-def _train_batch(packed: PackedBatch, target_index: list[torch.Tensor], groups: list[GroupInputs]) -> TrainBatch:
+def _train_batch(packed: PackedBatch, target_index: list[torch.Tensor], groups: list[Group]) -> TrainBatch:
     device = packed.input_ids.device
     return TrainBatch(packed, torch.cat(target_index).to(device),
                       torch.tensor([t for g in groups for r in g.responses for t in r], device=device),

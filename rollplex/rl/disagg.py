@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from rollplex.dist import all_gather_objects, full_tensor
+from rollplex.models.inputs import Group
 from rollplex.rl.rollout import Rollout, balanced_share
 
 
@@ -118,7 +119,7 @@ class WeightBroadcast:
 class DisaggExchange:
     """One rank's side of each step: weights to the rollout ranks, their samples to
     every rank. `rollout` gives the trainers their share of the samples as the
-    colocated path does (None on a rollout rank), `evaluate` every rank the score."""
+    colocated path does (None on a rollout rank), `evaluate` every rank the validation records."""
 
     def __init__(self, layout: DisaggLayout, rank: int, broadcast: WeightBroadcast, model: torch.nn.Module,
                  tokenizer, train_dp_shard: int, train_dp_rank: int):
@@ -151,7 +152,8 @@ class DisaggExchange:
             rollout = sample(balanced_share(examples, self.layout.replicas, self.layout.replica(self.rank)), step)
             gen = time.perf_counter() - start
             if self.layout.leads_replica(self.rank):  # its TP peers hold the same samples
-                samples = {e.index: rollout.group_samples(i) for i, e in enumerate(rollout.examples)}
+                # The samples only: every trainer holds the prompts already.
+                samples = {e.index: g.samples for e, g in zip(rollout.examples, rollout.groups)}
                 report = (samples, gen, idle)
         start = time.perf_counter()
         reports = [r for r in all_gather_objects(report) if r is not None]
@@ -162,16 +164,15 @@ class DisaggExchange:
                    "timing_s/train_idle": time.perf_counter() - start,
                    "timing_s/rollout_idle": max(r[2] for r in reports)}
         mine = balanced_share(examples, self.train_dp_shard, self.train_dp_rank)
-        return Rollout.from_samples(mine, [samples[e.index] for e in mine], self.tokenizer), metrics
+        return Rollout.of(mine, [Group(e.prompt, samples[e.index]) for e in mine], self.tokenizer), metrics
 
     @torch.no_grad()
-    def evaluate(self, examples: list, score: Callable[[list], tuple[float, int]]) -> dict[str, float]:
-        """The rollout replicas `score` their share of `examples` ((sum, count)) on the
-        updated weights; every rank gets the mean."""
+    def evaluate(self, examples: list, generate: Callable[[list], list]) -> list:
+        """The rollout replicas `generate` the validation records of their share of
+        `examples` on the updated weights; every rank gets all of them."""
         self.send_weights()
-        result = (0.0, 0)
+        records = []
         if self.generates:  # every rank of a replica runs its engine; its first rank reports
-            replica_score = score(examples[self.layout.replica(self.rank)::self.layout.replicas])
-            result = replica_score if self.layout.leads_replica(self.rank) else result
-        results = all_gather_objects(result)
-        return {"val/score": sum(r[0] for r in results) / max(sum(r[1] for r in results), 1)}
+            replica_records = generate(examples[self.layout.replica(self.rank)::self.layout.replicas])
+            records = replica_records if self.layout.leads_replica(self.rank) else []
+        return [r for rank_records in all_gather_objects(records) for r in rank_records]

@@ -41,12 +41,12 @@ from rollplex.data.processing import load_processor
 from rollplex.data.reward_scoring import RewardScorer
 from rollplex.dist import ParallelDims, all_reduce_values, build_mesh, init_distributed
 from rollplex.metrics import GpuSampler, MetricsLogger, Timer
-from rollplex.models import SequenceInputs, from_pretrained
+from rollplex.models import Prompt, from_pretrained
 from rollplex.models.qwen2_5_vl import VisionEmbeds
 from rollplex.rl.disagg import DisaggExchange, DisaggLayout, WeightBroadcast
 from rollplex.rl.memory import GiB, PrefixKind
 from rollplex.rl.prefix import PrefixPlanner, PrefixWork, update_chunks
-from rollplex.rl.rollout import Rollout, RolloutSampler, balanced_share, build_engine, prompt_inputs
+from rollplex.rl.rollout import Rollout, RolloutSampler, balanced_share, build_engine
 from rollplex.rl.setup import PromptSource, model_path, plan_run_memory, resume_point
 from rollplex.rl.step_metrics import (PhaseMeter, combine_updates, gather_metrics, memory_metrics, prefix_metrics,
                                       speed_metrics)
@@ -278,7 +278,7 @@ class RLTrainer:
         """Sample n responses per prompt. With `prefix_work`, the vision tower
         runs once per prompt first (the engine's prefill reads it) and the step's
         prompt work is planned; the overlap schedule runs it between decode steps."""
-        prompts = [prompt_inputs(e) for e in examples]
+        prompts = [e.prompt for e in examples]
         prefix = None
         with self.sampler.session():
             vision = [self._encode(p) for p in prompts] if prefix_work else [None] * len(prompts)
@@ -290,16 +290,16 @@ class RLTrainer:
             outputs = self.sampler.generate(requests, between_steps=prefix.between_steps if overlap else None)
             if overlap:
                 prefix.drain()  # what the decode window did not hide, while the weights are still gathered
-        return Rollout.from_samples(examples, [o.samples for o in outputs], self.tokenizer, prefix)
+        return Rollout.of(examples, outputs, self.tokenizer, prefix)
 
     @torch.no_grad()
-    def _encode(self, prompt: SequenceInputs) -> VisionEmbeds | None:
-        if prompt.pixel_values is None and prompt.pixel_values_videos is None:
+    def _encode(self, prompt: Prompt) -> VisionEmbeds | None:
+        if not prompt.has_vision:
             return None
         return self.model.encode_vision(prompt.pixel_values, prompt.image_grid_thw, prompt.pixel_values_videos,
                                         prompt.video_grid_thw)
 
-    def _prefix_work(self, prompts: list[SequenceInputs], vision: list[VisionEmbeds | None]) -> list[PrefixWork]:
+    def _prefix_work(self, prompts: list[Prompt], vision: list[VisionEmbeds | None]) -> list[PrefixWork]:
         """The step's prompt work (the items the memory plan counts), with the plan's estimates."""
         return self.prefix_planner.work(prompts, vision)
 

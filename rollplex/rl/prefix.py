@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from rollplex.dist import all_reduce_values
-from rollplex.models.packing import SequenceInputs
+from rollplex.models.inputs import Prompt
 from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds
 from rollplex.rl.memory import MemoryPlan, PrefixKind, admitted, prefix_items, prefix_state
 from rollplex.train.kept_prefix import KeptPrefix, PromptChunk, prepare_prompts, prompt_forward
@@ -73,7 +73,7 @@ class PrefixWork:
     kind: PrefixKind
     chunk: int
     model: Qwen2_5_VL
-    prompts: list[SequenceInputs]
+    prompts: list[Prompt]
     vision: VisionEmbeds | None  # cached features of the prompts, or None: the item runs the tower
     keep_graph: bool
     estimate: int  # bytes it keeps until its suffix passes: rollplex.rl.memory.prefix_state, as the plan counts
@@ -245,7 +245,7 @@ class PrefixPlanner:
     dp_group: dist.ProcessGroup | None
     side_stream: torch.cuda.Stream | None  # the trainer's (module docstring); None on CPU
 
-    def work(self, prompts: list[SequenceInputs], vision: list[VisionEmbeds | None]) -> list[PrefixWork]:
+    def work(self, prompts: list[Prompt], vision: list[VisionEmbeds | None]) -> list[PrefixWork]:
         """The step's items for `prompts`, with their cached vision features (None: not encoded)."""
         options, tp = self.plan.options, self.tp
         chunks = update_chunks(len(prompts), options.updates_per_batch)

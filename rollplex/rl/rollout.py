@@ -3,8 +3,8 @@
 Each dp rank rolls out its own share of the prompts (`balanced_share`); all n
 samples of a prompt stay on one rank. Sampling seeds come from the prompt's
 global index, so a prompt gets the same samples whatever rank, world size or
-schedule handles it. `Rollout` is what the training phases read: the responses
-grouped by prompt, with the engine's logprobs and finish reasons per sample.
+schedule handles it. `Rollout` is what the training phases read: a group per
+prompt, each with its samples' tokens, the engine's logprobs and finish reasons.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from rollplex.config import RolloutConfig
 from rollplex.dist import all_gather_objects, all_reduce_values
 from rollplex.engine import Engine, EngineConfig, Request, SamplingParams
 from rollplex.engine.sampler import mix_seed
-from rollplex.engine.sequence import RequestOutput, Sample
-from rollplex.models.packing import GroupInputs, SequenceInputs
+from rollplex.models.inputs import Group, Sample
 from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds
 from rollplex.rl.prefix import PrefixScheduler
 from rollplex.rl.weights import SharedWeights
@@ -29,57 +28,42 @@ from rollplex.rl.weights import SharedWeights
 
 @dataclass
 class Rollout:
-    """One step's samples on this rank, responses in group order."""
+    """One step's samples on this rank: a group per prompt, in batch order."""
 
     examples: list  # rollplex.data Example per prompt
-    groups: list[GroupInputs]
-    texts: list[str]
-    logprobs: list[torch.Tensor]
-    finish_reasons: list[str]
+    groups: list[Group]
+    texts: list[str]  # each sample's decoded response, group by group (what the reward reads)
     prefix: PrefixScheduler | None = None  # the step's prompt work (all schedules but serial without share_prefix)
 
     @classmethod
-    def from_samples(cls, examples: list, samples: list[list[Sample]], tokenizer,
-                     prefix: PrefixScheduler | None = None) -> Rollout:
-        """The rollout of `examples` from each one's samples (the engine's, or a disagg rollout rank's)."""
-        groups, texts, logprobs, reasons = [], [], [], []
-        for example, group in zip(examples, samples):
-            groups.append(GroupInputs(prompt_inputs(example), [s.token_ids for s in group]))
-            for s in group:
-                texts.append(tokenizer.decode(s.token_ids, skip_special_tokens=True))
-                logprobs.append(torch.tensor(s.logprobs))
-                reasons.append(s.finish_reason)
-        return cls(examples, groups, texts, logprobs, reasons, prefix)
+    def of(cls, examples: list, groups: list[Group], tokenizer, prefix: PrefixScheduler | None = None) -> Rollout:
+        """The rollout of `examples` from their groups (the engine's, or a disagg rollout rank's)."""
+        texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for g in groups for s in g.samples]
+        return cls(examples, groups, texts, prefix)
+
+    @property
+    def samples(self) -> list[Sample]:
+        """Every sample, group by group: the order of the per-sample lists (rewards, advantages)."""
+        return [s for g in self.groups for s in g.samples]
+
+    @property
+    def logprobs(self) -> list[torch.Tensor]:
+        """The engine's logprobs of each sample's tokens."""
+        return [torch.tensor(s.logprobs) for s in self.samples]
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        return [s.finish_reason for s in self.samples]
 
     def responses_of(self, groups: slice) -> slice:
-        """Where the responses of a run of groups lie in the per-sample lists."""
-        first = sum(len(g.responses) for g in self.groups[:groups.indices(len(self.groups))[0]])
-        return slice(first, first + sum(len(g.responses) for g in self.groups[groups]))
-
-    def group_samples(self, index: int) -> list[Sample]:
-        """Group `index`'s samples, as the engine returned them."""
-        at = self.responses_of(slice(index, index + 1))
-        return [Sample(tokens, logprobs.tolist(), reason) for tokens, logprobs, reason
-                in zip(self.groups[index].responses, self.logprobs[at], self.finish_reasons[at])]
+        """Where the samples of a run of groups lie in the per-sample lists."""
+        first = sum(len(g.samples) for g in self.groups[:groups.indices(len(self.groups))[0]])
+        return slice(first, first + sum(len(g.samples) for g in self.groups[groups]))
 
     @property
     def tokens(self) -> int:
         """Tokens the training passes read: each sample's prompt and response."""
-        return sum(len(g.prompt.input_ids) * len(g.responses) + sum(map(len, g.responses)) for g in self.groups)
-
-
-def prompt_inputs(example) -> SequenceInputs:
-    """An example's prompt as the model's packing takes it."""
-    p = example.prompt
-    return SequenceInputs(p.input_ids, None, p.pixel_values, p.image_grid_thw, p.pixel_values_videos, p.video_grid_thw,
-                          p.second_per_grid_ts)
-
-
-def request(example, **options) -> Request:
-    """An example's prompt as the engine takes it; `options`: Request's n, seed, vision, max_tokens."""
-    p = example.prompt
-    return Request(p.input_ids.tolist(), p.pixel_values, p.image_grid_thw, p.pixel_values_videos, p.video_grid_thw,
-                   p.second_per_grid_ts, **options)
+        return sum(len(g.prompt.input_ids) * len(g.samples) + sum(map(len, g.responses)) for g in self.groups)
 
 
 def balanced_share(examples: list, ranks: int, rank: int) -> list:
@@ -143,7 +127,7 @@ class RolloutSampler:
         seeds = [mix_seed(self.seed, step, e.index) for e in examples]
         # With min_tokens, each prompt's own limit, drawn from its seed (the same on any rank and schedule).
         limits = [r.min_tokens + s % (r.max_tokens - r.min_tokens + 1) if r.min_tokens else None for s in seeds]
-        return [request(e, n=r.n, seed=seed, vision=v, max_tokens=limit)
+        return [Request(e.prompt, n=r.n, seed=seed, max_tokens=limit, vision=v)
                 for e, v, seed, limit in zip(examples, vision, seeds, limits)]
 
     def pool_bytes(self, requests: list[Request]) -> int:
@@ -151,7 +135,7 @@ class RolloutSampler:
         return self.engine.cache.pool_bytes(self.engine.blocks_for(requests, self.sampling))
 
     def generate(self, requests: list[Request], params: SamplingParams | None = None,
-                 between_steps: Callable[[int], None] | None = None) -> list[RequestOutput]:
+                 between_steps: Callable[[int], None] | None = None) -> list[Group]:
         """Generate on this rank's engine (`params`: the rollout's sampling by default),
         with the TP group's requests when it has one; each rank keeps its own outputs
         (seeds come from the prompts, so the samples do not depend on the grouping)."""
@@ -167,5 +151,5 @@ class RolloutSampler:
     def greedy_texts(self, examples: list) -> list[str]:
         """The greedy response to each example (evaluation)."""
         with self.session():
-            outputs = self.generate([request(e) for e in examples], self.greedy)
+            outputs = self.generate([Request(e.prompt) for e in examples], self.greedy)
         return [self.tokenizer.decode(o.samples[0].token_ids, skip_special_tokens=True) for o in outputs]

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from rollplex.dist import all_reduce_values, full_tensor, local_tensor
-from rollplex.models.packing import GroupInputs, TrainBatch, pack_groups
+from rollplex.models.inputs import Group
+from rollplex.models.packing import TrainBatch, pack_groups
 from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds
 from rollplex.train.flops import forward_flops, suffix_flops
 from rollplex.train.kept_prefix import KeptPrefix, SuffixUnit, suffix_hidden
@@ -50,7 +51,7 @@ def token_logprobs(model: Qwen2_5_VL, hidden: torch.Tensor, targets: torch.Tenso
 class PolicyBatch:
     """What one policy update needs, per response in group order."""
 
-    groups: list[GroupInputs]
+    groups: list[Group]
     advantages: list[float]
     old_logprobs: list[torch.Tensor]
     ref_logprobs: list[torch.Tensor] | None = None
@@ -93,7 +94,7 @@ class ActorConfig:
 class _Unit:
     """A slice of a group (its prompt and some of its responses) with its response offsets."""
 
-    group: GroupInputs
+    group: Group
     first: int  # index of its first response in the batch's response order
     index: int  # index of its group in the batch
     shared_prompt: bool = True  # its pass computes the prompt once, else once per response
@@ -121,7 +122,7 @@ class Actor:
 
     # ------------------------------------------------------------------ micro-batches
 
-    def micro_batches(self, groups: list[GroupInputs]) -> list[list[_Unit]]:
+    def micro_batches(self, groups: list[Group]) -> list[list[_Unit]]:
         budget = self.config.max_tokens_per_micro_batch
         units, first = [], 0
         for index, g in enumerate(groups):
@@ -137,22 +138,23 @@ class Actor:
             tokens += u.tokens
         return self._same_count_on_all_ranks(batches)
 
-    def _split_group(self, g: GroupInputs, first: int, index: int, budget: int) -> list[_Unit]:
+    def _split_group(self, g: Group, first: int, index: int, budget: int) -> list[_Unit]:
         prompt = len(g.prompt.input_ids)
         per_sample = not self.config.share_prefix
         units, current, tokens = [], [], prompt
-        for i, r in enumerate(g.responses):
+        for sample in g.samples:
+            r = sample.token_ids
             need = len(r) + (prompt if per_sample else 0)
             if prompt + len(r) > budget:
                 raise ValueError(f"max_tokens_per_micro_batch={budget} is smaller than one sequence: prompt "
                                  f"{prompt} + response {len(r)} = {prompt + len(r)} tokens")
             if current and tokens + need > budget:
-                units.append(_Unit(GroupInputs(g.prompt, current), first, index, not per_sample))
+                units.append(_Unit(Group(g.prompt, current), first, index, not per_sample))
                 first += len(current)
                 current, tokens = [], prompt
-            current.append(r)
+            current.append(sample)
             tokens += need
-        units.append(_Unit(GroupInputs(g.prompt, current), first, index, not per_sample))
+        units.append(_Unit(Group(g.prompt, current), first, index, not per_sample))
         return units
 
     def _same_count_on_all_ranks(self, batches: list[list[_Unit]]) -> list[list[_Unit]]:
@@ -173,7 +175,7 @@ class Actor:
     # ------------------------------------------------------------------ passes
 
     @torch.no_grad()
-    def logprobs(self, model: Qwen2_5_VL, groups: list[GroupInputs],
+    def logprobs(self, model: Qwen2_5_VL, groups: list[Group],
                  kept: KeptPrefix | None = None) -> list[torch.Tensor]:
         """Per-response logprobs under `model` (the actor, or the reference model);
         suffix-only passes when the groups' prompts were kept by `model`."""
@@ -301,8 +303,8 @@ class Actor:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
-    def _fallback_units(self, groups: list[GroupInputs]) -> list[_Unit]:
-        return [_Unit(GroupInputs(groups[0].prompt, groups[0].responses[:1]), 0, 0)]
+    def _fallback_units(self, groups: list[Group]) -> list[_Unit]:
+        return [_Unit(Group(groups[0].prompt, groups[0].samples[:1]), 0, 0)]
 
 
 class OptimizerOffload:

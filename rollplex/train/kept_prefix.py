@@ -30,7 +30,8 @@ from typing import Iterator
 
 import torch
 
-from rollplex.models.packing import GroupInputs, SequenceInputs, pack_sequences
+from rollplex.models.inputs import Group, Prompt
+from rollplex.models.packing import pack_sequences
 from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds, VisionInputs, VisionSlots
 from rollplex.models.rope import generated_positions
 from rollplex.ops.attention import GroupLayout, KeptPrefixAttention, PackedSegments
@@ -120,7 +121,7 @@ class PromptChunk:
     flops: float
 
 
-def prepare_prompts(model: Qwen2_5_VL, prompts: list[SequenceInputs],
+def prepare_prompts(model: Qwen2_5_VL, prompts: list[Prompt],
                     vision: VisionEmbeds | None = None) -> PromptChunk:
     """Pack `prompts` and build their device tensors (host reads and
     host-to-device copies happen here). The forward runs the vision tower unless
@@ -160,7 +161,7 @@ class SuffixUnit:
     """Some responses of one group, and which prompt of the KeptPrefix they follow."""
 
     prompt: int
-    group: GroupInputs
+    group: Group
 
 
 def suffix_hidden(model: Qwen2_5_VL, kept: KeptPrefix, units: list[SuffixUnit]) -> torch.Tensor:

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
-from rollplex.models.rope import RopeIndexSpec, mrope_positions
+from rollplex.models.rope import RopeIndexSpec
 
 
 @dataclass
@@ -65,12 +63,6 @@ class ModelArgs:
     def rope_spec(self) -> RopeIndexSpec:
         return RopeIndexSpec(self.image_token_id, self.video_token_id, self.vision.spatial_merge_size,
                              self.vision.tokens_per_second)
-
-
-def mrope_for(args: ModelArgs, input_ids: torch.Tensor, image_grid_thw=None, video_grid_thw=None,
-              second_per_grid_ts=None) -> tuple[torch.Tensor, int]:
-    """M-RoPE positions and rope delta of one unpadded sequence under `args`."""
-    return mrope_positions(input_ids, args.rope_spec, image_grid_thw, video_grid_thw, second_per_grid_ts)
 
 
 def tiny_args(tie: bool = False, window_size: int = 56) -> ModelArgs:
