@@ -2,8 +2,10 @@
 
 One record per logged step goes to ``<output_dir>/metrics.jsonl`` (one JSON
 object a line, ``{"step": 12, "critic/score/mean": 0.51, ...}``), to a one-line
-console summary and, optionally, to TensorBoard (``<output_dir>/tb``). Only rank
-0 writes; every rank may call the logger. ``read_metrics`` reads the file back.
+console summary and, optionally, to TensorBoard (``<output_dir>/tb``), wandb and
+SwanLab (rollplex.trackers). Sample generations go to
+``<output_dir>/samples/step_N.jsonl``. Only rank 0 writes; every rank may call
+the logger. ``read_metrics`` reads the metrics file back.
 
 Metric names follow verl where verl has the metric, so runs can be compared with
 verl's tooling and dashboards:
@@ -32,9 +34,10 @@ verl's tooling and dashboards:
 Rollplex's own (no verl equivalent):
 
     val/score                      mean validation reward
-    data/skipped                   samples dropped by the data pipeline this step
+    data/skipped_total             training rows found unusable (too long, unreadable) since the process started
     reward/errors                  reward-function calls that raised
-    actor/skipped_steps            optimizer steps skipped so far (a non-finite loss, gradient or logprob)
+    actor/skipped_steps_total      optimizer steps skipped (a non-finite loss, gradient or logprob) since the
+                                   process started
     training/nonfinite_logprobs    non-finite token logprobs in the step's reference, old and actor passes,
                                    all ranks (a token counts once per pass); any skips its optimizer step
     weights/bytes_shared           weight bytes the engine reads in place (the trainer's own tensors)
@@ -43,6 +46,8 @@ Rollplex's own (no verl equivalent):
     perf/gpu_util_mean             mean NVML GPU utilisation during the step, percent (GpuSampler)
     perf/gpu_mem_used_gb_max       peak NVML used memory during the step, GiB, all processes (GpuSampler)
     perf/live_memory_gb            tensor memory held between steps, GiB (CUDA: every step; CPU: steps that save)
+
+A name ending in _total is a running count, not the step's own: a resumed run counts again from 0.
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from rollplex.trackers import Tracker, open_trackers, require_trackers
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +105,8 @@ def _hms(seconds: float) -> str:
 
 
 class MetricsLogger:
-    """Writes one record per step to metrics.jsonl, the console and (optionally) TensorBoard.
+    """Writes one record per step to metrics.jsonl, the console and (optionally) trackers, and
+    the samples files and console messages the loop asks for.
 
     Safe to construct and call on every rank: ranks other than 0 do nothing, so
     the caller needs no rank checks. The JSONL file is opened in append mode so
@@ -106,7 +114,11 @@ class MetricsLogger:
     """
 
     def __init__(self, output_dir: str | Path, rank: int = 0, console: bool = True, jsonl: bool = True,
-                 tensorboard: bool = False, total_steps: int | None = None):
+                 tensorboard: bool = False, total_steps: int | None = None, wandb: bool = False,
+                 swanlab: bool = False, project: str = "rollplex", run_name: str = "",
+                 run_config: dict[str, Any] | None = None):
+        """`wandb`, `swanlab`: log to those trackers too (rollplex.trackers), as run `run_name` (empty: the
+        output folder's name) of `project`, with `run_config` (the run's config) as the run's config."""
         self.output_dir = Path(output_dir)
         self.total_steps = total_steps
         self.active = rank == 0
@@ -114,7 +126,10 @@ class MetricsLogger:
         self._start = time.monotonic()
         self._first_logged: tuple[int, float] | None = None  # (step, time) of this session's first log
         self._file = None
-        self._writer = None
+        self._samples_step: int | None = None  # the step this logger last wrote samples for
+        self._trackers: list[Tracker] = []
+        extras = [name for name, on in (("wandb", wandb), ("swanlab", swanlab)) if on]
+        require_trackers(extras)  # on every rank, so that all stop alike
         if not self.active:
             return
         if jsonl:
@@ -125,14 +140,9 @@ class MetricsLogger:
             self._file = path.open("a", encoding="utf-8")
             if self._file.tell() > 0 and _last_byte(path) != b"\n":
                 self._file.write("\n")
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                warnings.warn("logging.tensorboard is on but the tensorboard package is not installed "
-                              "(pip install tensorboard); TensorBoard logging is off", stacklevel=2)
-            else:
-                self._writer = SummaryWriter(log_dir=str(self.output_dir / "tb"))
+        if extras:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._trackers = open_trackers(self.output_dir, tensorboard, extras, project, run_name, run_config or {})
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.active:
@@ -142,12 +152,30 @@ class MetricsLogger:
             # allow_nan=False: _clean already mapped non-finite values to null, this guards the guarantee.
             self._file.write(json.dumps(record, allow_nan=False) + "\n")
             self._file.flush()  # a crash loses at most the step being logged
-        if self._writer is not None:
-            for key, value in record.items():
-                if key != "step" and value is not None:
-                    self._writer.add_scalar(key, value, global_step=record["step"])
+        scalars = {k: v for k, v in record.items() if k != "step" and v is not None}
+        for tracker in self._trackers:
+            tracker.log(record["step"], scalars)
         if self.console:
             print(self._progress_line(step, record), flush=True)
+
+    def message(self, text: str) -> None:
+        """A line for the user on the console (rank 0): the start-up summary, a save, an evaluation."""
+        if self.console:
+            print(text, flush=True)
+
+    def log_samples(self, step: int, records: list[dict[str, Any]]) -> Path | None:
+        """Write `records` (prompt, response, answer, score, ...: JSON-serialisable) to
+        <output_dir>/samples/step_N.jsonl, one a line: after those already written for `step` by
+        this logger, else in place of a file an earlier run left for that step (a resumed run
+        redoes it). Returns the file's path (rank 0), None elsewhere or when there are no records."""
+        if not self.active or not records:
+            return None
+        path = self.output_dir / "samples" / f"step_{step:08d}.jsonl"  # named as the checkpoints are
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a" if step == self._samples_step else "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        self._samples_step = step
+        return path
 
     def _progress_line(self, step: int, record: dict[str, Any]) -> str:
         now = time.monotonic()
@@ -175,9 +203,9 @@ class MetricsLogger:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        for tracker in self._trackers:
+            tracker.close()
+        self._trackers = []
 
     def __enter__(self) -> MetricsLogger:
         return self

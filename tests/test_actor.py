@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from rollplex.config import load_config
 from rollplex.models import build_model
-from rollplex.train.actor import Actor, ActorConfig, PolicyBatch
+from rollplex.train.actor import Actor, ActorConfig, PolicyBatch, token_logprobs
 from rollplex.train.loss import group_advantages
 from test_model import tiny_args
 from test_shared_prefix import groups
@@ -106,9 +107,38 @@ def test_nan_step_is_skipped_and_counted():
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     bad = PolicyBatch(batch.groups, [float("nan")] * len(batch.advantages), batch.old_logprobs)
     metrics = actor.update(bad)
-    assert metrics["actor/skipped_steps"] == 1 and not math.isfinite(metrics["actor/grad_norm"])
+    assert metrics["actor/skipped_steps_total"] == 1 and not math.isfinite(metrics["actor/grad_norm"])
     assert_same({n: p.detach() for n, p in model.named_parameters()}, before, tol=0)
     assert math.isfinite(actor.update(batch)["actor/grad_norm"])  # the run goes on
+
+
+def test_logprobs_and_entropy_are_of_the_tempered_distribution():
+    # What the rollout sampled from at temperature 0.7: softmax(logits / 0.7).
+    torch.manual_seed(0)
+    model = build_model(tiny_args(), seed=5, init_std=None)
+    hidden, targets = torch.randn(7, model.args.text.hidden_size), torch.randint(0, 100, (7,))
+    logprobs, entropy = token_logprobs(model, hidden, targets, with_entropy=True, temperature=0.7)
+    tempered = (model.logits(hidden).double() / 0.7).log_softmax(-1)
+    torch.testing.assert_close(logprobs.double(), tempered.gather(1, targets[:, None])[:, 0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy.double(), -(tempered.exp() * tempered).sum(-1), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("rollout_temperature, trainer_temperature", [(0.7, 0.7), (1.0, 1.0), (0.0, 1.0)])
+def test_the_actor_computes_logprobs_at_the_rollout_temperature(rollout_temperature, trainer_temperature):
+    # A greedy rollout (0) returns untempered logprobs: the trainer's are too.
+    cfg = load_config(["--rollout.temperature", str(rollout_temperature)])
+    assert ActorConfig.from_config(cfg, micro_batch_tokens=4096).temperature == trainer_temperature
+
+
+def test_rollout_probs_diff_only_on_the_weights_that_sampled():
+    model = build_model(tiny_args(), seed=5, init_std=None)
+    actor = Actor(model, ActorConfig(lr=1e-3))
+    batch = policy_batch(model, actor.config)
+    batch.rollout_logprobs = batch.old_logprobs  # an engine that matches the trainer exactly
+    metrics = actor.update(batch)
+    assert metrics["training/rollout_probs_diff_max"] < 1e-6
+    batch.rollout_weights = False  # after a step: the difference would be the policy's drift
+    assert not any(k.startswith("training/rollout_probs_diff") for k in actor.update(batch))
 
 
 def parallel_update(rank: int, world: int, tp: int, out: str) -> None:

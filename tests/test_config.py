@@ -12,8 +12,10 @@ from rollplex.config import (
     DEFAULT_CONFIG_PATH,
     Config,
     ConfigError,
+    DataConfig,
     RolloutConfig,
     TinyModelConfig,
+    TrainerConfig,
     config_from_dict,
     config_to_dict,
     load_config,
@@ -309,3 +311,29 @@ def test_a_config_saved_with_a_boolean_resume_still_loads():
     """Run folders written before trainer.resume took auto / never / a path hold true or false there."""
     assert config_from_dict({"trainer": {"resume": True}}).trainer.resume == "auto"
     assert config_from_dict({"trainer": {"resume": False}}).trainer.resume == "never"
+
+
+def test_total_steps_or_total_epochs_the_later_source_decides(tmp_path):
+    """One of the two gives the run's length: a source that names only one sets the other to 0, over the
+    dataclass defaults (YAML) or over the YAML file (command line); one that gives both nonzero is refused."""
+    epochs = load_config(["--trainer.total_epochs", "3"]).trainer  # over tiny.yaml's total_steps: 500
+    assert (epochs.total_steps, epochs.total_epochs) == (0, 3)
+    assert load_config(["--trainer.total-epochs=3"]).trainer.total_steps == 0
+    assert config_from_dict({"trainer": {"total_epochs": 2}}).trainer.total_steps == 0  # not the default 100
+    path = write_yaml(tmp_path / "epochs.yaml", {"trainer": {"total_epochs": 2}})
+    steps = load_config(["--config", str(path), "--trainer.total_steps", "7"]).trainer
+    assert (steps.total_steps, steps.total_epochs) == (7, 0)
+    with pytest.raises(ConfigError, match=r"total_steps 5 and trainer.total_epochs 2: exactly one"):
+        config_from_dict({"trainer": {"total_steps": 5, "total_epochs": 2}})
+    with pytest.raises(SystemExit):
+        load_config(["--trainer.total_steps", "5", "--trainer.total_epochs", "2"])
+    with pytest.raises(ConfigError, match="exactly one"):
+        TrainerConfig(total_steps=0)
+
+
+def test_prompt_template_and_system_prompt_need_data_files():
+    """The built-in tasks build their own prompts: a template set for them would be silently ignored."""
+    for key in ("format_prompt", "system_prompt"):
+        with pytest.raises(ConfigError, match=f"data.{key} must be empty without data.train_files"):
+            DataConfig(**{key: "{{ content }} think ."})
+    assert DataConfig(train_files=["a.jsonl"], format_prompt="{{ content }}", system_prompt="be brief").format_prompt

@@ -230,3 +230,44 @@ def test_multiple_files_index_in_order(processor, tmp_path):
     assert Counter(i for batch in _indices(ds.batches(3, seed=0), 2) for i in batch) == {0: 2, 1: 2, 2: 2}
     with pytest.raises(IndexError):
         ds[3]
+
+
+def test_format_prompt_from_a_string_or_a_file_and_a_system_prompt(processor, tmp_path):
+    _save_images(tmp_path / "img", 1)
+    data = _write_jsonl(tmp_path / "d.jsonl", [
+        {"problem": "<image> what colour is the shape ?", "answer": "red", "images": ["img/img_0.png"]},
+    ])  # fmt: skip
+    plain = PromptDataset(data, processor, 256)[0].prompt
+    formatted = PromptDataset(data, processor, 256, format_prompt="{{ content }} answer in one word .",
+                              system_prompt="be brief .")[0].prompt
+    assert "user\n<|vision_start|>" in formatted.text and "shape ? answer in one word .<|im_end|>" in formatted.text
+    assert formatted.text.startswith("<|im_start|>system\nbe brief .<|im_end|>")
+    # The same tokens as the prompt written out by hand: the image stays where the row put it.
+    by_hand = prepare_prompt(processor, "<image> what colour is the shape ? answer in one word .",
+                             images=[_image(0)], system_prompt="be brief .")
+    assert torch.equal(formatted.input_ids, by_hand.input_ids)
+    assert torch.equal(formatted.pixel_values, plain.pixel_values)
+    # A template file (EasyR1's examples/format_prompt/*.jinja): read, its outer whitespace dropped.
+    (tmp_path / "math.jinja").write_text("\n{{ content | trim }}\nthink step by step .\n\n")
+    from_file = PromptDataset(data, processor, 256, format_prompt=str(tmp_path / "math.jinja"))[0].prompt
+    assert "shape ?\nthink step by step .<|im_end|>" in from_file.text
+    assert from_file.text.startswith(plain.text.split("<|im_start|>user")[0])  # the template's default system
+
+
+def test_format_prompt_on_chat_messages_and_its_errors(processor, tmp_path):
+    verl = _write_jsonl(tmp_path / "verl.jsonl", [
+        {"prompt": [{"role": "system", "content": "row system ."}, {"role": "user", "content": "what colour ?"}],
+         "reward_model": {"ground_truth": "red"}},
+        {"prompt": [{"role": "user", "content": "which way ?"}], "reward_model": {"ground_truth": "up"}},
+    ])  # fmt: skip
+    ds = PromptDataset(verl, processor, 256, format_prompt="{{ content }} think first .", system_prompt="config .")
+    own_system, no_system = (e.prompt.text for e in ds)
+    assert own_system.startswith("<|im_start|>system\nrow system .")  # the row's own system message is kept
+    assert "user\nwhat colour ? think first .<|im_end|>" in own_system
+    assert no_system.startswith("<|im_start|>system\nconfig .") and "which way ? think first ." in no_system
+    for template, error in [("think step by step .", r"must use \{\{ content \}\}.*uses \[\]"),
+                            ("{{ content }} {{ hint }}", r"uses \['content', 'hint'\]"),
+                            ("{{ content ", "jinja syntax error on line 1"),
+                            (str(tmp_path / "missing.jinja"), "a template file must exist")]:
+        with pytest.raises(ValueError, match=error):
+            PromptDataset(verl, processor, 256, format_prompt=template)

@@ -1,4 +1,4 @@
-"""rollplex.metrics (logger, Timer, GpuSampler, read_metrics) and tools/plot_run.py."""
+"""rollplex.metrics (logger, samples files, trackers, Timer, GpuSampler, read_metrics) and tools/plot_run.py."""
 
 import importlib.util
 import json
@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from offline_trackers import swanlab_history, wandb_run
 from rollplex import metrics as M
 from rollplex.metrics import GpuSampler, MetricsLogger, Timer, read_metrics
 
@@ -87,6 +88,69 @@ def test_missing_tensorboard_warns_and_logging_goes_on(tmp_path, monkeypatch):
     logger.log(1, {"actor/lr": 1.0})
     logger.close()
     assert lines(tmp_path) == [{"step": 1, "actor/lr": 1.0}]
+
+
+def test_samples_of_a_step_go_to_its_file_and_a_resumed_run_replaces_it(tmp_path):
+    train = {"split": "train", "prompt": "What colour?", "response": "rouge ✓", "answer": "red", "score": 0.0}
+    val = {**train, "split": "val", "score": 1.0}
+    with MetricsLogger(tmp_path, console=False) as logger:
+        path = logger.log_samples(5, [train, train])
+        assert logger.log_samples(5, [val]) == path  # the step's evaluation: the same file
+        assert logger.log_samples(6, []) is None
+    assert path == tmp_path / "samples" / "step_00000005.jsonl"
+    assert [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] == [train, train, val]
+    with MetricsLogger(tmp_path, console=False) as logger:  # resumed before step 5: its samples are redone
+        logger.log_samples(5, [val])
+    assert [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] == [val]
+    assert sorted(p.name for p in (tmp_path / "samples").iterdir()) == ["step_00000005.jsonl"]
+    with MetricsLogger(tmp_path / "other", rank=1) as logger:
+        assert logger.log_samples(5, [train]) is None
+    assert not (tmp_path / "other").exists()
+
+
+def test_messages_go_to_the_console_of_rank_0_only(tmp_path, capsys):
+    MetricsLogger(tmp_path, jsonl=False).message("step 10: saved a checkpoint")
+    MetricsLogger(tmp_path, jsonl=False, rank=1).message("from rank 1")
+    MetricsLogger(tmp_path, jsonl=False, console=False).message("console off")
+    assert capsys.readouterr().out == "step 10: saved a checkpoint\n"
+
+
+STEPS = {1: {"critic/score/mean": 0.25, "actor/pg_loss": float("nan")}, 2: {"critic/score/mean": 0.5, "val/score": 1.0}}
+LOGGED = {1: {"critic/score/mean": 0.25}, 2: {"critic/score/mean": 0.5, "val/score": 1.0}}  # no NaN
+
+
+def _log_steps(run_dir: Path, **tracker) -> None:
+    with MetricsLogger(run_dir, console=False, project="tests", run_name="offline", run_config={"rollout": {"n": 4}},
+                       **tracker) as logger:
+        for step, metrics in STEPS.items():
+            logger.log(step, metrics)
+
+
+def test_wandb_offline_run_holds_each_step(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")  # no network: the run stays in <output_dir>/wandb
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    _log_steps(tmp_path, wandb=True)
+    history, config = wandb_run(tmp_path)
+    assert history == LOGGED
+    assert config["rollout"] == {"n": 4}
+    assert (tmp_path / "metrics.jsonl").is_file()  # beside, not instead of, the JSONL
+
+
+def test_swanlab_offline_run_holds_each_step(tmp_path, monkeypatch):
+    pytest.importorskip("swanlab")
+    monkeypatch.setenv("SWANLAB_MODE", "offline")  # no network: the run stays in <output_dir>/swanlog
+    _log_steps(tmp_path, swanlab=True)
+    assert swanlab_history(tmp_path) == LOGGED
+
+
+@pytest.mark.parametrize("tracker", ["wandb", "swanlab"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_missing_tracker_is_an_error_naming_its_extra_on_every_rank(tmp_path, monkeypatch, tracker, rank):
+    monkeypatch.setitem(sys.modules, tracker, None)  # hidden, whether installed or not
+    with pytest.raises(ImportError, match=rf"pip install 'rollplex\[{tracker}\]'"):
+        MetricsLogger(tmp_path, rank=rank, **{tracker: True})
+    assert not tmp_path.joinpath("metrics.jsonl").exists()
 
 
 def test_timer_accumulates_per_name():

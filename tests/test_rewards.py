@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from rollplex.config import ConfigError, DataConfig
-from rollplex.data.reward_scoring import RewardScorer, score_all
+from rollplex.data.reward_scoring import RewardScorer
 from rollplex.data.rewards import exact_match, extract_math_answer, format_reward, last_boxed, load_reward, math_answer
 
 
@@ -75,10 +75,26 @@ def test_math_answer(response, answer, expected):
 
 
 def test_math_answer_symbolic_with_math_verify():
-    pytest.importorskip("math_verify")
+    # math-verify is a dependency of rollplex: the math reward compares symbolically.
     assert math_answer(r"\boxed{x+1}", "1+x") == 1.0
     assert math_answer(r"\boxed{\sqrt{2}/2}", r"\frac{\sqrt{2}}{2}") == 1.0
+    assert math_answer(r"\boxed{\frac{\sqrt{3}}{2}}", r"\frac{\sqrt3}{2}") == 1.0
     assert math_answer(r"\boxed{x+2}", "1+x") == 0.0
+
+
+def test_math_answer_without_math_verify_warns_and_reads_bare_latex_arguments(monkeypatch):
+    from rollplex.data.rewards import _math_verify
+
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # as if not installed: its import raises ImportError
+    _math_verify.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="WITHOUT math-verify"):
+            assert math_answer(r"\boxed{x+1}", "1+x") == 0.0  # only a symbolic comparison sees these equal
+        # \sqrt3 is \sqrt{3} and \frac12 is \frac{1}{2}, with or without math-verify.
+        assert math_answer(r"\boxed{\frac{\sqrt{3}}{2}}", r"\frac{\sqrt3}{2}") == 1.0
+        assert math_answer(r"\boxed{\dfrac12}", "0.5") == 1.0
+    finally:
+        _math_verify.cache_clear()
 
 
 @pytest.mark.parametrize(
@@ -143,22 +159,23 @@ def test_raising_user_function_from_file_is_counted(tmp_path):
                 return "not a number"
             return 1.0 if response == answer else 0.0
     """))
-    fn = load_reward(f"{path}:score")
     responses = ["a", "boom", "b", "nan", "boom", "text"]
     answers = ["a", "a", "a", "a", "a", "a"]
-    with pytest.warns(UserWarning, match=r"failed on 4 of 6.*first error: RuntimeError: parser exploded") as caught:
-        scores, errors = score_all(fn, responses, answers)
+    with RewardScorer(f"{path}:score", workers=0) as scorer:
+        with pytest.warns(UserWarning, match=r"failed on 4 of 6.*first error: RuntimeError: parser exploded") as caught:
+            result = scorer.score(responses, answers)
     assert len(caught) == 1
-    assert scores == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0] and errors == 4
-    assert all(math.isfinite(s) for s in scores)
+    assert result.scores == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0] and result.errors == 4
+    assert all(math.isfinite(s) for s in result.scores)
 
 
-def test_score_all_clean_and_mismatch(recwarn):
-    scores, errors = score_all(exact_match, ["red", "blue <|im_end|>"], ["red", "red"])
-    assert (scores, errors) == ([1.0, 0.0], 0)
+def test_score_in_process_clean_and_mismatch(recwarn):
+    scorer = RewardScorer("exact_match")
+    result = scorer.score(["red", "blue <|im_end|>"], ["red", "red"])
+    assert (result.scores, result.errors, result.first_error) == ([1.0, 0.0], 0, "")
     assert not recwarn.list
     with pytest.raises(ValueError, match="2 responses but 1 answers"):
-        score_all(exact_match, ["a", "b"], ["a"])
+        scorer.score(["a", "b"], ["a"])
 
 
 # ----------------------------------------------------------------------------- worker processes

@@ -12,7 +12,7 @@ FAST = ["--trainer.total_steps", "2", "--data.batch_size", "4", "--rollout.n", "
 NAMES = ["critic/score/mean", "response_length/mean", "response_length/clip_ratio", "timing_s/step", "timing_s/gen",
          "timing_s/reward", "timing_s/update_actor", "timing_s/update_weights", "perf/throughput", "actor/pg_loss",
          "actor/entropy", "actor/grad_norm", "actor/lr", "training/rollout_probs_diff_mean",
-         "training/rollout_probs_diff_max", "weights/bytes_shared", "reward/errors", "data/skipped"]
+         "training/rollout_probs_diff_max", "weights/bytes_shared", "reward/errors", "data/skipped_total"]
 
 
 def run(out, *extra):

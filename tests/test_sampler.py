@@ -119,17 +119,32 @@ def test_cumulative_weights_keep_the_tail_mass_of_a_real_vocab():
 # ----------------------------------------------------------------------------- sample
 
 
-def test_greedy_is_argmax_and_logprobs_are_raw_log_softmax():
+def tempered_log_softmax(logits, tokens, temperature):
+    """The logprob the sampler returns, computed directly: log_softmax(logits / T) at
+    each row's token, untempered (T = 1) for a greedy row (T = 0)."""
+    temperature = torch.as_tensor(temperature, dtype=torch.float64).expand(logits.shape[0])
+    tempered = logits.double() / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    return tempered.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def test_greedy_is_argmax_with_the_untempered_logprob():
     torch.manual_seed(0)
     logits = torch.randn(6, 50) * 3
     tokens, logprobs = run(logits, temperature=0.0, top_p=0.3, top_k=5)
     assert torch.equal(tokens, logits.argmax(-1))
     assert tokens.dtype == torch.long and logprobs.dtype == torch.float32
+    torch.testing.assert_close(logprobs.double(), logits.double().log_softmax(-1).amax(-1), rtol=0, atol=1e-6)
 
-    # Sampled rows too: the logprob ignores temperature, top-k and top-p.
-    tokens, logprobs = run(logits, temperature=0.7, top_p=0.9, top_k=10)
-    expected = logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
-    assert (logprobs - expected).abs().max() <= 1e-6
+
+@pytest.mark.parametrize("per_row", [True, False])
+def test_sampled_logprobs_are_of_the_tempered_distribution_without_truncation(per_row):
+    # What the trainer computes for the token (logits / T, the full vocabulary), whatever top-k and top-p kept.
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50) * 3
+    for temperature in (0.7, 1.0, 1.6):
+        tokens, logprobs = run(logits, temperature=temperature, top_p=0.9, top_k=10, per_row=per_row)
+        torch.testing.assert_close(logprobs.double(), tempered_log_softmax(logits, tokens, temperature),
+                                   rtol=0, atol=1e-6)
 
 
 def test_low_precision_logits():
@@ -189,8 +204,7 @@ def test_same_seed_and_position_same_token_whatever_the_batch(truncate):
 @pytest.mark.parametrize("truncate", [True, False])
 @pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
 def test_one_number_per_parameter_draws_what_per_row_tensors_of_it_draw(temperature, truncate):
-    # The engine's call: the sampler skips the argmax (temperature > 0), the division
-    # (temperature 1) and the log_softmax (temperature 0 or 1, the logprob from the draw's sum).
+    # The engine's call: the sampler skips the argmax (temperature > 0) and the division (temperature 0 or 1).
     torch.manual_seed(0)
     logits = torch.randn(64, 3000) * 4
     top_p, top_k = (0.9, 40) if truncate else (1.0, -1)
@@ -198,14 +212,11 @@ def test_one_number_per_parameter_draws_what_per_row_tensors_of_it_draw(temperat
     tokens, logprobs = run(logits, **kwargs, per_row=False)
     expected_tokens, expected_logprobs = run(logits, **kwargs)
     assert torch.equal(tokens, expected_tokens) and logprobs.dtype == torch.float32
-    if temperature in (0.0, 1.0):
-        # From the draw's float64 sum, rounded once: within float32 rounding of the exact
-        # value, where the float32 log_softmax of per-row tensors is off by up to ~1e-6.
-        exact = logits.double().log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
-        torch.testing.assert_close(logprobs.double(), exact, rtol=1.2e-7, atol=1e-12)
-        torch.testing.assert_close(logprobs, expected_logprobs, rtol=0, atol=3e-6)
-    else:
-        assert torch.equal(logprobs, expected_logprobs)
+    assert torch.equal(logprobs, expected_logprobs)
+    # From the draw's float64 sum: within two float32 roundings of the exact value (of the shifted
+    # logit and of its division by the temperature), plus ~1e-9 from the float32 weights it sums.
+    torch.testing.assert_close(logprobs.double(), tempered_log_softmax(logits, tokens, temperature),
+                               rtol=2.4e-7, atol=1e-8)
 
 
 def test_different_seeds_or_positions_sample_differently():

@@ -84,13 +84,14 @@ def test_overlap_soak_with_faults_and_a_restart(tmp_path):
     records = {run: read_metrics(tmp_path / run) for run in ("plain", "killed")}
     for run, rs in records.items():
         assert [r["step"] for r in rs] == list(range(1, STEPS + 1)), run
-        assert rs[-1]["data/skipped"] >= 1, run  # the corrupt rows were met, skipped and counted
+        assert rs[-1]["data/skipped_total"] >= 1, run  # the corrupt rows were met, skipped and counted
         assert sum(r["reward/errors"] for r in rs) > 0, run
         held = [r["perf/live_memory_gb"] for r in rs if "perf/live_memory_gb" in r and r["step"] >= WARM_UP]
         assert len(held) >= 8 and max(held) <= held[0] * 1.001, (run, held)
-        print(f"{run}: rows skipped {rs[-1]['data/skipped']:.0f}, reward errors {sum(r['reward/errors'] for r in rs):.0f}, "
+        print(f"{run}: rows skipped {rs[-1]['data/skipped_total']:.0f}, "
+              f"reward errors {sum(r['reward/errors'] for r in rs):.0f}, "
               f"held from step {WARM_UP}: {min(held) * 1024:.2f}-{max(held) * 1024:.2f} MiB")
-    for key in ("data/skipped", "reward/errors", "critic/score/mean", "actor/pg_loss"):
+    for key in ("data/skipped_total", "reward/errors", "critic/score/mean", "actor/pg_loss"):
         assert [r[key] for r in records["killed"]] == [r[key] for r in records["plain"]], key
 
     expected, resumed = final_params(tmp_path / "plain"), final_params(tmp_path / "killed")

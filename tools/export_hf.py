@@ -4,11 +4,13 @@
     python tools/export_hf.py runs/my_run --step 200 --out hf_model --dtype float32
 
 It reads the run's config.yaml for the model it started from (model.path, or
-the tiny model the run wrote in its folder), loads that model in one process,
-overwrites its weights with the checkpoint's, and writes them in `--dtype`
-(default: the run's model.dtype), with the tokenizer, processor and chat
-template files of the model it started from. One process holds the whole model
-in fp32 while it loads: 4 bytes per parameter of host memory.
+the tiny model the run wrote in its folder), loads that model in one process
+in `--dtype` (default: the run's model.dtype), overwrites its weights with the
+checkpoint's, and writes them with the tokenizer, processor and chat template
+files of the model it started from. The one process holds the whole model in
+`--dtype` (2 bytes per parameter in bfloat16). `trainer.save_hf` writes the
+same folder at the end of a run through the same code (export_hf), where each
+rank writes only its own shards.
 """
 
 import argparse
@@ -45,9 +47,10 @@ def main(argv: list[str] | None = None) -> Path:
     cfg = load_config_file(a.run_dir / "config.yaml")
     source = Path(cfg.model.path) if cfg.model.path else a.run_dir / "tiny_model"
     checkpoint = checkpoint_of(a.run_dir, a.step)
-    model = from_pretrained(source, dtype=torch.float32)
-    load_model_weights(checkpoint, model)
-    out = export_hf(model.to(getattr(torch, a.dtype or cfg.model.dtype)), a.out, source)
+    dtype = getattr(torch, a.dtype or cfg.model.dtype)
+    model = from_pretrained(source, dtype=dtype)
+    load_model_weights(checkpoint, model)  # the checkpoint's fp32 weights, rounded to dtype as they load
+    out = export_hf(model, a.out, source, dtype)
     print(f"wrote {out} from {checkpoint}")
     return out
 

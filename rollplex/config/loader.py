@@ -99,7 +99,7 @@ def config_from_dict(d: dict | None, source: str = "<dict>") -> Config:
 
     `source` names where the dict came from (a file path) in error messages.
     """
-    return _build(Config, _upgraded(d), "", source)
+    return _build(Config, _run_length_named_once(_upgraded(d)), "", source)
 
 
 def _upgraded(d: dict | None) -> dict | None:
@@ -108,6 +108,23 @@ def _upgraded(d: dict | None) -> dict | None:
     if isinstance(trainer, dict) and isinstance(trainer.get("resume"), bool):
         return {**d, "trainer": {**trainer, "resume": "auto" if trainer["resume"] else "never"}}
     return d
+
+
+# Two ways to give a run's length, one of them 0: a source (the YAML file over the defaults, the command line over
+# the YAML file) that names only one of them sets the other to 0, as if it held both.
+RUN_LENGTH_KEYS = ("total_steps", "total_epochs")
+
+
+def _other_run_length(named: set[str]) -> str | None:
+    """The run-length key of trainer to set 0, given the trainer keys a source names."""
+    given = [k for k in RUN_LENGTH_KEYS if k in named]
+    return next(k for k in RUN_LENGTH_KEYS if k not in given) if len(given) == 1 else None
+
+
+def _run_length_named_once(d: dict | None) -> dict | None:
+    trainer = d.get("trainer") if isinstance(d, dict) else None
+    other = _other_run_length(set(trainer)) if isinstance(trainer, dict) else None
+    return {**d, "trainer": {**trainer, other: 0}} if other else d
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:
@@ -273,6 +290,10 @@ def load_config(argv: list[str] | None = None) -> Config:
         base, source = load_config_file(DEFAULT_CONFIG_PATH), str(DEFAULT_CONFIG_PATH)
     else:  # e.g. installed as a wheel without the configs/ folder
         base, source = Config(), "built-in dataclass defaults (configs/tiny.yaml not found)"
+    trainer_options = {a.split("=", 1)[0].removeprefix("--trainer.").replace("-", "_")
+                       for a in rest if a.startswith("--trainer.")}
+    if other := _other_run_length(trainer_options):
+        setattr(base.trainer, other, 0)  # not replace(): the pair is valid only once tyro has set the named one
     cfg = tyro.cli(
         Config,
         args=_rewrite_bool_values(rest),

@@ -166,7 +166,8 @@ class RolloutConfig(_Section):
     n: int = 8
     """Responses sampled per prompt (the GRPO group size)."""
     temperature: float = 1.0
-    """Sampling temperature; 0 = greedy."""
+    """Sampling temperature; 0 = greedy. The engine's logprobs and every trainer logprob pass (old, reference,
+    actor) and the entropy use logits / temperature, the policy that sampled (at 0: the untempered logits)."""
     top_p: float = 1.0
     """Nucleus sampling threshold; 1.0 = off."""
     top_k: int = -1
@@ -271,6 +272,13 @@ class DataConfig(_Section):
     """Column with the images."""
     video_key: str = "videos"
     """Column with the videos."""
+    format_prompt: str = ""
+    """Prompt template (EasyR1's format_prompt): a jinja file, or else the template itself, rendered with each row's
+    prompt as `content`, e.g. '{{ content }} Put the final answer in \\boxed{}.'; chat-message rows: their last user
+    message. Data files only; empty = the prompt as it is."""
+    system_prompt: str = ""
+    """System message of every prompt (a chat-message row with its own keeps it). Data files only; empty = the chat
+    template's default."""
     max_prompt_length: int = 1024
     """Longer prompts (in tokens, images included) are dropped."""
     batch_size: int = 16
@@ -278,7 +286,20 @@ class DataConfig(_Section):
     val_size: int = 64
     """Validation prompts per evaluation."""
     video_fps: float = 2.0
-    """Frames per second sampled from videos."""
+    """Frames per second sampled from videos (at most a video's own rate)."""
+    min_pixels: int = 0
+    """Least pixels of an image: a smaller one is enlarged, keeping its aspect ratio. 0 = the model folder's
+    (preprocessor_config.json)."""
+    max_pixels: int = 0
+    """Most pixels of an image: a larger one is shrunk, keeping its aspect ratio, so an image gives at most about
+    max_pixels / 784 vision tokens (one per 28x28 pixels). 0 = the model folder's (preprocessor_config.json); lower it
+    against out-of-memory errors."""
+    video_max_pixels: int = 0
+    """Most pixels of each video frame (a pair of frames gives about video_max_pixels / 784 vision tokens). 0 = the
+    model folder's (video_preprocessor_config.json, else preprocessor_config.json)."""
+    video_max_frames: int = 0
+    """Most frames kept per video: a longer video is sampled at a lower rate than video_fps, evenly over its length.
+    0 = the model folder's max_frames if it has one, else no cap."""
     reward: str = "exact_match"
     """Reward function: a built-in (exact_match, math, format) or a user function as module:function or
     path/to/file.py:function."""
@@ -287,8 +308,17 @@ class DataConfig(_Section):
     sample (scored 0, counted), not the run. 0 = in the trainer's process, one call after another (no time limit);
     -1 = auto: 0 for a built-in reward, 2 for a user function."""
     reward_timeout_s: float = 60.0
-    """Time limit of one reward call in a worker process: past it, the worker is killed and replaced, and the sample
-    scores 0 (counted in reward/timeouts). Calls in the trainer's process (reward_workers 0) cannot be time-limited."""
+    """Time limit of one reward call in a worker process: past it, the worker is killed and replaced, and the call's
+    samples score 0 (counted in reward/timeouts). Calls in the trainer's process (reward_workers 0) cannot be
+    time-limited."""
+    reward_kind: Literal["auto", "rollplex", "verl", "easyr1", "easyr1_sequential", "trl"] = "auto"
+    """How the reward function is called. auto: from its parameter names. rollplex: fn(response, answer) -> float.
+    verl: compute_score(data_source, solution_str, ground_truth, extra_info) -> float or dict. easyr1: batch
+    compute_score(reward_inputs: list of dicts) -> list of dicts; easyr1_sequential: compute_score(reward_input) ->
+    dict. trl: f(prompts, completions, completion_ids, **columns) -> list of floats."""
+    reward_score_key: str = ""
+    """The entry of a dict result that is the score; empty = "overall" (EasyR1) or "score" (verl), whichever it has.
+    Every number in a dict result is logged as reward/<name>/mean."""
     seed: int = 0
     """Seed for shuffling and synthetic data."""
 
@@ -297,8 +327,16 @@ class DataConfig(_Section):
         self._require(self.batch_size >= 1, "batch_size", ">= 1")
         self._require(self.val_size >= 0, "val_size", ">= 0")
         self._require(self.video_fps > 0, "video_fps", "> 0")
+        for name in ("min_pixels", "max_pixels", "video_max_pixels", "video_max_frames"):
+            self._require(getattr(self, name) >= 0, name, ">= 0 (0 = the model folder's)")
+        self._require(not self.max_pixels or self.min_pixels <= self.max_pixels, "min_pixels",
+                      f"<= data.max_pixels {self.max_pixels}")
         self._require(self.reward_workers >= -1, "reward_workers", ">= -1 (-1 = auto)")
         self._require(0 < self.reward_timeout_s < float("inf"), "reward_timeout_s", "> 0 and finite")
+        for name in ("format_prompt", "system_prompt"):
+            # The built-in tasks build their own prompts: set there, either would be silently ignored.
+            self._require(not getattr(self, name) or bool(self.train_files), name,
+                          "empty without data.train_files (the built-in task keeps its prompts)")
 
 
 @dataclass
@@ -308,7 +346,10 @@ class TrainerConfig(_Section):
     _section: ClassVar[str] = "trainer"
 
     total_steps: int = 100
-    """Training steps (one rollout batch each)."""
+    """Training steps (one rollout batch each); 0 = trainer.total_epochs decides."""
+    total_epochs: int = 0
+    """Passes over data.train_files, instead of total_steps: the run takes ceil(total_epochs x rows / data.batch_size)
+    steps. Exactly one of the two is nonzero; a YAML file or command line that sets one sets the other to 0."""
     output_dir: str = "runs/default"
     """Directory for checkpoints, logs and the tiny model."""
     lr: float = 1e-6
@@ -328,8 +369,21 @@ class TrainerConfig(_Section):
     """Save a checkpoint every this many steps; 0 = never."""
     keep_last: int = 2
     """Checkpoints kept on disk; 0 = keep all."""
+    save_hf: bool = False
+    """At the end of the run, write the final weights as a Hugging Face folder (in model.dtype, with the tokenizer
+    and processor files) that transformers loads, to hf_dir. tools/export_hf.py does the same for any checkpoint."""
+    hf_dir: str = ""
+    """Where save_hf writes; "" = <output_dir>/hf. Weight files already there are replaced."""
     eval_every: int = 0
     """Evaluate every this many steps; 0 = never."""
+    val_before_train: bool = False
+    """Evaluate once before the first step of a fresh run, logged as step 0."""
+    log_samples_every: int = 10
+    """Every this many steps, write log_samples of the step's samples (prompt, response, answer, score, reward
+    components, advantage) to <output_dir>/samples/step_N.jsonl; 0 = never. Every evaluation writes all its
+    generations there too, whatever this says."""
+    log_samples: int = 4
+    """Training samples written per such step: one response to each of rank 0's first prompts (then a second each)."""
     seed: int = 0
     """Global seed (torch, sampling)."""
     device: str = "auto"
@@ -348,8 +402,12 @@ class TrainerConfig(_Section):
     """A collective that waits longer than this for a peer (hung or dead) fails the run instead of hanging it."""
 
     def _check_ranges(self) -> None:
-        for name in ("total_steps", "warmup_steps", "save_every", "keep_last", "eval_every", "num_threads"):
+        for name in ("total_steps", "total_epochs", "warmup_steps", "save_every", "keep_last", "eval_every",
+                     "num_threads", "log_samples_every", "log_samples"):
             self._require(getattr(self, name) >= 0, name, ">= 0")
+        if (self.total_steps > 0) == (self.total_epochs > 0):
+            raise ConfigError(f"trainer.total_steps {self.total_steps} and trainer.total_epochs {self.total_epochs}: "
+                              f"exactly one of them gives the run's length, the other must be 0")
         self._require(self.lr >= 0, "lr", ">= 0")
         self._require(self.weight_decay >= 0, "weight_decay", ">= 0")
         self._require(self.grad_clip >= 0, "grad_clip", ">= 0")
@@ -396,6 +454,16 @@ class LoggingConfig(_Section):
     """Append metrics to <trainer.output_dir>/metrics.jsonl."""
     tensorboard: bool = False
     """Write TensorBoard events to <trainer.output_dir>/tb."""
+    wandb: bool = False
+    """Log metrics to Weights & Biases (pip install 'rollplex[wandb]'); files in <trainer.output_dir>/wandb.
+    WANDB_MODE=offline keeps the run there without a network (wandb sync uploads it later)."""
+    swanlab: bool = False
+    """Log metrics to SwanLab (pip install 'rollplex[swanlab]'); files in <trainer.output_dir>/swanlog.
+    SWANLAB_MODE=offline (or local) keeps the run there without a network."""
+    project: str = "rollplex"
+    """wandb / SwanLab project."""
+    run_name: str = ""
+    """wandb / SwanLab run name; empty = the name of trainer.output_dir's folder."""
     log_every: int = 1
     """Log every this many steps."""
 

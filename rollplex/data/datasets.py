@@ -10,8 +10,10 @@ Two row layouts, as the common VLM-RL recipes store them:
 
 `format="auto"` picks the layout per file from its first row. Images are file
 paths (relative ones resolve against the data file's folder), encoded bytes, or
-{"bytes": ..., "path": ...} dicts as HF datasets store them. Videos are a
-frame-folder path or a list of frame paths (see `_videos_of`).
+{"bytes": ..., "path": ...} dicts as HF datasets store them. Videos are video
+files (.mp4, .webm, ...: needs the `video` extra, PyAV), frame folders or lists of
+frame paths (see `_videos_of`). A prompt template (EasyR1's format_prompt,
+`PromptTemplate`) and a system prompt are applied as a row becomes chat messages.
 
 Rows are read when the dataset is built (so a bad file fails at once, naming the
 file and line) but rendered lazily: images are decoded and the chat template
@@ -30,13 +32,13 @@ import os
 import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from rollplex.data.processing import FRAME_EXTENSIONS, MediaLoadError, prepare_prompt
+from rollplex.data.processing import FRAME_EXTENSIONS, MediaLoadError, prepare_prompt, text_to_messages
 from rollplex.models.inputs import Prompt
 
 FORMATS = ("auto", "easyr1", "verl")
@@ -55,6 +57,9 @@ class Example:
     prompt: Prompt  # input_ids + vision tensors + rendered text
     answer: str  # ground truth, for the reward
     index: int  # position in the dataset (for resume / logging)
+    # The row's columns but its images and videos, for the reward (verl's data_source, extra_info, ...), with the
+    # prompt as the row holds it (text or chat messages) under "prompt". Empty for the synthetic tasks.
+    columns: dict[str, Any] = field(default_factory=dict)
 
 
 class RowSkipped(ValueError):
@@ -182,9 +187,9 @@ def _images_of(value: Any) -> list[Any]:
 def _videos_of(value: Any) -> list[Any]:
     """A video column value -> list of videos.
 
-    A string or dict is one video (a frame folder / {"video"|"frames": ...}). A list
-    of strings that all name frame images (.png, .jpg, ...) is the frames of one
-    video; any other list holds one video per entry.
+    A string or dict is one video (a video file or frame folder / {"video"|"frames": ...}).
+    A list of strings that all name frame images (.png, .jpg, ...) is the frames of
+    one video; any other list (e.g. of .mp4 files) holds one video per entry.
     """
     if value is None:
         return []
@@ -194,6 +199,41 @@ def _videos_of(value: Any) -> list[Any]:
     if value and all(isinstance(v, str) and Path(v).suffix.lower() in FRAME_EXTENSIONS for v in value):
         return [value]
     return value
+
+
+class PromptTemplate:
+    """EasyR1's format_prompt: a jinja template around each row's prompt, which it gets as `content`.
+
+    `source` names a template file, or else is the template itself; as in EasyR1, its outer whitespace is dropped.
+    """
+
+    def __init__(self, source: str):
+        import jinja2
+        import jinja2.meta
+
+        text, where = source, "data.format_prompt"
+        if _is_file(source):
+            text, where = Path(source).read_text(encoding="utf-8"), f"data.format_prompt file {source}"
+        env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+        try:
+            variables = jinja2.meta.find_undeclared_variables(env.parse(text.strip()))
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"{where}: jinja syntax error on line {e.lineno}: {e.message}") from None
+        if variables != {"content"}:
+            # A template without `content` would drop every prompt; any other name has no value to take.
+            raise ValueError(f"{where} {text.strip()[:80]!r} must use {{{{ content }}}} (the row's prompt) and no "
+                             f"other variable; it uses {sorted(variables)} (a template file must exist)")
+        self.template = env.from_string(text.strip())
+
+    def __call__(self, prompt: str) -> str:
+        return self.template.render(content=prompt)
+
+
+def _is_file(name: str) -> bool:
+    try:
+        return Path(name).is_file()
+    except OSError:  # a long template is no valid file name
+        return False
 
 
 def _detect_layout(row: dict[str, Any], prompt_key: str, path: Path) -> str:
@@ -233,6 +273,8 @@ class PromptDataset:
         image_key: str = "images",
         video_key: str = "videos",
         video_fps: float = 2.0,
+        format_prompt: str = "",
+        system_prompt: str = "",
     ):
         if format not in FORMATS:
             raise ValueError(f"format must be one of {', '.join(FORMATS)}; got {format!r}")
@@ -247,6 +289,8 @@ class PromptDataset:
         self.image_key = image_key
         self.video_key = video_key
         self.video_fps = video_fps
+        self.template = PromptTemplate(format_prompt) if format_prompt else None
+        self.system_prompt = system_prompt
         self.sources: list[_Source] = []
         start = 0
         for f in files:
@@ -299,10 +343,26 @@ class PromptDataset:
         folder = source.path.parent
         images = [_resolve_paths(x, folder) for x in _images_of(row.get(self.image_key))]
         videos = [_resolve_paths(x, folder) for x in _videos_of(row.get(self.video_key))]
-        inputs = prepare_prompt(self.processor, prompt, images=images, videos=videos, video_fps=self.video_fps)
+        inputs = prepare_prompt(self.processor, self._messages(prompt), images=images, videos=videos,
+                                video_fps=self.video_fps)
         if len(inputs.input_ids) > self.max_prompt_length:
             raise _TooLong(f"{len(inputs.input_ids)} tokens > max_prompt_length {self.max_prompt_length}")
-        return Example(prompt=inputs, answer=answer, index=index)
+        columns = {k: v for k, v in row.items() if k not in (self.image_key, self.video_key)}
+        return Example(prompt=inputs, answer=answer, index=index, columns={**columns, "prompt": prompt})
+
+    def _messages(self, prompt: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """A row's prompt as chat messages, with data.format_prompt and data.system_prompt applied."""
+        if isinstance(prompt, str):
+            return text_to_messages(self.template(prompt) if self.template else prompt, self.system_prompt or None)
+        messages = list(prompt)
+        if self.template:
+            users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+            if not users or not isinstance(messages[users[-1]]["content"], str):
+                raise _BadRow("data.format_prompt needs a user message whose content is a string")
+            messages[users[-1]] = {**messages[users[-1]], "content": self.template(messages[users[-1]]["content"])}
+        if self.system_prompt and not any(m["role"] == "system" for m in messages):
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return messages
 
     def _skip(self, index: int, error: Exception) -> None:
         if isinstance(error, _TooLong):

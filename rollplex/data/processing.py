@@ -16,16 +16,24 @@ Why not just call the transformers processor:
     rescaled / normalised / patchified by the image processor (one frame per
     temporal patch) and only the temporal grouping is ours. Images and videos thus
     share one pixel pipeline, on every machine, with or without torchvision.
+
+Pixel and frame budgets (least/most pixels per image, most pixels per video frame,
+most frames per video) are settings of the processors: `load_processor` sets them,
+so every prompt made with that processor keeps to them. Video files (.mp4, .webm,
+...) are decoded with PyAV, the optional `video` extra; only the sampled frames are
+turned into images.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import contextlib
+import functools
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Union
 
@@ -36,6 +44,8 @@ from PIL import Image
 from transformers import Qwen2_5_VLProcessor
 from transformers.image_processing_utils import BaseImageProcessor
 
+from rollplex.models.inputs import Prompt
+
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
 IMAGE_PLACEHOLDER = "<image>"
@@ -43,12 +53,11 @@ VIDEO_PLACEHOLDER = "<video>"
 FRAME_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 
 # An image: PIL image, HxWxC / HxW array (uint8, or float in [0, 1]), file path,
-from rollplex.models.inputs import Prompt
-
 # encoded bytes, or a HF-datasets style {"bytes": ..., "path": ...} dict.
 ImageLike = Union[Image.Image, np.ndarray, torch.Tensor, str, os.PathLike, bytes, bytearray, dict]
 # A video: a sequence of frames (ImageLike each), a TxHxWxC array, a folder of frame
-# images (sorted by name, numbers compared numerically), or {"frames": ..., "fps": native_fps}.
+# images (sorted by name, numbers compared numerically), a video file (any container
+# FFmpeg reads; its own frame rate is used), or {"frames": ..., "fps": native_fps}.
 VideoLike = Union[Sequence[ImageLike], np.ndarray, str, os.PathLike, dict]
 
 
@@ -76,7 +85,7 @@ class TorchFreeQwen2VLVideoProcessor(BaseImageProcessor):
     fit: BaseVideoProcessor needs torchvision, and VideoProcessorMixin (the
     torchvision-free base that later releases split off it) is missing from 5.17.
     TorchFreeQwen2_5_VLProcessor accepts this class by name. Holds the video
-    preprocessing numbers (pixel budget per frame, normalisation,
+    preprocessing numbers (pixel budget per frame, frame cap, normalisation,
     patch sizes) and processes frames with a PIL `Qwen2VLImageProcessorPil` built
     from them, then groups frames into temporal patches in the same row/column
     order as transformers' `Qwen2VLVideoProcessor.patchify`.
@@ -101,6 +110,7 @@ class TorchFreeQwen2VLVideoProcessor(BaseImageProcessor):
         do_convert_rgb: bool = True,
         resample: int = 3,
         fps: float = 2.0,
+        max_frames: int | None = None,
         **kwargs: Any,
     ):
         # Per-frame pixel budget. Same precedence as transformers: explicit
@@ -128,6 +138,8 @@ class TorchFreeQwen2VLVideoProcessor(BaseImageProcessor):
         self.do_convert_rgb = do_convert_rgb
         self.resample = int(resample)
         self.fps = fps
+        # Most frames kept per video (None: no cap); a longer clip is sampled sparser.
+        self.max_frames = max_frames
         self._frame_processor = None
 
     @classmethod
@@ -206,9 +218,10 @@ class TorchFreeQwen2VLVideoProcessor(BaseImageProcessor):
     ):
         """transformers-style call: one video or a list of videos -> BatchFeature.
 
-        `fps` is the sampling rate (default self.fps); a video's native fps comes from
-        `video_metadata` (dict/VideoMetadata with "fps", one per video), else the frames
-        are taken as already at `fps`. Returned metadata describes the sampled clip, so
+        `fps` is the sampling rate (default self.fps; lower where a video would keep more
+        than self.max_frames frames); a video's native fps comes from `video_metadata`
+        (dict/VideoMetadata with "fps", one per video), else the frames are taken as
+        already at `fps`. Returned metadata describes the sampled clip, so
         its `sampled_fps` is what Qwen2.5-VL's processor turns into second_per_grid_ts.
         """
         from transformers.image_processing_utils import BatchFeature
@@ -221,7 +234,7 @@ class TorchFreeQwen2VLVideoProcessor(BaseImageProcessor):
         all_rows, grids, metas = [], [], []
         for i, (video, meta) in enumerate(zip(video_list, video_metadata)):
             native = meta.get("fps") if meta is not None else None
-            frames, used_fps = sample_video(video, target_fps, native, name=f"video {i}")
+            frames, used_fps = sample_video(video, target_fps, native, f"video {i}", self.max_frames)
             rows, grid = self.frames_to_patches(frames)
             all_rows.append(rows)
             grids.append(grid)
@@ -271,13 +284,27 @@ class TorchFreeQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
         return super().check_argument_for_proper_class(argument_name, argument)
 
 
-def load_processor(path: str | os.PathLike, image_backend: str = "pil") -> Qwen2_5_VLProcessor:
+def load_processor(
+    path: str | os.PathLike,
+    image_backend: str = "pil",
+    *,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    video_max_pixels: int | None = None,
+    video_max_frames: int | None = None,
+) -> Qwen2_5_VLProcessor:
     """The Qwen2.5-VL processor of a checkpoint directory, without torchvision.
 
     Always assembled from parts (tokenizer, PIL image processor, the torchvision-free
     video processor above, chat template) so that preprocessing is the same on every
     machine whether torchvision is installed or not. `image_backend="auto"` lets
     transformers pick the image backend (torchvision when installed).
+
+    Budgets (None: the folder's preprocessor_config.json value): an image is resized,
+    keeping its aspect ratio, to between `min_pixels` and `max_pixels` pixels (rounded
+    to whole 28x28 merged patches, one vision token each); a video frame to at most
+    `video_max_pixels` (its floor is the folder's); a video keeps at most
+    `video_max_frames` frames (None and no folder value: no cap).
     """
     from transformers import AutoTokenizer
     # From its module: transformers 5.17's top-level name is a placeholder that demands
@@ -286,11 +313,15 @@ def load_processor(path: str | os.PathLike, image_backend: str = "pil") -> Qwen2
 
     path = Path(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    if image_backend == "auto":
-        image_processor = AutoImageProcessor.from_pretrained(path)
-    else:
-        image_processor = AutoImageProcessor.from_pretrained(path, backend=image_backend)
-    video_processor = TorchFreeQwen2VLVideoProcessor.from_pretrained(path)
+    backend = {} if image_backend == "auto" else {"backend": image_backend}
+    image_processor = _within_pixel_budget(
+        functools.partial(AutoImageProcessor.from_pretrained, path, **backend), "image", min_pixels, max_pixels
+    )
+    frame_cap = {} if video_max_frames is None else {"max_frames": video_max_frames}
+    video_processor = _within_pixel_budget(
+        functools.partial(TorchFreeQwen2VLVideoProcessor.from_pretrained, path, **frame_cap),
+        "video frame", None, video_max_pixels,
+    )
     chat_template = getattr(tokenizer, "chat_template", None)
     if chat_template is None and (path / "chat_template.jinja").is_file():
         chat_template = (path / "chat_template.jinja").read_text()
@@ -302,6 +333,23 @@ def load_processor(path: str | os.PathLike, image_backend: str = "pil") -> Qwen2
         video_processor=video_processor,
         chat_template=chat_template,
     )
+
+
+def _within_pixel_budget(load: Callable[..., Any], what: str, min_pixels: int | None, max_pixels: int | None) -> Any:
+    """`load()`'s processor with its pixels per image bounded by min_pixels / max_pixels
+    (None: the folder's value). Loaded again with both as keywords: transformers'
+    Qwen2-VL processors take these in every 5.x release, while a `size` argument
+    would be overridden by a folder's own min_pixels / max_pixels."""
+    processor = load()
+    if min_pixels is None and max_pixels is None:
+        return processor
+    low = processor.size["shortest_edge"] if min_pixels is None else min_pixels
+    high = processor.size["longest_edge"] if max_pixels is None else max_pixels
+    if low > high:
+        if min_pixels is not None:
+            raise ValueError(f"{what} min_pixels {low} is above max_pixels {high} (the model folder's when not given)")
+        low = high  # the folder's floor gives way to a lower cap, else small inputs would be enlarged past it
+    return load(min_pixels=low, max_pixels=high)
 
 
 # --------------------------------------------------------------------------------------
@@ -408,23 +456,80 @@ def _is_single_video(videos: Any) -> bool:
     return False
 
 
-def _video_frames_and_fps(video: VideoLike, name: str) -> tuple[list[Any], float | None]:
-    """Unpack a video input into raw frame inputs and its native fps (None if not given)."""
+def _import_av(label: str) -> Any:
+    try:
+        import av
+    except ImportError:
+        raise ImportError(
+            f"reading {label} needs PyAV, an optional extra: "
+            "pip install 'rollplex[video]' (or: pip install av)"
+        ) from None
+    return av
+
+
+class VideoFile:
+    """A video container file, read with PyAV: its frame count and native rate
+    when opened, then only the frames asked for are turned into images."""
+
+    def __init__(self, path: Path, label: str):
+        self.path, self.label = path, label
+        with self._open() as container:
+            stream = container.streams.video[0]
+            self.fps = float(stream.average_rate or stream.guessed_rate or 0)
+            # WebM / Matroska store no frame count: count the packets, which needs no decoding.
+            self.num_frames = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
+        if self.num_frames <= 0 or self.fps <= 0:
+            raise MediaLoadError(label, f"no frames or no frame rate ({self.num_frames} frames at {self.fps} fps)")
+
+    def __len__(self) -> int:
+        return self.num_frames
+
+    @contextlib.contextmanager
+    def _open(self) -> Iterator[Any]:
+        av = _import_av(self.label)
+        try:
+            with av.open(str(self.path)) as container:
+                if not container.streams.video:
+                    raise MediaLoadError(self.label, "the file holds no video stream")
+                yield container
+        except av.error.FFmpegError as e:
+            raise MediaLoadError(self.label, f"{type(e).__name__}: {e}") from e
+
+    def decode(self, indices: Sequence[int]) -> list[Image.Image]:
+        """RGB images of the frames at `indices` (ascending), decoding no further than the last."""
+        wanted = set(indices)
+        frames = []
+        with self._open() as container:
+            for i, frame in enumerate(container.decode(container.streams.video[0])):
+                if i in wanted:
+                    frames.append(frame.to_image())
+                if i >= indices[-1]:
+                    break
+        # A container may list more frames than it holds; the frames read keep their times.
+        if not frames:
+            raise MediaLoadError(self.label, "no frame could be decoded")
+        return frames
+
+
+def _video_frames_and_fps(video: VideoLike, name: str) -> tuple[Sequence[Any], float | None]:
+    """Unpack a video input into raw frame inputs (or a VideoFile) and its native fps
+    (None if not given)."""
     native = None
     if isinstance(video, dict):
         native = video.get("fps")
         video = video.get("frames", video.get("video"))
         if video is None:
-            raise ValueError(f"{name}: dict video needs 'frames' (a frame list or folder)")
+            raise ValueError(f"{name}: dict video needs 'frames' (a frame list, folder or video file)")
     if isinstance(video, (str, os.PathLike)):
-        folder = Path(video)
-        if not folder.is_dir():
-            raise MediaLoadError(
-                f"{name} ({str(folder)!r})", "not a folder of frame images (video files are not decoded here)"
-            )
-        frames: list[Any] = list_frame_files(folder)
+        path = Path(video)
+        label = f"{name} ({str(path)!r})"
+        if path.is_file():
+            return VideoFile(path, label), native
+        if not path.is_dir():
+            raise MediaLoadError(label, "no such video file or folder of frame images")
+        frames: list[Any] = list_frame_files(path)
         if not frames:
-            raise MediaLoadError(f"{name} ({str(folder)!r})", "folder holds no frame images")
+            raise MediaLoadError(label, "folder holds no frame images")
         return frames, native
     if isinstance(video, (np.ndarray, torch.Tensor)):
         if video.ndim != 4:
@@ -455,20 +560,39 @@ def sample_frame_indices(num_frames: int, native_fps: float, video_fps: float) -
     return [min(num_frames - 1, math.floor(k * step + 1e-9)) for k in range(n)]
 
 
+def sampling_rate(num_frames: int, native_fps: float, video_fps: float, max_frames: int | None = None) -> float:
+    """The rate a clip of `num_frames` at `native_fps` is sampled at: `video_fps`, at
+    most the native rate, and lowered where needed so that at most `max_frames`
+    frames are kept, evenly spread over the whole clip."""
+    rate = min(float(native_fps), float(video_fps))
+    if max_frames is not None and len(sample_frame_indices(num_frames, native_fps, rate)) > max_frames:
+        # Frames num_frames / max_frames apart: exactly max_frames of them fit in the clip.
+        rate = max_frames * native_fps / num_frames
+    return rate
+
+
 def sample_video(
-    video: VideoLike, video_fps: float, native_fps: float | None = None, name: str = "video"
+    video: VideoLike,
+    video_fps: float,
+    native_fps: float | None = None,
+    name: str = "video",
+    max_frames: int | None = None,
 ) -> tuple[list[Image.Image], float]:
     """Load and fps-sample one video -> (RGB frames, fps of the sampled frames).
 
     `native_fps` (or a dict video's "fps") is the rate the frames were taken at;
-    by default they are taken as being at `video_fps`, so every frame is kept.
-    Only the kept frames are decoded.
+    by default they are taken as being at `video_fps`, so every frame is kept. A
+    video file's own rate is always used. Past `max_frames` kept frames, the clip is
+    sampled at a lower rate (see `sampling_rate`). Only the kept frames are decoded.
     """
     raw, dict_fps = _video_frames_and_fps(video, name)
-    native = float(dict_fps if dict_fps is not None else native_fps if native_fps is not None else video_fps)
-    indices = sample_frame_indices(len(raw), native, video_fps)
-    frames = [load_image(raw[i], f"{name} frame {i}") for i in indices]
-    return frames, min(native, float(video_fps))
+    given = dict_fps if dict_fps is not None else native_fps if native_fps is not None else video_fps
+    native = raw.fps if isinstance(raw, VideoFile) else float(given)
+    rate = sampling_rate(len(raw), native, video_fps, max_frames)
+    indices = sample_frame_indices(len(raw), native, rate)
+    if isinstance(raw, VideoFile):
+        return raw.decode(indices), rate
+    return [load_image(raw[i], f"{name} frame {i}") for i in indices], rate
 
 
 # --------------------------------------------------------------------------------------
@@ -598,7 +722,8 @@ def prepare_prompt(
             `<video>` placeholders, which becomes one user message.
         images / videos: in placeholder order. When None, the data is taken from the
             content items ({"type": "image", "image": ...}), qwen-vl-utils style.
-        video_fps: rate videos are sampled at.
+        video_fps: rate videos are sampled at (within the video processor's
+            max_frames, see `load_processor` for the budgets).
         native_fps: the rate the given frames were taken at (scalar, or one per video);
             default: frames are already at `video_fps` and all are kept. A dict video's
             "fps" wins over this.
@@ -681,7 +806,7 @@ def _add_videos(processor: Any, videos: Sequence[VideoLike], natives: list[float
     vp = _torch_free(processor.video_processor)
     rows, grids, seconds = [], [], []
     for i, (video, native) in enumerate(zip(videos, natives)):
-        frames, used_fps = sample_video(video, video_fps, native, name=f"video {i}")
+        frames, used_fps = sample_video(video, video_fps, native, f"video {i}", vp.max_frames)
         patches, grid = vp.frames_to_patches(frames)
         rows.append(patches)
         grids.append(grid)

@@ -1,17 +1,18 @@
 """Scoring batches of responses with a reward function, so that a failing call
-costs one sample (scored 0.0 and counted), not the run.
+costs only its samples (scored 0.0 and counted), not the run.
 
 `RewardScorer` scores in this process (`score_all`: the built-in rewards, trusted
 and fast), or in worker processes that score calls in parallel, where a call that
 hangs is killed at a time limit and a crash takes down only its worker, which is
-replaced (user functions, by default).
+replaced (user functions, by default). A per-sample function (rollplex, verl,
+EasyR1 sequential) is called once per sample, so a failing call costs one; a batch
+function (EasyR1 batch, TRL) once per chunk of the batch, one chunk per worker.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import math
 import os
 import signal
 import subprocess
@@ -21,62 +22,94 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection, wait
+from typing import Any
 
-from rollplex.data.rewards import RewardFn, load_reward
+from rollplex.data.rewards import BATCH_KINDS, Reward, RewardSample, score_of
+
+# One sample's outcome: (score, components, error); a failed sample is (0.0, {}, its error).
+Outcome = tuple[float, dict[str, float], str]
 
 
-def _check_batch(responses: Sequence[str], answers: Sequence[str]) -> None:
-    if len(responses) != len(answers):
-        raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
 
 
-def _score_one(fn: RewardFn, response: str, answer: str) -> tuple[float, str]:
-    """(score, "") or, for a call that raises or returns something that is not a
-    finite number, (0.0, the error)."""
+def _outcome(result: Any, score_key: str) -> Outcome:
     try:
-        score = float(fn(response, answer))
-        if not math.isfinite(score):
-            raise ValueError(f"non-finite reward {score}")
-    except Exception as e:  # noqa: BLE001 - a user function may raise anything; one sample pays
-        return 0.0, f"{type(e).__name__}: {e}"
-    return score, ""
+        score, components = score_of(result, score_key)
+    except Exception as e:  # noqa: BLE001 - a result may be anything; its sample pays
+        return 0.0, {}, _describe(e)
+    return score, components, ""
+
+
+def score_chunk(reward: Reward, samples: Sequence[RewardSample], score_key: str = "") -> list[Outcome]:
+    """Call `reward` on `samples` (one sample, or a batched reward's chunk): a call that
+    raises, or returns the wrong number of results, fails all of them; a result that is
+    not a finite number (or a dict without its score) fails only its sample."""
+    try:
+        results = reward(samples)
+    except Exception as e:  # noqa: BLE001 - a user function may raise anything; its samples pay
+        return [(0.0, {}, _describe(e))] * len(samples)
+    return [_outcome(result, score_key) for result in results]
+
+
+def chunks(size: int, batched: bool, parts: int) -> list[range]:
+    """The calls that score a batch of `size`: one per sample, or for a batched reward
+    `parts` contiguous chunks of about equal size (one call in this process, one per worker)."""
+    if not batched:
+        return [range(i, i + 1) for i in range(size)]
+    step = max(1, -(-size // max(parts, 1)))
+    return [range(i, min(i + step, size)) for i in range(0, size, step)]
 
 
 @dataclass
 class RewardScores:
     """A batch's rewards in input order. A sample that fails scores 0.0 and is counted
     once: in `errors` (it raised, returned no finite number, or its worker died) or in
-    `timeouts` (it did not return within the time limit)."""
+    `timeouts` (it did not return within the time limit). `components` holds each
+    sample's dict entries ({} for a number result or a failure)."""
 
     scores: list[float]
     errors: int = 0
     timeouts: int = 0
+    components: list[dict[str, float]] = field(default_factory=list)
+    first_error: str = ""  # the first failed sample's error ("" when none raised)
+
+    @classmethod
+    def of(cls, outcomes: Sequence[Outcome | None]) -> RewardScores:
+        """From each sample's outcome, None for one that timed out."""
+        done = [o if o is not None else (0.0, {}, "") for o in outcomes]
+        errors = [error for _, _, error in done if error]
+        return cls([score for score, _, _ in done], errors=len(errors), timeouts=sum(o is None for o in outcomes),
+                   components=[components for _, components, _ in done], first_error=errors[0] if errors else "")
+
+    @property
+    def failed(self) -> int:
+        return self.errors + self.timeouts
 
 
-def _warn_failures(name: str, result: RewardScores, first_error: str, timeout_s: float = 0.0) -> None:
+def _warn_failures(name: str, result: RewardScores, timeout_s: float = 0.0) -> None:
     total = len(result.scores)
     if result.errors:
         warnings.warn(f"reward function {name} failed on {result.errors} of {total} responses (scored 0.0); "
-                      f"first error: {first_error}", stacklevel=3)
+                      f"first error: {result.first_error}", stacklevel=3)
     if result.timeouts:
         warnings.warn(f"reward function {name} did not return within {timeout_s:g} s on {result.timeouts} of "
                       f"{total} responses (scored 0.0; their workers were replaced)", stacklevel=3)
 
 
-def score_all(fn: RewardFn, responses: Sequence[str], answers: Sequence[str]) -> tuple[list[float], int]:
-    """Score every (response, answer) pair in this process. A call that raises, or
-    returns something that is not a finite number, scores 0.0 and counts as an error;
-    the others go on. Returns (scores, number of errors) and warns once, with the
-    first error."""
-    _check_batch(responses, answers)
-    results = [_score_one(fn, response, answer) for response, answer in zip(responses, answers)]
-    failures = [error for _, error in results if error]
-    scores = RewardScores([score for score, _ in results], errors=len(failures))
-    _warn_failures(getattr(fn, "__qualname__", repr(fn)), scores, failures[0] if failures else "")
-    return scores.scores, scores.errors
+def score_all(reward: Reward, samples: Sequence[RewardSample], score_key: str = "") -> RewardScores:
+    """Score `samples` in this process, one call per sample or, for a batched reward,
+    one call for all; a failing call costs its samples (scored 0.0, counted in
+    `errors`) and the others go on. Warns once, with the first error."""
+    outcomes = [o for chunk in chunks(len(samples), reward.batched, 1)
+                for o in score_chunk(reward, [samples[i] for i in chunk], score_key)]
+    scores = RewardScores.of(outcomes)
+    _warn_failures(reward.spec, scores)
+    return scores
 
 
 # ----------------------------------------------------------------------------- worker processes
@@ -96,47 +129,58 @@ def _die_with(trainer_pid: int) -> None:
         os._exit(1)
 
 
-def _serve(fd: int, spec: str, trainer_pid: int) -> None:
-    """A worker process: load the reward, say so (an empty message, or the load
-    error), then score (response, answer) requests until the trainer closes the pipe."""
+def _serve(fd: int, spec: str, kind: str, score_key: str, trainer_pid: int) -> None:
+    """A worker process: load the reward, say so (("", its kind), or (the load error,
+    "")), then score chunks of samples until the trainer closes the pipe."""
     _die_with(trainer_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle: it closes our pipe
     conn = Connection(fd)
     with contextlib.suppress(EOFError, ConnectionError):  # the trainer closed the pipe: we are done
         try:
-            fn = load_reward(spec)
+            reward = Reward(spec, kind)
         except Exception as e:  # noqa: BLE001 - reported to the trainer, which raises it
-            conn.send(f"{type(e).__name__}: {e}")
+            conn.send((_describe(e), ""))
             return
-        conn.send("")
+        conn.send(("", reward.kind))
         while True:
-            response, answer = conn.recv()
-            conn.send(_score_one(fn, response, answer))
+            conn.send(score_chunk(reward, conn.recv(), score_key))
 
 
 def _exit_reason(code: int) -> str:
     return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
+@dataclass(frozen=True)
+class _RewardSpec:
+    """What a worker loads: the function, its calling convention and a dict result's score entry."""
+
+    spec: str
+    kind: str = "auto"
+    score_key: str = ""
+
+
 @dataclass(eq=False)  # workers are told apart by identity
 class _Worker:
     """A worker process, the trainer's end of its pipe and what it is doing: starting
-    (until it has loaded the reward), idle, or scoring sample `task`, each until `deadline`."""
+    (until it has loaded the reward), idle, or scoring chunk `task`, each until `deadline`.
+    `kind` is the calling convention the worker found, once it has started."""
 
     process: subprocess.Popen
     conn: Connection
     deadline: float
     started: bool = False
     task: int | None = None
+    kind: str = ""
 
     @classmethod
-    def start(cls, spec: str) -> _Worker:
+    def start(cls, reward: _RewardSpec) -> _Worker:
         # A fresh interpreter (fork + exec, safe beside CUDA and threads) that imports only the reward: unlike
         # multiprocessing's spawn, it does not re-import the trainer's main script (torch and all: ~20 s, 450 MB).
         # It gets this process's sys.path, so that a module:function spec resolves as it does here.
         conn, child_conn = Pipe()
         boot = (f"import sys; sys.path[:] = {[str(entry) for entry in sys.path]!r}; "
-                f"from rollplex.data.reward_scoring import _serve; _serve({child_conn.fileno()}, {spec!r}, {os.getpid()})")
+                f"from rollplex.data.reward_scoring import _serve; _serve({child_conn.fileno()}, {reward.spec!r}, "
+                f"{reward.kind!r}, {reward.score_key!r}, {os.getpid()})")
         process = subprocess.Popen([sys.executable, "-c", boot], pass_fds=[child_conn.fileno()])
         child_conn.close()  # the worker holds the only other end: its death reads as EOF here
         return cls(process, conn, time.monotonic() + _START_TIMEOUT_S)
@@ -145,7 +189,7 @@ class _Worker:
     def idle(self) -> bool:
         return self.started and self.task is None
 
-    def assign(self, task: int, request: tuple[str, str], timeout_s: float) -> None:
+    def assign(self, task: int, request: list[RewardSample], timeout_s: float) -> None:
         self.task, self.deadline = task, time.monotonic() + timeout_s
         with contextlib.suppress(OSError):  # a worker that died while idle reads as EOF, like one dying in the call
             self.conn.send(request)
@@ -153,7 +197,7 @@ class _Worker:
     def finish_start(self, spec: str) -> None:
         """Read the worker's start message (it is waiting); raise if it could not load the reward."""
         try:
-            error = self.conn.recv()
+            error, self.kind = self.conn.recv()
         except EOFError:
             error = f"the worker exited ({_exit_reason(self.stop())})"
         if error:
@@ -180,84 +224,84 @@ def _stop_all(workers: list[_Worker]) -> None:
 
 
 class _WorkerPool:
-    """`size` worker processes that each load the reward from `spec`, kept across
-    batches. A call past `timeout_s` is killed with its worker, and a worker that dies
-    in a call is replaced; the replacement starts while the others go on scoring."""
+    """`size` worker processes that each load `reward`, kept across batches. A call past
+    `timeout_s` is killed with its worker, and a worker that dies in a call is replaced;
+    the replacement starts while the others go on scoring."""
 
-    def __init__(self, spec: str, size: int, timeout_s: float):
-        self.spec, self.timeout_s = spec, timeout_s
-        self.workers = [_Worker.start(spec) for _ in range(size)]
+    def __init__(self, reward: _RewardSpec, size: int, timeout_s: float):
+        self.reward, self.spec, self.timeout_s = reward, reward.spec, timeout_s
+        self.workers = [_Worker.start(reward) for _ in range(size)]
         # Stops the workers on close(), when the pool is collected, or at interpreter exit (a trainer that raised).
         self.close = weakref.finalize(self, _stop_all, self.workers)
         try:  # a reward that cannot load fails here, at the trainer's start
             for worker in self.workers:
                 if not worker.conn.poll(max(0.0, worker.deadline - time.monotonic())):
-                    raise TimeoutError(f"reward {spec!r}: a worker process did not start in {_START_TIMEOUT_S:g} s")
-                worker.finish_start(spec)
+                    raise TimeoutError(f"reward {self.spec!r}: a worker process did not start in "
+                                       f"{_START_TIMEOUT_S:g} s")
+                worker.finish_start(self.spec)
         except BaseException:
             self.close()
             raise
+        self.kind = self.workers[0].kind
 
-    def score(self, responses: Sequence[str], answers: Sequence[str]) -> tuple[RewardScores, str]:
-        """The batch's scores and the first failed sample's error message."""
+    def score(self, tasks: Sequence[list[RewardSample]]) -> list[list[Outcome] | None]:
+        """Each task's (a call's samples) outcomes, or None for a task that timed out."""
         if not self.workers:
             raise RuntimeError(f"reward {self.spec!r}: the worker processes are closed")
-        requests = list(zip(responses, answers))
-        todo = deque(range(len(requests)))
-        result, failures = RewardScores([0.0] * len(requests)), {}
+        todo = deque(range(len(tasks)))
+        results: list[list[Outcome] | None] = [None] * len(tasks)
         while todo or any(worker.task is not None for worker in self.workers):
             for worker in self.workers:
                 if worker.idle and todo:
                     task = todo.popleft()
-                    worker.assign(task, requests[task], self.timeout_s)
+                    worker.assign(task, tasks[task], self.timeout_s)
             waiting = [worker for worker in self.workers if not worker.idle]
             earliest = min(worker.deadline for worker in waiting)
             wait([worker.conn for worker in waiting], timeout=min(max(0.0, earliest - time.monotonic()), _MAX_WAIT_S))
             for worker in waiting:
                 if worker.conn.poll():  # a message, or EOF: the worker died
-                    self._receive(worker, result, failures)
+                    self._receive(worker, tasks, results)
                 elif time.monotonic() >= worker.deadline:
-                    self._time_out(worker, result)
-        result.errors = len(failures)
-        return result, failures[min(failures)] if failures else ""
+                    self._time_out(worker)
+        return results
 
-    def _receive(self, worker: _Worker, result: RewardScores, failures: dict[int, str]) -> None:
-        """Take the worker's message: that it started, or its task's result."""
+    def _receive(self, worker: _Worker, tasks: Sequence[list[RewardSample]],
+                 results: list[list[Outcome] | None]) -> None:
+        """Take the worker's message: that it started, or its task's outcomes."""
         if not worker.started:
             worker.finish_start(self.spec)
             return
         task, worker.task = worker.task, None
         try:
-            result.scores[task], error = worker.conn.recv()
+            results[task] = worker.conn.recv()
         except EOFError:  # a crash in user code: a segfault, os.abort, or a kill from outside
-            error = f"its worker process died ({_exit_reason(worker.stop())})"
+            results[task] = [(0.0, {}, f"its worker process died ({_exit_reason(worker.stop())})")] * len(tasks[task])
             self._replace(worker)
-        if error:
-            failures[task] = error
 
-    def _time_out(self, worker: _Worker, result: RewardScores) -> None:
+    def _time_out(self, worker: _Worker) -> None:
         if not worker.started:
             raise TimeoutError(f"reward {self.spec!r}: a replacement worker process did not start "
                                f"in {_START_TIMEOUT_S:g} s")
-        worker.stop()  # kills it: its sample scores 0.0
-        result.timeouts += 1
+        worker.stop()  # kills it: its task's samples score 0.0
         self._replace(worker)
 
     def _replace(self, worker: _Worker) -> None:
-        self.workers[self.workers.index(worker)] = _Worker.start(self.spec)
+        self.workers[self.workers.index(worker)] = _Worker.start(self.reward)
 
 
 class RewardScorer:
-    """Scores batches with the reward `spec` (see `load_reward`), in one of two ways:
+    """Scores batches with the reward `spec` (see `load_reward`), called as `kind` says
+    (see `Reward`; "auto": from its parameter names), a dict result's score being its
+    `score_key` entry (see `score_of`). In one of two ways:
 
     - `workers` = 0: in this process, one call after another (`score_all`). Fast, and
       right for the built-in rewards, but a call cannot be time-limited, and a hang or
       crash in it is the trainer's.
     - `workers` > 0: in that many worker processes, kept across batches, that each load
       the reward themselves and score calls in parallel. A call that does not return
-      within `timeout_s` scores 0.0 and counts as a timeout (its worker is killed and
-      replaced); a worker that dies in a call (a segfault, os.abort) costs that sample
-      an error, and is replaced.
+      within `timeout_s` scores 0.0 and counts its samples as timeouts (its worker is
+      killed and replaced); a worker that dies in a call (a segfault, os.abort) costs
+      that call's samples an error each, and is replaced.
 
     -1 = auto: in this process for a built-in reward, else `USER_REWARD_WORKERS`
     processes. Either way a call that raises or returns no finite number scores 0.0
@@ -265,19 +309,28 @@ class RewardScorer:
     `close()` stops the workers (so does interpreter exit).
     """
 
-    def __init__(self, spec: str, workers: int = -1, timeout_s: float = 60.0):
-        self.spec, self.timeout_s = spec, timeout_s
+    def __init__(self, spec: str, workers: int = -1, timeout_s: float = 60.0, kind: str = "auto",
+                 score_key: str = ""):
+        self.spec, self.timeout_s, self.score_key = spec, timeout_s, score_key
         self.workers = (0 if ":" not in spec else USER_REWARD_WORKERS) if workers == -1 else workers
-        self._fn = load_reward(spec) if self.workers == 0 else None
-        self._pool = _WorkerPool(spec, self.workers, timeout_s) if self.workers else None
+        self._reward = Reward(spec, kind) if self.workers == 0 else None
+        self._pool = _WorkerPool(_RewardSpec(spec, kind, score_key), self.workers, timeout_s) if self.workers else None
+        self.kind = self._reward.kind if self._reward else self._pool.kind  # the calling convention in use
 
-    def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardScores:
-        _check_batch(responses, answers)
+    def score(self, responses: Sequence[str], answers: Sequence[str], response_ids: Sequence[list[int]] | None = None,
+              columns: Sequence[dict[str, Any]] | None = None) -> RewardScores:
+        """Score each response against its answer; `response_ids` (its tokens) and `columns`
+        (its dataset row's, see `RewardSample`) are what the anchors' functions also read."""
+        samples = _samples(responses, answers, response_ids, columns)
         if self._pool is None:
-            return RewardScores(*score_all(self._fn, responses, answers))
-        result, first_error = self._pool.score(responses, answers)
-        _warn_failures(self.spec, result, first_error, self.timeout_s)
-        return result
+            return score_all(self._reward, samples, self.score_key)
+        calls = chunks(len(samples), self.kind in BATCH_KINDS, self.workers)
+        results = self._pool.score([[samples[i] for i in chunk] for chunk in calls])
+        outcomes = [o for chunk, result in zip(calls, results)
+                    for o in (result if result is not None else [None] * len(chunk))]
+        scores = RewardScores.of(outcomes)
+        _warn_failures(self.spec, scores, self.timeout_s)
+        return scores
 
     def close(self) -> None:
         if self._pool is not None:
@@ -288,3 +341,14 @@ class RewardScorer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _samples(responses: Sequence[str], answers: Sequence[str], response_ids: Sequence[list[int]] | None,
+             columns: Sequence[dict[str, Any]] | None) -> list[RewardSample]:
+    size = len(responses)
+    for name, values in (("answers", answers), ("response_ids", response_ids), ("columns", columns)):
+        if values is not None and len(values) != size:
+            raise ValueError(f"{size} responses but {len(values)} {name}")
+    return [RewardSample(response, answer, list(response_ids[i]) if response_ids is not None else [],
+                         dict(columns[i]) if columns is not None else {})
+            for i, (response, answer) in enumerate(zip(responses, answers))]

@@ -1,23 +1,30 @@
-"""Reward functions: `fn(response: str, answer: str) -> float`.
+"""Reward functions: rollplex's own `fn(response: str, answer: str) -> float`, and
+the calling conventions of verl, EasyR1 and TRL (`Reward`, `REWARD_KINDS`).
 
 Built in: "exact_match" (one-word / short answers, the synthetic tasks), "math"
 (a final math answer, checked with math-verify when it is installed) and "format"
 (the <think>...</think> answer layout). `load_reward` also loads a user function
 from `module:function` or `path/to/file.py:function`. Scoring batches, with a
-failing call costing one sample, is rollplex.data.reward_scoring's.
+failing call costing only its samples, is rollplex.data.reward_scoring's.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
+import inspect
 import math
+import numbers
 import re
 import sys
 import threading
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 RewardFn = Callable[[str, str], float]
 
@@ -128,11 +135,15 @@ def extract_math_answer(response: str) -> str:
 _LATEX_NOISE = re.compile(r"\\left|\\right|\\[,;:! ]|\\displaystyle|\$|\^\{?\\circ\}?|°")
 _TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|mathrm|mathbf|mbox)\{([^{}]*)\}")
 _LATEX_FRAC = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
+# One-character arguments without braces, as LaTeX allows them: \sqrt3, \frac12.
+_BARE_SQRT = re.compile(r"\\sqrt(\w)")
+_BARE_FRAC = re.compile(r"\\([dt]?frac)(\w)(\w)")
 
 
 def _normalise_math(text: str) -> str:
     text = _TEXT_WRAPPER.sub(r"\1", text)
     text = _LATEX_NOISE.sub("", text)
+    text = _BARE_FRAC.sub(r"\\\1{\2}{\3}", _BARE_SQRT.sub(r"\\sqrt{\1}", text))
     text = _LATEX_FRAC.sub(r"(\1)/(\2)", text).replace("\\%", "%")
     return "".join(text.split()).lower().rstrip(_TRAILING_PUNCT)
 
@@ -165,12 +176,24 @@ def _plain_equal(predicted: str, answer: str) -> bool:
     return a == b
 
 
-def _math_verify_equal(predicted: str, answer: str) -> bool:
-    """math-verify's verdict; False when it is not installed or parses nothing."""
+@functools.cache
+def _math_verify() -> tuple[Callable, Callable] | None:
+    """math-verify's parse and verify; None, with a warning the first time, when it is missing."""
     try:
         from math_verify import parse, verify
     except ImportError:
+        warnings.warn("the math reward is scoring WITHOUT math-verify, a dependency of rollplex (pip install "
+                      "math-verify): answers equal only symbolically, such as x+1 and 1+x or \\sqrt{3}/2 and "
+                      "\\frac{\\sqrt{3}}{2}, score 0", stacklevel=3)
+        return None
+    return parse, verify
+
+
+def _math_verify_equal(predicted: str, answer: str) -> bool:
+    """math-verify's verdict; False when it is not installed or parses nothing."""
+    if (math_verify := _math_verify()) is None:
         return False
+    parse, verify = math_verify
     # math-verify's timeouts use SIGALRM, which only the main thread may set.
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     gold = parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout)
@@ -242,3 +265,134 @@ def load_reward(spec: str) -> RewardFn:
     if not callable(fn):
         raise TypeError(f"reward {spec!r}: {where}.{func_name} is a {type(fn).__name__}, not a function")
     return fn
+
+
+# ----------------------------------------------------------------------------- calling conventions
+
+# How a reward function is called (data.reward_kind), each as its framework documents it:
+#   rollplex           fn(response, answer) -> float
+#   verl               compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
+#   easyr1             compute_score(reward_inputs: list[dict]) -> list[dict]   (EasyR1's reward_type "batch")
+#   easyr1_sequential  compute_score(reward_input: dict) -> dict                (EasyR1's reward_type "sequential")
+#   trl                f(prompts, completions, completion_ids, **columns) -> list[float]
+REWARD_KINDS = ("rollplex", "verl", "easyr1", "easyr1_sequential", "trl")
+BATCH_KINDS = ("easyr1", "trl")  # one call scores many responses
+# A dict result's score, when data.reward_score_key does not name one: EasyR1's, then verl's.
+DEFAULT_SCORE_KEYS = ("overall", "score")
+# Names TRL passes itself: a dataset column of the same name does not reach the function as a keyword.
+_TRL_OWN_ARGUMENTS = ("prompt", "prompts", "completion", "completions", "completion_ids", "trainer_state")
+
+
+@dataclass
+class RewardSample:
+    """What a reward function is told about one response."""
+
+    response: str  # decoded, special tokens skipped
+    answer: str  # the row's ground truth, as text
+    response_ids: list[int] = field(default_factory=list)  # the response's tokens (empty when not known)
+    # The dataset row's columns but its images and videos (data_source, extra_info, ...), and the prompt as the
+    # row holds it (text or chat messages) under "prompt"; empty for the synthetic tasks.
+    columns: dict[str, Any] = field(default_factory=dict)
+
+
+def detect_kind(fn: Callable) -> str:
+    """The calling convention of `fn`, from its parameter names: `solution_str` is verl's,
+    `reward_inputs` / `reward_input` EasyR1's (batch / sequential), `completions` TRL's;
+    anything else is rollplex's `fn(response, answer)`."""
+    try:
+        names = set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: called as rollplex's
+        return "rollplex"
+    for name, kind in (("solution_str", "verl"), ("reward_inputs", "easyr1"), ("reward_input", "easyr1_sequential"),
+                       ("completions", "trl")):
+        if name in names:
+            return kind
+    return "rollplex"
+
+
+def _verl_ground_truth(sample: RewardSample) -> Any:
+    # verl passes reward_model.ground_truth as the row holds it (a list stays a list), not as text.
+    reward_model = sample.columns.get("reward_model")
+    if isinstance(reward_model, Mapping) and "ground_truth" in reward_model:
+        return reward_model["ground_truth"]
+    return sample.answer
+
+
+def _easyr1_input(sample: RewardSample) -> dict[str, Any]:
+    return {**sample.columns, "response": sample.response, "response_length": len(sample.response_ids),
+            "ground_truth": sample.answer}
+
+
+def _call_trl(fn: Callable, samples: Sequence[RewardSample]) -> Any:
+    """As TRL's GRPOTrainer calls it: every other dataset column as a keyword holding one value
+    per response, and chat-message completions where the prompt was chat messages."""
+    prompts = [s.columns.get("prompt", "") for s in samples]
+    completions = [[{"role": "assistant", "content": s.response}] if isinstance(p, list) else s.response
+                   for s, p in zip(samples, prompts)]
+    columns = {name: [s.columns.get(name) for s in samples] for name in samples[0].columns
+               if name not in _TRL_OWN_ARGUMENTS}
+    # trainer_state is TRL's Trainer state: there is none here.
+    return fn(**columns, prompts=prompts, completions=completions,
+              completion_ids=[s.response_ids for s in samples], trainer_state=None)
+
+
+_PER_SAMPLE_CALLS: dict[str, Callable[[Callable, RewardSample], Any]] = {
+    "rollplex": lambda fn, s: fn(s.response, s.answer),
+    "verl": lambda fn, s: fn(data_source=s.columns.get("data_source"), solution_str=s.response,
+                             ground_truth=_verl_ground_truth(s), extra_info=s.columns.get("extra_info", {})),
+    "easyr1_sequential": lambda fn, s: fn(_easyr1_input(s)),
+}
+_BATCH_CALLS: dict[str, Callable[[Callable, Sequence[RewardSample]], Any]] = {
+    "easyr1": lambda fn, samples: fn([_easyr1_input(s) for s in samples]),
+    "trl": _call_trl,
+}
+
+
+class Reward:
+    """A reward function (see `load_reward` for `spec`) with its calling convention:
+    `kind` one of REWARD_KINDS, or "auto" to take it from the parameter names
+    (`detect_kind`). Calling it on samples returns their raw results, one each (a
+    number, or a dict whose score `score_of` finds); a `batched` kind takes many
+    samples in one call of the function, the others one call per sample."""
+
+    def __init__(self, spec: str, kind: str = "auto"):
+        self.spec = spec
+        self.fn = load_reward(spec)
+        if kind not in ("auto", *REWARD_KINDS):
+            raise ValueError(f"unknown reward kind {kind!r}: use auto or one of {', '.join(REWARD_KINDS)}")
+        self.kind = detect_kind(self.fn) if kind == "auto" else kind
+        self.batched = self.kind in BATCH_KINDS
+
+    def __call__(self, samples: Sequence[RewardSample]) -> list[Any]:
+        if self.batched:
+            results = _BATCH_CALLS[self.kind](self.fn, samples)
+            if not isinstance(results, Sequence) or len(results) != len(samples):
+                count = len(results) if isinstance(results, Sequence) else type(results).__name__
+                raise ValueError(f"{self.kind} reward functions return a list of one result per response: got "
+                                 f"{count} for {len(samples)} responses")
+            return list(results)
+        return [_PER_SAMPLE_CALLS[self.kind](self.fn, s) for s in samples]
+
+
+def score_of(result: Any, score_key: str = "") -> tuple[float, dict[str, float]]:
+    """A raw result's score and its components: a number is the score, with no
+    components; a dict's score is its `score_key` entry ("": "overall" or "score",
+    whichever it has), and every finite number in it (the score too) is a component.
+    Raises for anything else, a missing score or a score that is not finite."""
+    components: dict[str, float] = {}
+    if isinstance(result, Mapping):
+        components = {str(k): float(v) for k, v in result.items()
+                      if isinstance(v, numbers.Real) and math.isfinite(v)}
+        keys = (score_key,) if score_key else DEFAULT_SCORE_KEYS
+        found = next((k for k in keys if k in result), None)
+        if found is None:
+            raise KeyError(f"the reward's dict has no {' or '.join(map(repr, keys))} entry (it has "
+                           f"{', '.join(map(repr, result))}): set data.reward_score_key to the entry that is the score")
+        result = result[found]
+    if result is None:
+        raise TypeError("the reward returned None (TRL's 'no reward for this sample'; with one reward function "
+                        "there is no other to score it)")
+    score = float(result)
+    if not math.isfinite(score):
+        raise ValueError(f"non-finite reward {score}")
+    return score, components

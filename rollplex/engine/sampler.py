@@ -25,11 +25,16 @@ token only when U lands within that rounding of an interval's boundary.
 The token does depend on `truncate` (vocab or sorted order): the engine
 passes the same value for every step of a request.
 
-The returned logprob is that of the unmodified distribution, log_softmax of
-the raw logits, not of the tempered/truncated one: RL compares it with the
-trainer's logprob of the same token. At temperature 1 the draw's weights are
-the softmax's own, exp(x - max x), and their float64 total is its normalizer,
-so the logprob needs no pass of its own over the vocabulary.
+The returned logprob is that of the tempered distribution, log_softmax(x / T):
+the policy that sampled, which the trainer's logprob passes compute too (they
+divide the logits by the same T, rollplex.train.actor, as verl's and TRL's
+actors do), so the update optimises that policy and the two logprobs compare
+on the same footing. Top-k/top-p truncation is left out, as there: the trainer
+sees the model's full distribution. A greedy row (T = 0) returns log_softmax(x), the
+untempered logprob (the T -> 0 limit, 0 for every argmax, would tell nothing);
+a trainer after a greedy rollout uses T = 1 too. The draw's weights are the
+tempered softmax's own, exp((x - max x) / T), and their float64 total is its
+normalizer, so the logprob needs no pass of its own over the vocabulary.
 """
 
 from __future__ import annotations
@@ -182,7 +187,7 @@ def sample(
     u: torch.Tensor,
     truncate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row, and its logprob under the raw logits.
+    """One token per row, and its logprob under the tempered logits (module docstring).
 
     logits (B, V) of any float dtype; temperature, top_p (floats) and top_k (ints,
     -1 or >= V meaning off): each one number for every row, or a (B,) tensor of one
@@ -196,8 +201,8 @@ def sample(
     computed and selected per row. `truncate=False` tells that no row uses
     top-k or top-p (the caller knows it from its parameters), which skips the sort.
     A number for the temperature (the engine's case: one per generation) skips what
-    it makes needless: at 0 or 1 the draw's weights are the softmax's, which give
-    the logprob, and at a number above 0 no row is greedy, so no argmax is looked for.
+    it makes needless: at 0 or 1 the division, and at a number above 0 the argmax
+    (no row is greedy).
     """
     greedy, temperature = _temperature(temperature, logits.device)
     if truncate:
@@ -218,7 +223,7 @@ def sample(
         tokens = torch.where(greedy, argmax, sampled)
     else:
         tokens = argmax if greedy else sampled
-    return tokens, _raw_logprobs(logits, tokens, top, cdf[:, -1] if temperature is None else None)
+    return tokens, _tempered_logprobs(logits, tokens, top, cdf[:, -1], temperature)
 
 
 def _temperature(temperature: float | torch.Tensor,
@@ -241,13 +246,14 @@ def _per_row(value: float | int | torch.Tensor, like: torch.Tensor) -> torch.Ten
     return value if isinstance(value, torch.Tensor) else torch.full((like.shape[0],), value, device=like.device)
 
 
-def _raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: torch.Tensor,
-                  normalizer: torch.Tensor | None) -> torch.Tensor:
-    """log_softmax of the raw logits at each row's token, float32. `normalizer`, when
-    the draw's weights were the softmax's own (temperature 1), is their float64 total,
-    the sum of exp(logit - top): then log p = logit - top - log(total), read off the
-    row's token with no pass over the vocabulary, and rounded to float32 once."""
-    if normalizer is None:
-        return logits.log_softmax(dim=-1, dtype=torch.float32).gather(-1, tokens[:, None]).squeeze(-1)
+def _tempered_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: torch.Tensor, total: torch.Tensor,
+                       temperature: torch.Tensor | None) -> torch.Tensor:
+    """log_softmax(logits / temperature) at each row's token, float32 (temperature as
+    `_temperature` gives it: None for 1). `total` is the draw's float64 sum of
+    exp((logit - top) / temperature), the tempered softmax's normalizer: log p =
+    (logit - top) / temperature - log(total), read off the row's token with no pass
+    over the vocabulary, and rounded to float32 once."""
     shifted = logits.gather(-1, tokens[:, None]).squeeze(-1).float() - top.float()
-    return (shifted - normalizer.log()).float()
+    if temperature is not None:
+        shifted = shifted / temperature.squeeze(-1)
+    return (shifted - total.log()).float()

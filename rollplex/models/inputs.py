@@ -41,7 +41,7 @@ class Sample:
     """One generated response."""
 
     token_ids: list[int]
-    logprobs: list[float]  # float32 logprob of each sampled token under the unmodified distribution
+    logprobs: list[float]  # float32 logprob of each token under logits / temperature (greedy: the logits')
     finish_reason: str  # "stop" (EOS or a stop token) or "length" (max_tokens or the model's maximum length)
 
 

@@ -36,23 +36,23 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from rollplex.config import Config, save_config
-from rollplex.data.processing import load_processor
+from rollplex.config import Config, config_to_dict, save_config
 from rollplex.data.reward_scoring import RewardScorer
-from rollplex.dist import ParallelDims, all_reduce_values, build_mesh, init_distributed
+from rollplex.dist import ParallelDims, all_gather_objects, build_mesh, init_distributed
 from rollplex.metrics import GpuSampler, MetricsLogger, Timer
 from rollplex.models import Prompt, from_pretrained
 from rollplex.models.qwen2_5_vl import VisionEmbeds
 from rollplex.rl.disagg import DisaggExchange, DisaggLayout, WeightBroadcast
 from rollplex.rl.memory import GiB, PrefixKind
 from rollplex.rl.prefix import PrefixPlanner, PrefixWork, update_chunks
+from rollplex.rl.reports import startup_summary, training_records, validation_records
 from rollplex.rl.rollout import Rollout, RolloutSampler, balanced_share, build_engine
-from rollplex.rl.setup import PromptSource, model_path, plan_run_memory, resume_point
+from rollplex.rl.setup import PromptSource, load_run_processor, model_path, plan_run_memory, resume_point
 from rollplex.rl.step_metrics import (PhaseMeter, combine_updates, gather_metrics, memory_metrics, prefix_metrics,
-                                      speed_metrics)
+                                      speed_metrics, stop_if_every_reward_failed)
 from rollplex.rl.weights import SharedWeights
 from rollplex.train.actor import Actor, ActorConfig, PolicyBatch, lr_schedule
-from rollplex.train.checkpoint import load_checkpoint, save_checkpoint
+from rollplex.train.checkpoint import export_hf, load_checkpoint, save_checkpoint
 from rollplex.train.loss import group_advantages
 from rollplex.train.parallelize import apply_tp, parallelize
 
@@ -76,8 +76,6 @@ class RLTrainer:
         self.out = Path(cfg.trainer.output_dir)
         self.start = resume_point(cfg, self.out, self.rank, self.world)
         self.step = self.start.step
-        if self.complete:
-            return  # nothing to build: fit() says the run is done
         # disagg: the last schedule.rollout_ranks ranks only generate (rollplex/rl/disagg.py); the rest train.
         self.disagg = DisaggLayout(self.world, cfg.schedule.rollout_ranks, cfg.rollout.tp) \
             if cfg.schedule.kind == "disagg" else None
@@ -92,10 +90,19 @@ class RLTrainer:
                              f"{fewest} prompt(s), fewer than algorithm.updates_per_batch "
                              f"{cfg.algorithm.updates_per_batch}: raise the batch size or lower updates_per_batch")
         path = model_path(cfg, self.out, self.rank, self.world, self.start)
+        self.model_dir = path  # the folder the run starts from (trainer.save_hf copies its tokenizer files)
         self.compute_dtype = getattr(torch, cfg.model.dtype)
-        self.processor = load_processor(path)
+        self.processor = load_run_processor(path, cfg.data)
         self.tokenizer = self.processor.tokenizer
         self.data = PromptSource(cfg.data, self.processor)
+        self.total_steps = self.data.run_steps(cfg.trainer)
+        if self.complete:
+            return  # no weights to load: fit() says the run is done
+        log = cfg.logging  # before any weights load: a tracker that is not installed stops the run here
+        self.logger = MetricsLogger(self.out, rank=self.rank, console=log.console, jsonl=log.jsonl,
+                                    tensorboard=log.tensorboard, total_steps=self.total_steps, wandb=log.wandb,
+                                    swanlab=log.swanlab, project=log.project, run_name=log.run_name,
+                                    run_config=config_to_dict(cfg))
         # Before any weights load: a run whose shapes cannot fit fails here, naming what does not fit.
         self.memory = plan_run_memory(cfg, path, next(self._batches(0)), self.dims, self.device, self.compute_dtype)
         # On CPU, trainer.device_memory stands for a GPU's: each phase's peak live tensor bytes are measured too.
@@ -108,10 +115,9 @@ class RLTrainer:
             t = cfg.trainer
             self.actor = Actor(self.model, ActorConfig.from_config(cfg, self.memory.sizes.micro_batch_tokens),
                                self.dp_group, lr_lambda=lr_schedule(t.lr_schedule, t.warmup_steps,
-                                                                    t.total_steps * cfg.algorithm.updates_per_batch))
-        self.reward_scorer = RewardScorer(cfg.data.reward, cfg.data.reward_workers, cfg.data.reward_timeout_s)
-        self.logger = MetricsLogger(self.out, rank=self.rank, console=cfg.logging.console, jsonl=cfg.logging.jsonl,
-                                    tensorboard=cfg.logging.tensorboard, total_steps=cfg.trainer.total_steps)
+                                                                    self.total_steps * cfg.algorithm.updates_per_batch))
+        self.reward_scorer = RewardScorer(cfg.data.reward, cfg.data.reward_workers, cfg.data.reward_timeout_s,
+                                          cfg.data.reward_kind, cfg.data.reward_score_key)
         self.gpu_sampler = GpuSampler(device=self.device.index if self.device.type == "cuda" else None)
 
     def _load_models(self, path: Path) -> None:
@@ -176,27 +182,32 @@ class RLTrainer:
 
     @property
     def complete(self) -> bool:
-        """The run in output_dir has reached trainer.total_steps already."""
-        return self.start.checkpoint is not None and self.start.step >= self.cfg.trainer.total_steps
+        """The run in output_dir has reached its length (trainer.total_steps or total_epochs) already."""
+        return self.start.checkpoint is not None and self.start.step >= self.total_steps
 
     def fit(self) -> None:
         cfg = self.cfg
         if self.complete:
             if self.rank == 0:
-                print(f"run already complete at step {self.step} in {self.out}: raise trainer.total_steps to "
-                      f"train further, or set a new trainer.output_dir for another run")
+                print(f"run already complete at step {self.step} in {self.out}: raise trainer.total_steps (or "
+                      f"total_epochs) to train further, or set a new trainer.output_dir for another run")
             return
+        parameters = sum(p.numel() for p in self.model.parameters())  # DTensors count their whole tensor
+        self.logger.message(startup_summary(cfg, self.model_dir, parameters, self.data, self.total_steps, self.dims,
+                                            self.world, self.start))
         self._resume()
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.out / "config.yaml")
+        if cfg.trainer.val_before_train and self.step == 0 and (before := self.evaluate()):
+            self.logger.log(0, before)  # the starting point of the val/score curve
         batches = self._batches(self.step)
-        while self.step < cfg.trainer.total_steps:
+        while self.step < self.total_steps:
             examples = next(batches)
             self.step += 1
             _kill_if_asked(self.step, self.rank)
             metrics = self.train_step(examples)
-            last = self.step == cfg.trainer.total_steps
+            last = self.step == self.total_steps
             if cfg.trainer.eval_every and (self.step % cfg.trainer.eval_every == 0 or last):
                 metrics.update(self.evaluate())
             saving = cfg.trainer.save_every and (self.step % cfg.trainer.save_every == 0 or last)
@@ -206,6 +217,8 @@ class RLTrainer:
                 self.logger.log(self.step, metrics)
             if saving:
                 self._save()
+        if cfg.trainer.save_hf:
+            self._save_hf()
         self.logger.close()
         self.reward_scorer.close()
 
@@ -228,12 +241,17 @@ class RLTrainer:
             with phase(timer, "prefix"), self.weights.for_rollout():
                 prefix.drain()
         with phase(timer, "reward"):
-            rewards = self.reward_scorer.score(rollout.texts,
-                                               [e.answer for e in rollout.examples for _ in range(cfg.rollout.n)])
+            per_sample = [e for e in rollout.examples for _ in range(cfg.rollout.n)]
+            rewards = self.reward_scorer.score(rollout.texts, [e.answer for e in per_sample],
+                                               [s.token_ids for s in rollout.samples], [e.columns for e in per_sample])
+            stop_if_every_reward_failed(rewards, cfg.data.reward, self.dp_group)
         group_index = torch.arange(len(rollout.examples)).repeat_interleave(cfg.rollout.n)
         advantages = group_advantages(torch.tensor(rewards.scores), group_index,
                                       norm_by_std=cfg.algorithm.adv_estimator == "grpo"
                                       and cfg.algorithm.norm_adv_by_std)
+        if cfg.trainer.log_samples_every and self.step % cfg.trainer.log_samples_every == 0:
+            self.logger.log_samples(self.step, training_records(rollout, rewards, advantages.tolist(),
+                                                                cfg.trainer.log_samples))
         old = rollout.logprobs
         if cfg.algorithm.recompute_old_logprobs:
             with phase(timer, "old_log_prob"):
@@ -317,13 +335,15 @@ class RLTrainer:
     def update(self, rollout: Rollout, advantages: list[float], old: list[torch.Tensor],
                ref: list[torch.Tensor] | None) -> dict[str, float]:
         """`updates_per_batch` optimizer steps, each on a chunk of the groups; the
-        first reads the actor's kept prompt forward when prefix work made one."""
+        first reads the actor's kept prompt forward when prefix work made one, and
+        alone measures the engine/trainer mismatch: it runs on the rollout's weights."""
         updates = []
         for i, chunk in enumerate(update_chunks(len(rollout.groups), self.cfg.algorithm.updates_per_batch)):
             at = rollout.responses_of(chunk)
             kept = rollout.prefix.result(PrefixKind.ACTOR, i) if rollout.prefix is not None else None
             updates.append(self.actor.update(PolicyBatch(rollout.groups[chunk], advantages[at], old[at],
-                                                         ref[at] if ref else None, rollout.logprobs[at], kept)))
+                                                         ref[at] if ref else None, rollout.logprobs[at], kept,
+                                                         rollout_weights=i == 0)))
         return combine_updates(updates)
 
     # ------------------------------------------------------------------ evaluation, checkpoints
@@ -331,25 +351,46 @@ class RLTrainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Greedy score on the validation prompts, split across dp ranks (disagg:
-        across the rollout replicas)."""
-        if not self.data.val_examples:
+        across the rollout replicas); every generation goes to the step's samples file."""
+        examples = self.data.val_examples
+        if not examples:
             return {}
+        start = time.perf_counter()
         if self.exchange is not None:
-            return self.exchange.evaluate(self.data.val_examples, self._greedy_score)
-        total, count = all_reduce_values(self._greedy_score(self.data.val_examples[self.dp_rank::self.dims.dp_shard]),
-                                         group=self.dp_group)
-        return {"val/score": total / max(count, 1)}
+            records = self.exchange.evaluate(examples, self._greedy_records)
+        else:
+            mine = self._greedy_records(examples[self.dp_rank::self.dims.dp_shard])
+            records = [r for rank_records in all_gather_objects(mine, self.dp_group) for r in rank_records]
+        records.sort(key=lambda r: r["index"])  # the same order, and so the same sum, on any layout
+        score = sum(r["score"] for r in records) / len(records)
+        path = self.logger.log_samples(self.step, records)
+        self.logger.message(f"step {self.step}: val/score {score:.4g} over {len(records)} prompts "
+                            f"({time.perf_counter() - start:.1f} s), generations in {path}")
+        return {"val/score": score}
 
-    def _greedy_score(self, examples: list) -> tuple[float, int]:
-        """(sum of greedy scores, count) of `examples` on this rank's engine."""
-        scores = self.reward_scorer.score(self.sampler.greedy_texts(examples), [e.answer for e in examples]).scores
-        return sum(scores), len(scores)
+    def _greedy_records(self, examples: list) -> list[dict]:
+        """The samples-file records of `examples`' greedy responses on this rank's engine, with their scores."""
+        responses = self.sampler.greedy_texts(examples)
+        rewards = self.reward_scorer.score(responses, [e.answer for e in examples],
+                                           columns=[e.columns for e in examples])
+        return validation_records(examples, responses, rewards)
 
     def _save(self) -> None:
         if self.trains:
-            save_checkpoint(self.out / "checkpoints", self.step, self.model, self.actor.optimizer,
-                            self.actor.scheduler, extra={"step": self.step}, keep_last=self.cfg.trainer.keep_last,
+            start = time.perf_counter()
+            path = save_checkpoint(self.out / "checkpoints", self.step, self.model, self.actor.optimizer,
+                                   self.actor.scheduler, extra={"step": self.step},
+                                   keep_last=self.cfg.trainer.keep_last, group=self.train_group)
+            self.logger.message(f"step {self.step}: saved checkpoint {path} ({time.perf_counter() - start:.1f} s)")
+
+    def _save_hf(self) -> None:
+        """trainer.save_hf: the final weights as a Hugging Face folder, each trainer rank writing its own shards."""
+        if self.trains:
+            start = time.perf_counter()
+            out = export_hf(self.model, self.cfg.trainer.hf_dir or self.out / "hf", self.model_dir, self.compute_dtype,
                             group=self.train_group)
+            self.logger.message(f"step {self.step}: wrote the Hugging Face model {out} "
+                                f"({time.perf_counter() - start:.1f} s)")
 
     def _resume(self) -> None:
         """Load the checkpoint `resume_point` chose (every rank knows its step: a disagg rollout rank too)."""

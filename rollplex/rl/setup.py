@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from rollplex.config import Config, ConfigError, DataConfig, config_to_dict, load_config_file
+from rollplex.config import Config, ConfigError, DataConfig, TrainerConfig, config_to_dict, load_config_file
 from rollplex.dist import ParallelDims, all_reduce_values
 from rollplex.device import free_memory
 from rollplex.models.loader import read_hf_config
@@ -32,9 +33,12 @@ from rollplex.train.checkpoint import MARKER, latest_checkpoint
 # computes (model, algorithm, data, rollout sampling, parallel layout, schedule, optimizer), so a saved
 # config.yaml that differs in one stops an automatic resume.
 RUN_LENGTH_AND_REPORTING_KEYS = frozenset({
-    "trainer.total_steps", "trainer.save_every", "trainer.keep_last", "trainer.eval_every", "trainer.output_dir",
+    "trainer.total_steps", "trainer.total_epochs", "trainer.save_every", "trainer.keep_last", "trainer.eval_every",
+    "trainer.val_before_train", "trainer.output_dir",
+    "trainer.save_hf", "trainer.hf_dir",
     "trainer.num_threads", "trainer.resume", "trainer.collective_timeout_s",
-    "logging.console", "logging.jsonl", "logging.tensorboard", "logging.log_every",
+    "logging.console", "logging.jsonl", "logging.tensorboard", "logging.log_every", "logging.wandb",
+    "logging.swanlab", "logging.project", "logging.run_name", "trainer.log_samples_every", "trainer.log_samples",
     "rollout.max_num_seqs", "rollout.enforce_eager", "rollout.kv_cache_memory", "trainer.device_memory",
     "trainer.max_tokens_per_micro_batch", "schedule.prefix_memory_budget", "parallel.activation_checkpointing",
     "data.reward_workers",
@@ -150,6 +154,14 @@ def model_path(cfg: Config, out: Path, rank: int, world: int, start: ResumePoint
     return path
 
 
+def load_run_processor(path: Path, d: DataConfig):
+    """The model folder's processor, within data.*'s pixel and frame budgets (0 = the folder's own)."""
+    from rollplex.data.processing import load_processor
+
+    return load_processor(path, min_pixels=d.min_pixels or None, max_pixels=d.max_pixels or None,
+                          video_max_pixels=d.video_max_pixels or None, video_max_frames=d.video_max_frames or None)
+
+
 class PromptSource:
     """A run's prompts: training batches (resumable by step) and validation
     examples, from files (data.train_files) or from the built-in synthetic task."""
@@ -164,7 +176,8 @@ class PromptSource:
             def dataset(files: list[str]) -> PromptDataset:
                 return PromptDataset(files, processor=processor, max_prompt_length=d.max_prompt_length,
                                      format=d.format, prompt_key=d.prompt_key, answer_key=d.answer_key,
-                                     image_key=d.image_key, video_key=d.video_key, video_fps=d.video_fps)
+                                     image_key=d.image_key, video_key=d.video_key, video_fps=d.video_fps,
+                                     format_prompt=d.format_prompt, system_prompt=d.system_prompt)
 
             self.train_data = dataset(d.train_files)
             self.val_examples = list(dataset(d.val_files)) if d.val_files else []
@@ -187,6 +200,17 @@ class PromptSource:
     def skipped(self) -> float:
         """Rows of the training files skipped so far (too long, unreadable)."""
         return float(sum(self.train_data.skipped.values())) if self.train_data is not None else 0.0
+
+    def run_steps(self, t: TrainerConfig) -> int:
+        """The run's length: trainer.total_steps, or with trainer.total_epochs the steps that take each row of the
+        training files that many times, ceil(total_epochs x rows / data.batch_size) (a batch runs on from one epoch
+        into the next; the rows after a skipped row fill its place)."""
+        if not t.total_epochs:
+            return t.total_steps
+        if self.train_data is None:
+            raise ConfigError(f"trainer.total_epochs counts passes over data.train_files; the built-in task "
+                              f"{self.config.task!r} has no epochs: set trainer.total_steps instead")
+        return math.ceil(t.total_epochs * len(self.train_data) / self.config.batch_size)
 
 
 def plan_run_memory(cfg: Config, path: Path, examples: list, dims: ParallelDims, device: torch.device,

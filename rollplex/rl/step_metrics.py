@@ -7,6 +7,7 @@ collective over the trainers' dp group.
 
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -15,7 +16,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from rollplex.data.reward_scoring import RewardScores
-from rollplex.dist import all_reduce_values
+from rollplex.dist import all_gather_objects, all_reduce_values
 from rollplex.metrics import Timer
 from rollplex.rl.memory import GiB, PHASE_MARK, CpuPhasePeaks, MemoryPlan, live_tensor_bytes, loop_phase_bytes
 from rollplex.rl.prefix import PrefixScheduler
@@ -24,22 +25,26 @@ from rollplex.train.flops import peak_flops
 
 # Actor metrics that are global already (see Actor.update); the others are this rank's share of a global sum,
 # or, ending in _max, this rank's maximum.
-GLOBAL_ACTOR_METRICS = ("actor/grad_norm", "actor/lr", "actor/skipped_steps", "training/nonfinite_logprobs")
+GLOBAL_ACTOR_METRICS = ("actor/grad_norm", "actor/lr", "actor/skipped_steps_total", "training/nonfinite_logprobs")
 COUNTED_ACTOR_METRICS = ("training/nonfinite_logprobs",)  # summed over the step's updates, not averaged
 
 
 def combine_updates(updates: list[dict[str, float]]) -> dict[str, float]:
-    """The step's actor metrics from those of its optimizer steps: averaged, counts summed."""
+    """The step's actor metrics from those of its optimizer steps: each averaged over the steps that report it
+    (rollout_probs_diff: the first only), counts summed, running totals (_total) the last step's."""
+    reported = Counter(key for metrics in updates for key in metrics)
     combined: dict[str, float] = {}
     for metrics in updates:
         for key, value in metrics.items():
-            combined[key] = combined.get(key, 0.0) + (value if key in COUNTED_ACTOR_METRICS else value / len(updates))
+            combined[key] = combined.get(key, 0.0) + (value if key in COUNTED_ACTOR_METRICS else value / reported[key])
+    combined.update({key: value for key, value in updates[-1].items() if key.endswith("_total")})
     return combined
 
 
-def gather_metrics(rollout: Rollout, rewards: RewardScores, actor: dict[str, float], skipped: float,
+def gather_metrics(rollout: Rollout, rewards: RewardScores, actor: dict[str, float], skipped_total: float,
                    group: dist.ProcessGroup | None) -> dict[str, float]:
-    """The step's scores, response lengths, reward failures and actor metrics over every dp rank of `group`."""
+    """The step's scores, response lengths, reward failures and actor metrics over every dp rank of `group`;
+    `skipped_total`: the training rows found unusable since the process started."""
     lengths = [len(r) for g in rollout.groups for r in g.responses]
     clipped = sum(reason == "length" for reason in rollout.finish_reasons)
     scores = rewards.scores
@@ -48,13 +53,50 @@ def gather_metrics(rollout: Rollout, rewards: RewardScores, actor: dict[str, flo
     hi, lo = all_reduce_values([max(scores), -min(scores)], dist.ReduceOp.MAX, group)
     metrics = {"critic/score/mean": total / count, "critic/score/max": hi, "critic/score/min": -lo,
                "response_length/mean": length_sum / count, "response_length/clip_ratio": clip_sum / count,
-               "reward/errors": error_sum, "reward/timeouts": timeout_sum, "data/skipped": skipped}
+               "reward/errors": error_sum, "reward/timeouts": timeout_sum, "data/skipped_total": skipped_total}
     shares = sorted(k for k in actor if k not in GLOBAL_ACTOR_METRICS and not k.endswith("_max"))
     metrics.update(zip(shares, all_reduce_values([actor[k] for k in shares], group=group)))
     maxima = sorted(k for k in actor if k.endswith("_max"))
     metrics.update(zip(maxima, all_reduce_values([actor[k] for k in maxima], dist.ReduceOp.MAX, group)))
     metrics.update({k: actor[k] for k in GLOBAL_ACTOR_METRICS})
+    metrics.update(reward_component_means(rewards.components, group))
     return metrics
+
+
+def reward_component_means(components: list[dict[str, float]], group: dist.ProcessGroup | None) -> dict[str, float]:
+    """reward/<name>/mean of each entry of a reward's dict results (EasyR1's format and
+    accuracy, ...), over the samples of every dp rank that have it."""
+    sums: dict[str, list[float]] = {}
+    for rank_sums in all_gather_objects(_component_sums(components), group):  # ranks may see different entries
+        for name, (total, count) in rank_sums.items():
+            entry = sums.setdefault(name, [0.0, 0])
+            entry[0] += total
+            entry[1] += count
+    return {f"reward/{name}/mean": total / count for name, (total, count) in sorted(sums.items())}
+
+
+def _component_sums(components: list[dict[str, float]]) -> dict[str, tuple[float, int]]:
+    sums: dict[str, tuple[float, int]] = {}
+    for sample in components:
+        for name, value in sample.items():
+            total, count = sums.get(name, (0.0, 0))
+            sums[name] = (total + value, count + 1)
+    return sums
+
+
+class RewardsFailed(RuntimeError):
+    """Every response of a step failed its reward: the run would learn nothing."""
+
+
+def stop_if_every_reward_failed(rewards: RewardScores, name: str, group: dist.ProcessGroup | None) -> None:
+    """Raise RewardsFailed, naming the function and this rank's first error, when every
+    sample of the step on every dp rank of `group` failed (raised, returned no score,
+    timed out). Some failing is left to the scorer's warning and reward/errors."""
+    failed, total = all_reduce_values([rewards.failed, len(rewards.scores)], group=group)
+    if total and failed == total:
+        cause = f"first error: {rewards.first_error}" if rewards.first_error else "every call timed out"
+        raise RewardsFailed(f"reward function {name} failed on all {int(total)} responses of the step; {cause}. "
+                            f"Check its signature (data.reward_kind) and what it returns (data.reward_score_key)")
 
 
 def prefix_metrics(prefix: PrefixScheduler) -> dict[str, float]:

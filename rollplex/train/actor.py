@@ -31,18 +31,23 @@ if TYPE_CHECKING:
 
 
 def response_logprobs(model: Qwen2_5_VL, batch: TrainBatch, vision: VisionEmbeds | None = None,
-                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      with_entropy: bool = False, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob (float32) of every response token of the batch, flat in target
-    order, and optionally the entropy of each predicting distribution. Logits
-    are computed only at the positions that predict a response token."""
+    order, and optionally the entropy of each predicting distribution, both at
+    `temperature` (token_logprobs). Logits are computed only at the positions
+    that predict a response token."""
     hidden = model.forward_packed(batch.packed, vision)
-    return token_logprobs(model, hidden[batch.target_index], batch.target_ids, with_entropy)
+    return token_logprobs(model, hidden[batch.target_index], batch.target_ids, with_entropy, temperature)
 
 
-def token_logprobs(model: Qwen2_5_VL, hidden: torch.Tensor, targets: torch.Tensor,
-                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprob (float32) of `targets[i]` under the logits of `hidden[i]`, and optionally the entropy."""
+def token_logprobs(model: Qwen2_5_VL, hidden: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False,
+                   temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprob (float32) of `targets[i]` under softmax(logits / temperature) of `hidden[i]`, and
+    optionally that distribution's entropy: the policy the rollout sampled from at that temperature
+    (the engine returns the same logprob, rollplex.engine.sampler), as verl's and TRL's actors do."""
     logits = model.logits(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
     logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
     return logprobs, entropy_from_logits(logits) if with_entropy else None
 
@@ -57,6 +62,9 @@ class PolicyBatch:
     ref_logprobs: list[torch.Tensor] | None = None
     rollout_logprobs: list[torch.Tensor] | None = None
     kept: KeptPrefix | None = None  # the groups' prompts, computed earlier with their graph (KeptPrefix.boundary)
+    # The model holds the weights that sampled the rollout (no optimizer step since): the update's own pass
+    # then measures the engine/trainer mismatch (training/rollout_probs_diff_*) with no policy drift in it.
+    rollout_weights: bool = True
 
 
 @dataclass
@@ -74,6 +82,7 @@ class ActorConfig:
     kl_kind: str = "k3"
     entropy_coef: float = 0.0
     tis_cap: float = 0.0
+    temperature: float = 1.0  # the rollout's sampling temperature (> 0): every logprob pass divides the logits by it
     max_response_len: int = 256  # the generation limit, for seq-mean-token-sum-norm
     offload_optimizer: bool = False  # keep AdamW's state in host memory except during the step
 
@@ -87,6 +96,8 @@ class ActorConfig:
                    max_tokens_per_micro_batch=micro_batch_tokens, share_prefix=cfg.schedule.share_prefix,
                    clip_low=a.clip_low, clip_high=a.clip_high, clip_c=a.clip_c, loss_agg_mode=a.loss_agg_mode,
                    kl_coef=a.kl_coef, kl_kind=a.kl_kind, entropy_coef=a.entropy_coef, tis_cap=a.tis_cap,
+                   # A greedy rollout (0) returns untempered logprobs (rollplex.engine.sampler): so does the trainer.
+                   temperature=cfg.rollout.temperature or 1.0,
                    max_response_len=cfg.rollout.max_tokens, offload_optimizer=cfg.parallel.offload_optimizer)
 
 
@@ -200,9 +211,10 @@ class Actor:
             targets = torch.tensor([t for u in units for r in u.group.responses for t in r], device=model.device)
             flops = suffix_flops(model.args, [(kept.prompt_lens[u.index], [len(r) for r in u.group.responses])
                                               for u in units])
-            return *token_logprobs(model, hidden, targets, with_entropy), lens, flops
+            return *token_logprobs(model, hidden, targets, with_entropy, self.config.temperature), lens, flops
         batch = _to(pack_groups(model.args, [u.group for u in units], self.config.share_prefix), model.device)
-        return *response_logprobs(model, batch, with_entropy=with_entropy), lens, forward_flops(model.args, batch)
+        return (*response_logprobs(model, batch, with_entropy=with_entropy, temperature=self.config.temperature),
+                lens, forward_flops(model.args, batch))
 
     def update(self, batch: PolicyBatch) -> dict[str, float]:
         """One optimizer step on the batch; returns verl-named metrics.
@@ -213,9 +225,12 @@ class Actor:
 
         Loss-like metrics (and the mean engine/trainer probability difference) are
         this rank's share of the global value: summed over dp ranks they give the
-        batch's value. grad_norm, lr, skipped_steps and nonfinite_logprobs are
-        global already, and rollout_probs_diff_max is this rank's maximum."""
+        batch's value. grad_norm, lr, skipped_steps_total and nonfinite_logprobs are
+        global already, and rollout_probs_diff_max is this rank's maximum. The
+        rollout_probs_diff metrics come only with rollout logprobs and the rollout's
+        weights (PolicyBatch.rollout_weights)."""
         cfg = self.config
+        measures_diff = batch.rollout_logprobs is not None and batch.rollout_weights
         self.model.train()
         local = [sum(len(r) for g in batch.groups for r in g.responses), len(batch.advantages)]
         global_tokens, global_seqs = local if self.dp_size == 1 else all_reduce_values(local, group=self.dp_group)
@@ -253,8 +268,7 @@ class Actor:
             share = mask.sum().item() / norm["global_tokens"] * weight
             for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
                 sums[k] += getattr(m, k).item() * share
-            if batch.rollout_logprobs is not None and weight:
-                # Engine vs trainer on the same tokens and weights (before this update's step).
+            if measures_diff and weight:
                 diff = (lp2d.detach().exp() - pad(batch.rollout_logprobs).exp()).abs()[mask]
                 probs_diff_sum += diff.sum().item() / norm["global_tokens"]
                 probs_diff_max = max(probs_diff_max, diff.max().item())
@@ -272,11 +286,11 @@ class Actor:
         grad_norm = self._clip_and_step(skip=nonfinite > 0)
         metrics = {f"actor/{k}": v for k, v in sums.items()}
         metrics["perf/actor_flops"] = flops
-        if batch.rollout_logprobs is not None:
+        if measures_diff:
             metrics["training/rollout_probs_diff_mean"] = probs_diff_sum
             metrics["training/rollout_probs_diff_max"] = probs_diff_max
         metrics.update({"actor/grad_norm": grad_norm, "actor/lr": self.scheduler.get_last_lr()[0],
-                        "actor/skipped_steps": float(self.skipped_steps),
+                        "actor/skipped_steps_total": float(self.skipped_steps),
                         "training/nonfinite_logprobs": nonfinite})
         return metrics
 

@@ -32,8 +32,9 @@ are per rank, restored only on ranks that saved one, so a resumed run of
 another world size does not replay the same random draws.
 
 `export_hf` writes a standalone Hugging Face directory (weights, config,
-tokenizer and processor files) that transformers and `from_pretrained` load;
-`tools/export_hf.py` does it for a run's checkpoint (`load_model_weights`).
+tokenizer and processor files) that transformers and `from_pretrained` load,
+each rank writing its own shards: `trainer.save_hf` at the end of a run, and
+`tools/export_hf.py` for a run's checkpoint (`load_model_weights`).
 """
 
 from __future__ import annotations
@@ -53,25 +54,29 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
-from rollplex.dist import all_reduce_values, rank
-from rollplex.models import Qwen2_5_VL, save_pretrained
+from rollplex.dist import all_reduce_values, full_tensor, rank
+from rollplex.models import Qwen2_5_VL
+from rollplex.models.loader import CONFIG_NAME, INDEX_NAME
+from rollplex.models.qwen2_5_vl.hf import hf_config_from_args, hf_key_to_params, param_to_hf_key
 
 MARKER = "COMPLETE.json"
 TMP_PREFIX = ".tmp-"
 STEP_DIR = re.compile(r"step_(\d+)")
 # What export_hf copies from the source checkpoint: everything a tokenizer,
-# processor or `generate` reads. Never config.json (save_pretrained writes one
-# that matches the model) nor the weights.
+# processor or `generate` reads. Never config.json (export_hf writes one that
+# matches the model) nor the weights.
 HF_ASSET_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
     "special_tokens_map.json", "added_tokens.json", "chat_template.json", "chat_template.jinja",
     "preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json",
     "generation_config.json",
 )  # fmt: skip
+HF_FILE_BYTES = 4 << 30  # export_hf's safetensors files: under the hub's 5 GB per file
 
 
 @dataclass
@@ -356,16 +361,73 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
 # ----------------------------------------------------------------------------- Hugging Face export
 
 
-def export_hf(model: Qwen2_5_VL, out_dir: str | Path, source_dir: str | Path | None = None) -> Path:
-    """Write `model` as a Hugging Face Qwen2.5-VL directory (config.json generated
-    from the model, safetensors in the parameters' dtype) plus the tokenizer,
-    processor, chat template and generation config files of `source_dir`.
-    Collective: every rank calls it (sharded parameters are gathered); rank 0 writes."""
+def export_hf(model: Qwen2_5_VL, out_dir: str | Path, source_dir: str | Path | None = None,
+              dtype: torch.dtype | None = None, group: dist.ProcessGroup | None = None,
+              max_file_bytes: int = HF_FILE_BYTES) -> Path:
+    """Write `model` as a Hugging Face Qwen2.5-VL directory: safetensors files of
+    at most `max_file_bytes` (a tensor larger than that gets a file of its own)
+    with model.safetensors.index.json, in `dtype` (default: the parameters'),
+    config.json generated from the model, and the tokenizer, processor, chat
+    template and generation config files of `source_dir`. Weight files already
+    in `out_dir` are replaced.
+
+    Collective: every rank of `group` calls it; global rank 0 must be one. Each
+    rank writes its own shards of the weights (DCP's HuggingFaceStorageWriter,
+    into `out_dir/sharded`), then rank 0 assembles the hub's files from them
+    one tensor at a time, so no rank holds the whole model. The exception is a
+    vision block's fused qkv, whose three parts are sharded apart: those are
+    gathered, a few MB per block."""
     out_dir = Path(out_dir)
-    save_pretrained(model, out_dir)
-    if rank() == 0 and source_dir is not None:
-        for name in HF_ASSET_FILES:
+    dtype = dtype or next(model.parameters()).dtype
+    tensors = _hf_tensors(model, dtype)
+    writer = HuggingFaceStorageWriter(str(out_dir), fqn_to_index_mapping=_file_index(tensors, max_file_bytes),
+                                      save_distributed=True, enable_consolidation=True)
+    shards = Path(writer.path)  # each rank's files, out_dir/sharded
+    if rank() == 0:
+        _remove_weight_files(out_dir, shards)
+    _barrier(group)
+    with _single_process_is_intended():
+        dcp.save(tensors, storage_writer=writer, process_group=group)  # consolidates on rank 0 before returning
+    if rank() == 0:
+        shutil.rmtree(shards)
+        config = {**hf_config_from_args(model.args), "torch_dtype": str(dtype).removeprefix("torch.")}
+        (out_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        for name in HF_ASSET_FILES if source_dir is not None else ():
             if (Path(source_dir) / name).is_file():
                 shutil.copy2(Path(source_dir) / name, out_dir / name)
-    _barrier()
+    _barrier(group)
     return out_dir
+
+
+def _hf_tensors(model: Qwen2_5_VL, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The model's weights under the hub's keys, in `dtype`, each rank's shards
+    left as they are (DTensors), except the fused qkv keys (see `export_hf`).
+    Collective when the model is sharded."""
+    ours = get_model_state_dict(model)
+    tensors = {}
+    for key in sorted({param_to_hf_key(name) for name in ours}):
+        parts = [ours[name] for name in hf_key_to_params(key)]
+        tensor = torch.cat([full_tensor(p) for p in parts]) if len(parts) > 1 else parts[0]
+        tensors[key] = tensor.detach().to(dtype)
+    return tensors
+
+
+def _file_index(tensors: dict[str, torch.Tensor], max_file_bytes: int) -> dict[str, int]:
+    """{key: its file's number, from 1}: keys in order, a new file when the next
+    tensor would take the current one past `max_file_bytes`."""
+    index, file, size = {}, 1, 0
+    for key, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()  # a DTensor's numel is its global one
+        if size and size + nbytes > max_file_bytes:
+            file, size = file + 1, 0
+        index[key], size = file, size + nbytes
+    return index
+
+
+def _remove_weight_files(out_dir: Path, shards: Path) -> None:
+    """An earlier export's weights: its files would otherwise stay beside the new
+    ones (transformers would pick a stale model.safetensors over the index), and
+    its leftover shards would be merged into the new files."""
+    for old in (*out_dir.glob("*.safetensors"), out_dir / INDEX_NAME):
+        old.unlink(missing_ok=True)
+    shutil.rmtree(shards, ignore_errors=True)

@@ -240,7 +240,8 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     """Entropy of softmax(logits) over the last dim, in float32.
 
     H = logsumexp(z) - sum_v softmax(z)_v * z_v  (equal to -sum p log p, but with
-    no log of a probability that underflows to 0). Logits must be finite.
+    no log of a probability that underflows to 0). Logits must be finite; the
+    actor passes them divided by the rollout's temperature (the sampling policy's).
     Returns logits.shape[:-1]; reduce it with ``agg_loss`` for the entropy bonus.
     """
     z = logits.float()
