@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from rollplex.config import Config, config_to_dict, save_config
+from rollplex.data.prefetch import Prefetcher
 from rollplex.data.reward_scoring import RewardScorer
 from rollplex.dist import ParallelDims, all_gather_objects, build_mesh, init_distributed
 from rollplex.metrics import GpuSampler, MetricsLogger, Timer
@@ -95,6 +96,7 @@ class RLTrainer:
         self.processor = load_run_processor(path, cfg.data)
         self.tokenizer = self.processor.tokenizer
         self.data = PromptSource(cfg.data, self.processor)
+        self.skipped_rows = 0.0  # training rows skipped as of the batch being trained on (data/skipped_total)
         self.total_steps = self.data.run_steps(cfg.trainer)
         if self.complete:
             return  # no weights to load: fit() says the run is done
@@ -202,37 +204,45 @@ class RLTrainer:
         if cfg.trainer.val_before_train and self.step == 0 and (before := self.evaluate()):
             self.logger.log(0, before)  # the starting point of the val/score curve
         batches = self._batches(self.step)
-        while self.step < self.total_steps:
-            examples = next(batches)
-            self.step += 1
-            _kill_if_asked(self.step, self.rank)
-            metrics = self.train_step(examples)
-            last = self.step == self.total_steps
-            if cfg.trainer.eval_every and (self.step % cfg.trainer.eval_every == 0 or last):
-                metrics.update(self.evaluate())
-            saving = cfg.trainer.save_every and (self.step % cfg.trainer.save_every == 0 or last)
-            if saving or self.device.type == "cuda":
-                metrics["perf/live_memory_gb"] = self.phases.live_bytes() / GiB
-            if self.step % cfg.logging.log_every == 0 or last or "val/score" in metrics:
-                self.logger.log(self.step, metrics)
-            if saving:
-                self._save()
+        # The next batch is prepared in the background while this step runs; the rows skipped so far go with it.
+        with Prefetcher(lambda: (next(batches), self.data.skipped)) as upcoming:
+            while self.step < self.total_steps:
+                examples, self.skipped_rows = upcoming.next(ahead=self.step + 1 < self.total_steps)
+                self.step += 1
+                _kill_if_asked(self.step, self.rank)
+                metrics = self.train_step(examples, data_s=upcoming.wait_s)
+                self._after_step(metrics)
         if cfg.trainer.save_hf:
             self._save_hf()
         self.logger.close()
         self.reward_scorer.close()
 
-    def train_step(self, examples: list) -> dict[str, float]:
+    def _after_step(self, metrics: dict[str, float]) -> None:
+        """Evaluate, log and save as the step's number asks."""
+        cfg, last = self.cfg, self.step == self.total_steps
+        if cfg.trainer.eval_every and (self.step % cfg.trainer.eval_every == 0 or last):
+            metrics.update(self.evaluate())
+        saving = cfg.trainer.save_every and (self.step % cfg.trainer.save_every == 0 or last)
+        if saving or self.device.type == "cuda":
+            metrics["perf/live_memory_gb"] = self.phases.live_bytes() / GiB
+        if self.step % cfg.logging.log_every == 0 or last or "val/score" in metrics:
+            self.logger.log(self.step, metrics)
+        if saving:
+            self._save()
+
+    def train_step(self, examples: list, data_s: float = 0.0) -> dict[str, float]:
+        """One step on the global batch `examples`; `data_s`: how long the step waited for them (timing_s/data,
+        counted in timing_s/step)."""
         # GPU utilisation and memory over the step (no-op without an NVIDIA GPU), and each phase's peak memory
         with self.gpu_sampler, self.phases.step() as peaks:
-            metrics = self._train_step(examples)
+            metrics = self._train_step(examples, data_s)
         metrics.update(self.gpu_sampler.as_metrics())
         metrics.update(memory_metrics(peaks, self.memory if self.disagg is None else None))
         return metrics
 
-    def _train_step(self, examples: list) -> dict[str, float]:
+    def _train_step(self, examples: list, data_s: float) -> dict[str, float]:
         cfg, timer, phase = self.cfg, Timer(), self.phases.phase
-        start = time.perf_counter()
+        start = time.perf_counter() - data_s
         rollout, rollout_metrics = self._rollout_phase(examples, timer)
         if rollout is None:
             return {}  # a disagg rollout rank: the trainers report the step
@@ -265,7 +275,8 @@ class RLTrainer:
                 self.ref_model.reshard()
         with phase(timer, "update_actor"):
             actor_metrics = self.update(rollout, advantages.tolist(), old, ref)
-        metrics = gather_metrics(rollout, rewards, actor_metrics, self.data.skipped, self.dp_group)
+        metrics = gather_metrics(rollout, rewards, actor_metrics, self.skipped_rows, self.dp_group)
+        metrics["timing_s/data"] = data_s
         metrics.update(timer.as_metrics())
         metrics.update(rollout_metrics)
         if self.disagg is None:
