@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Wheels for the packages Rollplex needs that the lent H200 machine's image lacks
 # (it has torch, transformers 5.17.0, safetensors, pyyaml, nvidia-ml-py, matplotlib
-# and rich, and reaches no registry). transformers travels only once the minimum that
+# and rich, and reaches no registry; math-verify is the math reward's). transformers travels only once the minimum that
 # pyproject.toml declares rises above 5.17.0: then as a wheel of that minimum, which
 # shadows the image's (the wheels go first on PYTHONPATH; installed without deps, so
 # check its tokenizers/huggingface-hub bounds against the image's). Run here, in the
@@ -10,7 +10,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEVICE_TRANSFORMERS=5.17.0
-wheels=(tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1)
+# math-verify and its parser: the math reward (pure Python; the image's sympy serves them).
+wheels=(tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1
+        math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2)
 minimum=$(sed -n 's/^ *"transformers>=\([0-9.]*\)".*/\1/p' pyproject.toml)
 [ -n "$minimum" ] || { echo "no transformers>= bound in pyproject.toml" >&2; exit 1; }
 if [ "$(printf '%s\n' "$DEVICE_TRANSFORMERS" "$minimum" | sort -V | tail -n 1)" != "$DEVICE_TRANSFORMERS" ]; then
