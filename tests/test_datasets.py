@@ -13,15 +13,7 @@ import torch
 from PIL import Image
 
 from rollplex.data.datasets import PromptDataset, RowSkipped
-from rollplex.data.processing import load_processor, prepare_prompt
-from rollplex.tiny import TinySpec, write_tiny_files
-
-
-@pytest.fixture(scope="module")
-def processor(tmp_path_factory):
-    d: Path = tmp_path_factory.mktemp("tiny_datasets")
-    write_tiny_files(d, TinySpec())
-    return load_processor(d)
+from rollplex.data.processing import prepare_prompt
 
 
 def _image(seed: int, size: int = 56) -> np.ndarray:

@@ -3,8 +3,6 @@ set on the processors by load_processor, they bound every prompt's vision tokens
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -12,24 +10,11 @@ import torch
 from rollplex.config import ConfigError, DataConfig
 from rollplex.data.processing import load_processor, prepare_prompt, sampling_rate
 from rollplex.rl.setup import load_run_processor
-from rollplex.tiny import TinySpec, write_tiny_files
 
 # One vision token per merged 28 x 28 patch (patch 14, merge 2).
 TOKEN_PIXELS = 28 * 28
 # The tiny folder's preprocessor_config.json, as a Qwen2.5-VL folder spells it: min_pixels / max_pixels and size.
 FOLDER_MIN, FOLDER_MAX = 3136, 12544
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("tiny_budgets")
-    write_tiny_files(d, TinySpec())
-    return d
-
-
-@pytest.fixture(scope="module")
-def default_processor(tiny_dir):
-    return load_processor(tiny_dir)
 
 
 def _image(h: int, w: int, seed: int = 0) -> np.ndarray:
@@ -47,14 +32,14 @@ def _image_tokens(processor, image: np.ndarray) -> int:
     return pads
 
 
-def test_the_folder_values_are_the_default(tiny_dir, default_processor):
-    assert default_processor.image_processor.size["shortest_edge"] == FOLDER_MIN
-    assert default_processor.image_processor.size["longest_edge"] == FOLDER_MAX
-    assert default_processor.video_processor.size == {"shortest_edge": FOLDER_MIN, "longest_edge": FOLDER_MAX}
-    assert default_processor.video_processor.max_frames is None  # the folder sets no cap
+def test_the_folder_values_are_the_default(tiny_dir, processor):
+    assert processor.image_processor.size["shortest_edge"] == FOLDER_MIN
+    assert processor.image_processor.size["longest_edge"] == FOLDER_MAX
+    assert processor.video_processor.size == {"shortest_edge": FOLDER_MIN, "longest_edge": FOLDER_MAX}
+    assert processor.video_processor.max_frames is None  # the folder sets no cap
     # data.* at 0 means the same: the run loads the folder's processor unchanged.
     run_processor = load_run_processor(tiny_dir, DataConfig())
-    assert run_processor.image_processor.size == default_processor.image_processor.size
+    assert run_processor.image_processor.size == processor.image_processor.size
 
 
 @pytest.mark.parametrize(
@@ -72,8 +57,8 @@ def test_image_budget_sets_the_vision_tokens(tiny_dir, min_pixels, max_pixels, t
     assert tokens <= (max_pixels or FOLDER_MAX) / TOKEN_PIXELS
 
 
-def test_min_pixels_enlarges_a_small_image(tiny_dir, default_processor):
-    assert _image_tokens(default_processor, _image(20, 20)) == 4  # the folder's floor: 56x56
+def test_min_pixels_enlarges_a_small_image(tiny_dir, processor):
+    assert _image_tokens(processor, _image(20, 20)) == 4  # the folder's floor: 56x56
     assert _image_tokens(load_processor(tiny_dir, min_pixels=9 * TOKEN_PIXELS), _image(20, 20)) == 9
 
 
@@ -86,10 +71,10 @@ def test_transformers_processor_call_keeps_the_budget(tiny_dir):
     assert torch.equal(theirs["input_ids"][0], ours.input_ids)
 
 
-def test_video_max_pixels_caps_each_frame_and_leaves_images(tiny_dir, default_processor):
-    processor = load_processor(tiny_dir, video_max_pixels=4 * TOKEN_PIXELS)
-    capped = prepare_prompt(processor, "<image><video> which way ?", images=[_image(300, 400)], videos=[_frames(4)])
-    full = prepare_prompt(default_processor, "<image><video> which way ?", images=[_image(300, 400)],
+def test_video_max_pixels_caps_each_frame_and_leaves_images(tiny_dir, processor):
+    capping = load_processor(tiny_dir, video_max_pixels=4 * TOKEN_PIXELS)
+    capped = prepare_prompt(capping, "<image><video> which way ?", images=[_image(300, 400)], videos=[_frames(4)])
+    full = prepare_prompt(processor, "<image><video> which way ?", images=[_image(300, 400)],
                           videos=[_frames(4)])
     assert full.video_grid_thw.tolist() == [[2, 6, 8]]  # 112x168 fits the folder's 12544 pixels
     assert capped.video_grid_thw.tolist() == [[2, 2, 4]]  # 28x56 a frame

@@ -16,29 +16,15 @@ from PIL import Image
 from rollplex.data.processing import (
     MediaLoadError,
     list_frame_files,
-    load_processor,
     prepare_prompt,
     sample_frame_indices,
     text_to_messages,
 )
 from rollplex.models.inputs import Prompt
-from rollplex.tiny import TinySpec, write_tiny_files
 
 transformers = pytest.importorskip("transformers")
 
 PROMPT = "<image>What colour is the dot?"
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("tiny_proc")
-    write_tiny_files(d, TinySpec())
-    return d
-
-
-@pytest.fixture(scope="module")
-def processor(tiny_dir):
-    return load_processor(tiny_dir)
 
 
 def _rand_image(seed: int, h: int = 60, w: int = 70) -> np.ndarray:

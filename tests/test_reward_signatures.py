@@ -14,13 +14,11 @@ from PIL import Image
 
 from rollplex.config import ConfigError, DataConfig, load_config
 from rollplex.data.datasets import PromptDataset
-from rollplex.data.processing import load_processor
 from rollplex.data.reward_scoring import RewardScorer
 from rollplex.data.rewards import Reward, detect_kind, score_of
 from rollplex.metrics import read_metrics
 from rollplex.rl.loop import RLTrainer
 from rollplex.rl.step_metrics import RewardsFailed
-from rollplex.tiny import TinySpec, write_tiny_files
 
 # verl: custom_reward_function.path = this file, custom_reward_function.name = compute_score.
 VERL_REWARD = '''
@@ -88,13 +86,6 @@ def reward_len(completions, **kwargs):
 def token_count(prompts, completions, completion_ids, **kwargs):
     return [float(len(ids)) for ids in completion_ids]
 '''
-
-
-@pytest.fixture(scope="module")
-def processor(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny_rewards")
-    write_tiny_files(folder, TinySpec())
-    return load_processor(folder)
 
 
 def write(path: Path, text: str) -> Path:

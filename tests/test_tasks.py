@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-from rollplex.data.processing import load_processor
 from rollplex.data.tasks import (
     BACKGROUND_MAX,
     COLOURS,
@@ -20,14 +17,7 @@ from rollplex.data.tasks import (
     task_batches,
     validation_examples,
 )
-from rollplex.tiny import IMAGE_MEAN, IMAGE_STD, TinySpec, write_tiny_files
-
-
-@pytest.fixture(scope="module")
-def processor(tmp_path_factory):
-    d: Path = tmp_path_factory.mktemp("tiny_tasks")
-    write_tiny_files(d, TinySpec())
-    return load_processor(d)
+from rollplex.tiny import IMAGE_MEAN, IMAGE_STD
 
 
 def _same_prompt(a, b) -> bool:

@@ -14,7 +14,6 @@ import torch
 
 from rollplex.data.datasets import PromptDataset
 from rollplex.data.processing import MediaLoadError, load_processor, prepare_prompt, sample_video
-from rollplex.tiny import TinySpec, write_tiny_files
 
 try:
     import av
@@ -43,18 +42,6 @@ def write_video(path: Path, frames: int, fps: int, size: tuple[int, int] = (48, 
 def grey_levels(frames) -> list[int]:
     """Which test-video frame each decoded frame is."""
     return [round(float(np.asarray(f).mean()) / GREY_STEP) for f in frames]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("tiny_video_files")
-    write_tiny_files(d, TinySpec())
-    return d
-
-
-@pytest.fixture(scope="module")
-def processor(tiny_dir):
-    return load_processor(tiny_dir)
 
 
 @needs_av
