@@ -443,7 +443,7 @@ def preprocessor_config(spec: TinySpec) -> dict[str, Any]:
 def video_preprocessor_config(spec: TinySpec) -> dict[str, Any]:
     """video_preprocessor_config.json for Qwen2VLVideoProcessor.
 
-    transformers' video processor needs torchvision; rollplex.data.processing reads
+    transformers' video processor needs torchvision; rollplex.data.processor reads
     these numbers and does the video path itself when it is missing.
     """
     return {"video_processor_type": "Qwen2VLVideoProcessor",

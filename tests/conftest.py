@@ -21,6 +21,6 @@ def tiny_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def processor(tiny_dir):
     """The tiny folder's processor, with its own pixel and frame budgets."""
-    from rollplex.data.processing import load_processor
+    from rollplex.data.processor import load_processor
 
     return load_processor(tiny_dir)

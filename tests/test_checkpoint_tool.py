@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
-from rollplex.data.processing import load_processor, prepare_prompt
+from rollplex.data.processing import prepare_prompt
+from rollplex.data.processor import load_processor
 from rollplex.models import from_pretrained
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from rollplex.config import ConfigError, DataConfig
-from rollplex.data.processing import load_processor, prepare_prompt, sampling_rate
+from rollplex.data.media import sampling_rate
+from rollplex.data.processing import prepare_prompt
+from rollplex.data.processor import load_processor
 from rollplex.rl.setup import load_run_processor
 
 # One vision token per merged 28 x 28 patch (patch 14, merge 2).

@@ -13,13 +13,8 @@ import pytest
 import torch
 from PIL import Image
 
-from rollplex.data.processing import (
-    MediaLoadError,
-    list_frame_files,
-    prepare_prompt,
-    sample_frame_indices,
-    text_to_messages,
-)
+from rollplex.data.media import MediaLoadError, list_frame_files, sample_frame_indices
+from rollplex.data.processing import prepare_prompt, text_to_messages
 from rollplex.models.inputs import Prompt
 
 transformers = pytest.importorskip("transformers")

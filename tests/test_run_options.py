@@ -35,7 +35,7 @@ def test_total_epochs_sets_the_steps_and_val_before_train_logs_step_0(tmp_path):
 
 
 def test_total_epochs_needs_data_files(tmp_path):
-    from rollplex.data.processing import load_processor
+    from rollplex.data.processor import load_processor
     from rollplex.tiny import TinySpec, write_tiny_files
 
     write_tiny_files(tmp_path, TinySpec())

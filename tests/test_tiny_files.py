@@ -85,7 +85,7 @@ def test_tokenizer_loads_with_special_tokens(tiny_dirs):
 
 
 def test_chat_template_renders_pads(tiny_dir):
-    from rollplex.data.processing import load_processor
+    from rollplex.data.processor import load_processor
 
     tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
     proc = load_processor(tiny_dir)
@@ -174,7 +174,7 @@ def test_auto_processor_with_torchvision(tiny_dir):
 
 
 def test_load_processor_gives_qwen_processor(tiny_dir):
-    from rollplex.data.processing import load_processor
+    from rollplex.data.processor import load_processor
 
     proc = load_processor(tiny_dir)
     assert isinstance(proc, transformers.Qwen2_5_VLProcessor)
@@ -221,7 +221,7 @@ def test_config_dict_accepts_info_or_ids(tiny_dirs):
 def test_transformers_model_forward(tiny_dirs, style):
     """Config + processor + tokenizer are consistent: transformers' own Qwen2.5-VL
     (random weights) runs on processor output for an image and text."""
-    from rollplex.data.processing import load_processor
+    from rollplex.data.processor import load_processor
 
     d, _ = tiny_dirs[style]
     torch.manual_seed(0)

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from rollplex.data.datasets import PromptDataset
-from rollplex.data.processing import MediaLoadError, load_processor, prepare_prompt, sample_video
+from rollplex.data.media import MediaLoadError, sample_video
+from rollplex.data.processing import prepare_prompt
+from rollplex.data.processor import load_processor
 
 try:
     import av

@@ -221,7 +221,8 @@ def random_requests(model: Qwen2_5_VL, wl: Workload) -> list[Request]:
 def processor_requests(path: Path, wl: Workload) -> list[Request]:
     """Real preprocessing: chat template, image processor on random RGB images, tokenizer.
     The question is `prompt_len` random letters (one byte token each); the template adds ~40 tokens."""
-    from rollplex.data.processing import load_processor, prepare_prompt
+    from rollplex.data.processing import prepare_prompt
+    from rollplex.data.processor import load_processor
 
     processor, rng = load_processor(path), np.random.default_rng(SEED)
     side_px = wl.image_patches * 14

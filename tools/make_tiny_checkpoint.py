@@ -6,7 +6,7 @@
 transformers loads the result with its own classes (AutoConfig, AutoTokenizer,
 Qwen2_5_VLForConditionalGeneration); Rollplex loads it with
 rollplex.models.from_pretrained and its processor with
-rollplex.data.processing.load_processor.
+rollplex.data.processor.load_processor.
 """
 
 import argparse

@@ -38,7 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from rollplex.data.processing import FRAME_EXTENSIONS, MediaLoadError, prepare_prompt, text_to_messages
+from rollplex.data.media import FRAME_EXTENSIONS, MediaLoadError
+from rollplex.data.processing import prepare_prompt, text_to_messages
 from rollplex.models.inputs import Prompt
 
 FORMATS = ("auto", "easyr1", "verl")

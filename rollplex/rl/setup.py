@@ -156,7 +156,7 @@ def model_path(cfg: Config, out: Path, rank: int, world: int, start: ResumePoint
 
 def load_run_processor(path: Path, d: DataConfig):
     """The model folder's processor, within data.*'s pixel and frame budgets (0 = the folder's own)."""
-    from rollplex.data.processing import load_processor
+    from rollplex.data.processor import load_processor
 
     return load_processor(path, min_pixels=d.min_pixels or None, max_pixels=d.max_pixels or None,
                           video_max_pixels=d.video_max_pixels or None, video_max_frames=d.video_max_frames or None)
