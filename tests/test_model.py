@@ -15,6 +15,7 @@ from rollplex.models import build_model, from_pretrained, save_pretrained
 from rollplex.models.loader import CheckpointError
 from rollplex.models.inputs import Prompt
 from rollplex.models.packing import pack_padded, pack_sequences
+from rollplex.models.protocol import VisionLanguageModel
 from rollplex.models.qwen2_5_vl import tiny_args
 from rollplex.models.rope import mrope_positions
 
@@ -260,3 +261,12 @@ def test_pixels_that_do_not_match_the_grid(pair):
     pv, grid, n = image(1, 4, 4, seed=16)
     with pytest.raises(ValueError, match="does not match its grids"):
         ours.encode_vision(pv[:-1], grid)
+
+
+def test_the_model_has_every_call_the_engine_makes():
+    """rollplex.models.protocol names what the engine may call on a model: a family's model has each of them."""
+    model = build_model(tiny_args(), seed=0)
+    assert isinstance(model, VisionLanguageModel)
+    assert list(model.decoder_stages()) == ["embedding", "decoder layer 0", "decoder layer 1", "final norm"]
+    table = model.text_rotary_table(5, model.device, model.dtype)
+    assert table.shape == (5, 2 * model.args.text.head_dim) and table.dtype == model.dtype

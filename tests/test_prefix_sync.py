@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rollplex.models import build_model
 from rollplex.models.packing import pack_sequences
-from rollplex.models.qwen2_5_vl import VisionEmbeds
+from rollplex.models.inputs import VisionEmbeds
 from rollplex.rl.prefix import PrefixScheduler, PrefixWork
 from test_model import tiny_args
 from test_shared_prefix import groups

@@ -47,7 +47,7 @@ from rollplex.engine.sampler import SamplingParams, mix_seed, sample
 from rollplex.engine.scheduler import Scheduler, Step
 from rollplex.engine.sequence import PromptState, Request, Sequence
 from rollplex.models.inputs import Group
-from rollplex.models.qwen2_5_vl import Qwen2_5_VL
+from rollplex.models.protocol import VisionLanguageModel
 from rollplex.models.rope import mrope_positions
 
 if TYPE_CHECKING:
@@ -81,12 +81,12 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, model: Qwen2_5_VL, config: EngineConfig | None = None):
+    def __init__(self, model: VisionLanguageModel, config: EngineConfig | None = None):
         self.model, self.config = model, config or EngineConfig()
         cfg, text = self.config, model.args.text
         self.max_model_len = min(cfg.max_model_len, text.max_position_embeddings)
         self.device = model.device
-        self.dtype = model.language_model.embed_tokens.weight.dtype
+        self.dtype = model.dtype
         kv_heads = model.kv_heads_per_rank()
         self.cache = KVCache(text.num_hidden_layers, self._num_blocks(kv_heads), cfg.block_size, kv_heads,
                              text.head_dim, self.dtype, self.device)

@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds
+from rollplex.models.inputs import VisionEmbeds
+from rollplex.models.protocol import VisionLanguageModel
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -45,15 +46,13 @@ def _describe(samples: list[tuple[int, int]], most: int = 8) -> str:
     return ", ".join(parts[:most]) + more
 
 
-def first_nonfinite_stage(model: Qwen2_5_VL, forward: Callable[[], torch.Tensor], token_rows: torch.Tensor,
+def first_nonfinite_stage(model: VisionLanguageModel, forward: Callable[[], torch.Tensor], token_rows: torch.Tensor,
                           logit_rows: torch.Tensor, vision: Sequence[VisionEmbeds | None] = ()) -> str:
     """Run `forward` (the step's forward, returning its logits) and name the first
     stage whose output is non-finite at `token_rows` of the packed tokens (or, for
     the head, at `logit_rows` of the logits): "embedding", "vision" (the prompts'
     stored `vision` features), "decoder layer i", "final norm" or "head"."""
-    lm = model.language_model
-    stages = {"embedding": lm.embed_tokens, **{f"decoder layer {i}": layer for i, layer in enumerate(lm.layers)},
-              "final norm": lm.norm}
+    stages = model.decoder_stages()
     nonfinite: dict[str, bool] = {}
 
     def check(name: str):

@@ -36,7 +36,8 @@ from rollplex.dist import local_tensor
 from rollplex.engine.decode_batch import DecodeBatch
 from rollplex.engine.kv_cache import KVCache, PagedAttention
 from rollplex.engine.sequence import Sequence
-from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds
+from rollplex.models.inputs import VisionEmbeds
+from rollplex.models.protocol import VisionLanguageModel
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class GraphAddresses:
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen2_5_VL, cache: KVCache, max_model_len: int, max_num_seqs: int,
+    def __init__(self, model: VisionLanguageModel, cache: KVCache, max_model_len: int, max_num_seqs: int,
                  use_cuda_graphs: bool):
         self.model, self.cache = model, cache
         self.device = model.device
@@ -191,7 +192,7 @@ class ModelRunner:
         (text, images); longer when a prompt (a video's) needs it, which a CUDA graph
         sees as a moved address (recaptured at the next generate's check)."""
         if self.rotary_table is None or len(self.rotary_table) < num_positions:
-            self.rotary_table = self.model.language_model.rotary.text_table(
+            self.rotary_table = self.model.text_rotary_table(
                 max(num_positions, self.max_model_len), self.device, self.cache.dtype)
 
     def _decode_inputs(self, running: DecodeBatch) -> tuple[torch.Tensor, ...]:

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollplex.models.inputs import Prompt, Sample
-from rollplex.models.qwen2_5_vl import VisionEmbeds
+from rollplex.models.inputs import Prompt, Sample, VisionEmbeds
 from rollplex.models.rope import generated_positions
 
 

@@ -4,18 +4,15 @@ from it, the trainer packs it with its responses.
 `Prompt` is one prompt's token ids with its images' and videos' processor
 outputs; `Sample` is one generated response; `Group` is a prompt with the n
 samples drawn for it (a GRPO group), as the engine returns it and as the
-training passes read it.
+training passes read it. `VisionEmbeds` are a prompt's (or batch's) vision
+features once the tower has run, kept for the passes that read them again.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from rollplex.models.qwen2_5_vl import VisionEmbeds
 
 
 @dataclass
@@ -34,6 +31,22 @@ class Prompt:
     @property
     def has_vision(self) -> bool:
         return self.pixel_values is not None or self.pixel_values_videos is not None
+
+
+@dataclass
+class VisionEmbeds:
+    """Merged vision features of a batch, kept so that later passes reuse them
+    instead of running the tower again. Rows follow the order of the pad tokens."""
+
+    image: torch.Tensor | None = None
+    video: torch.Tensor | None = None
+
+    @classmethod
+    def concat(cls, parts: list[VisionEmbeds | None]) -> VisionEmbeds:
+        """Several prompts' features, prompt after prompt (the order of their pad tokens)."""
+        images = [p.image for p in parts if p is not None and p.image is not None]
+        videos = [p.video for p in parts if p is not None and p.video is not None]
+        return cls(torch.cat(images) if images else None, torch.cat(videos) if videos else None)
 
 
 @dataclass

@@ -10,10 +10,11 @@ model runs unchanged.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator, Protocol, runtime_checkable
 
 import torch
 
+from rollplex.models.inputs import VisionEmbeds
 from rollplex.models.rope import RopeIndexSpec
 from rollplex.ops.attention import AttentionBackend
 
@@ -33,19 +34,32 @@ class RopeArgs(Protocol):
     def rope_spec(self) -> RopeIndexSpec: ...
 
 
+@runtime_checkable
 class VisionLanguageModel(Protocol):
-    """The calls made on a model from outside rollplex.models. Vision features are
-    the family's own object, passed back to it as they came."""
+    """The calls the engine makes on a model (rollplex.engine annotates its model
+    with this), and those the trainer makes. A family's model is an nn.Module
+    (parameters, buffers, train/eval) with these besides."""
 
+    # The family's args; the engine reads text.num_hidden_layers, text.head_dim,
+    # text.max_position_embeddings, eos_token_id and rope_spec (M-RoPE positions).
     args: Any
+    attn_backend: str  # "torch" or "flash", as rollplex.ops.attention names them
 
     @property
     def device(self) -> torch.device: ...
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype (the engine's KV cache is kept in it)."""
+
     def encode_vision(self, pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
                       pixel_values_videos: torch.Tensor | None = None,
-                      video_grid_thw: torch.Tensor | None = None) -> Any:
+                      video_grid_thw: torch.Tensor | None = None) -> VisionEmbeds:
         """A prompt's (or batch's) images and videos -> their features."""
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn: AttentionBackend,
+                 vision: VisionEmbeds | None = None, prompt_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed prompt tokens (T,) with their vision features at the pad tokens -> final hidden states (prefill)."""
 
     def layer_by_layer(self, h: torch.Tensor, position_ids: Positions,
                        attn: AttentionBackend) -> Iterator[torch.Tensor]:
@@ -61,3 +75,9 @@ class VisionLanguageModel(Protocol):
 
     def kv_heads_per_rank(self) -> int:
         """The KV heads this rank's attention layers hold (a share of them under tensor parallelism)."""
+
+    def text_rotary_table(self, num_positions: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """cos | sin of text positions 0 .. num_positions - 1, which decode steps read rows of."""
+
+    def decoder_stages(self) -> dict[str, torch.nn.Module]:
+        """The text decoder's modules in order, by name: where a non-finite value is looked for."""

@@ -41,8 +41,7 @@ from rollplex.data.prefetch import Prefetcher
 from rollplex.data.reward_scoring import RewardScorer
 from rollplex.dist import ParallelDims, all_gather_objects, build_mesh, init_distributed
 from rollplex.metrics import GpuSampler, MetricsLogger, Timer
-from rollplex.models import Prompt, from_pretrained
-from rollplex.models.qwen2_5_vl import VisionEmbeds
+from rollplex.models import Prompt, VisionEmbeds, from_pretrained
 from rollplex.rl.disagg import DisaggExchange, DisaggLayout, WeightBroadcast
 from rollplex.rl.memory import GiB, PrefixKind
 from rollplex.rl.prefix import PrefixPlanner, PrefixWork, update_chunks

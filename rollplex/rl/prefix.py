@@ -60,8 +60,8 @@ import torch
 import torch.distributed as dist
 
 from rollplex.dist import all_reduce_values
-from rollplex.models.inputs import Prompt
-from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds
+from rollplex.models.inputs import Prompt, VisionEmbeds
+from rollplex.models.qwen2_5_vl import Qwen2_5_VL
 from rollplex.rl.memory import MemoryPlan, PrefixKind, admitted, prefix_items, prefix_state
 from rollplex.train.kept_prefix import KeptPrefix, PromptChunk, prepare_prompts, prompt_forward
 

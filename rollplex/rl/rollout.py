@@ -20,8 +20,8 @@ from rollplex.config import RolloutConfig
 from rollplex.dist import all_gather_objects, all_reduce_values
 from rollplex.engine import Engine, EngineConfig, Request, SamplingParams
 from rollplex.engine.sampler import mix_seed
-from rollplex.models.inputs import Group, Sample
-from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds
+from rollplex.models.inputs import Group, Sample, VisionEmbeds
+from rollplex.models.qwen2_5_vl import Qwen2_5_VL
 from rollplex.rl.prefix import PrefixScheduler
 from rollplex.rl.weights import SharedWeights
 

@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from rollplex.dist import all_reduce_values, full_tensor, local_tensor
-from rollplex.models.inputs import Group
+from rollplex.models.inputs import Group, VisionEmbeds
 from rollplex.models.packing import TrainBatch, pack_groups
-from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds
+from rollplex.models.qwen2_5_vl import Qwen2_5_VL
 from rollplex.train.flops import forward_flops, suffix_flops
 from rollplex.train.kept_prefix import KeptPrefix, SuffixUnit, suffix_hidden
 from rollplex.train.loss import agg_loss, entropy_from_logits, kl_penalty, policy_loss

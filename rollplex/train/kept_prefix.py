@@ -30,9 +30,9 @@ from typing import Iterator
 
 import torch
 
-from rollplex.models.inputs import Group, Prompt
+from rollplex.models.inputs import Group, Prompt, VisionEmbeds
 from rollplex.models.packing import pack_sequences
-from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionEmbeds, VisionInputs, VisionSlots
+from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionInputs, VisionSlots
 from rollplex.models.rope import generated_positions
 from rollplex.ops.attention import GroupLayout, KeptPrefixAttention, PackedSegments
 from rollplex.train.flops import prompt_flops

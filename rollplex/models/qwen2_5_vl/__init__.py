@@ -5,7 +5,6 @@ What the rest of Rollplex uses is exported here; the layers themselves are
 `model`'s own."""
 
 from rollplex.models.qwen2_5_vl.args import PRESETS, ModelArgs, TextArgs, VisionArgs, tiny_args
-from rollplex.models.qwen2_5_vl.model import Qwen2_5_VL, VisionEmbeds, VisionInputs, VisionSlots
+from rollplex.models.qwen2_5_vl.model import Qwen2_5_VL, VisionInputs, VisionSlots
 
-__all__ = ["PRESETS", "ModelArgs", "Qwen2_5_VL", "TextArgs", "VisionArgs", "VisionEmbeds", "VisionInputs", "VisionSlots",
-           "tiny_args"]
+__all__ = ["PRESETS", "ModelArgs", "Qwen2_5_VL", "TextArgs", "VisionArgs", "VisionInputs", "VisionSlots", "tiny_args"]

@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from rollplex.dist import local_tensor
+from rollplex.models.inputs import VisionEmbeds
 from rollplex.models.packing import PackedBatch, pack_padded
 from rollplex.models.qwen2_5_vl.args import ModelArgs, TextArgs, VisionArgs
 from rollplex.models.rope import MRotaryEmbedding, apply_rotary, vision_positions, vision_rotary
@@ -284,22 +285,6 @@ class LanguageModel(nn.Module):
 # ----------------------------------------------------------------------------- the whole model
 
 
-@dataclass
-class VisionEmbeds:
-    """Merged vision features of a batch, kept so that later passes reuse them
-    instead of running the tower again. Rows follow the order of the pad tokens."""
-
-    image: torch.Tensor | None = None
-    video: torch.Tensor | None = None
-
-    @classmethod
-    def concat(cls, parts: list["VisionEmbeds | None"]) -> "VisionEmbeds":
-        """Several prompts' features, prompt after prompt (the order of their pad tokens)."""
-        images = [p.image for p in parts if p is not None and p.image is not None]
-        videos = [p.video for p in parts if p is not None and p.video is not None]
-        return cls(torch.cat(images) if images else None, torch.cat(videos) if videos else None)
-
-
 class VisionInputs:
     """What the vision tower reads for a batch's images and videos, on the
     model's device: each kind's pixels and `VisionPlan`, or None
@@ -357,6 +342,20 @@ class Qwen2_5_VL(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.language_model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.language_model.embed_tokens.weight.dtype
+
+    def text_rotary_table(self, num_positions: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """cos | sin (num_positions, 2 * head_dim) of text positions 0, 1, ...: decode steps read its rows."""
+        return self.language_model.rotary.text_table(num_positions, device, dtype)
+
+    def decoder_stages(self) -> dict[str, nn.Module]:
+        """The text decoder's modules in order, by name ("embedding", "decoder layer i", "final norm")."""
+        lm = self.language_model
+        return {"embedding": lm.embed_tokens, **{f"decoder layer {i}": layer for i, layer in enumerate(lm.layers)},
+                "final norm": lm.norm}
 
     def encode_vision(self, pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
                       pixel_values_videos: torch.Tensor | None = None,
