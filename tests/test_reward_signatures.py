@@ -237,3 +237,15 @@ def test_a_run_whose_every_reward_fails_stops_with_the_name_and_error(tmp_path):
                                             r"first error: TypeError: compute_score\(\) missing 1 required"):
         trainer.fit()
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "run" / "metrics.jsonl")
+
+
+# An EasyR1 batch reward that scores the response's length in tokens, as EasyR1 passes it.
+EASYR1_TOKEN_LENGTH_REWARD = '''
+def compute_score(reward_inputs):
+    return [{"overall": float(r["response_length"] > 0)} for r in reward_inputs]
+'''
+
+
+def test_validation_responses_reach_a_batch_reward_with_their_tokens(tmp_path):
+    trainer = tiny_run(tmp_path, EASYR1_TOKEN_LENGTH_REWARD)
+    assert trainer.evaluate() == {"val/score": 1.0}  # every greedy response has at least one token

@@ -380,9 +380,10 @@ class RLTrainer:
 
     def _greedy_records(self, examples: list) -> list[dict]:
         """The samples-file records of `examples`' greedy responses on this rank's engine, with their scores."""
-        responses = self.sampler.greedy_texts(examples)
-        rewards = self.reward_scorer.score(responses, [e.answer for e in examples],
-                                           columns=[e.columns for e in examples])
+        samples = self.sampler.greedy(examples)
+        responses = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+        rewards = self.reward_scorer.score(responses, [e.answer for e in examples], [s.token_ids for s in samples],
+                                           [e.columns for e in examples])
         return validation_records(examples, responses, rewards)
 
     def _save(self) -> None:

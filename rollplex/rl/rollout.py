@@ -111,7 +111,7 @@ class RolloutSampler:
         self.engine, self.weights, self.model, self.tokenizer = engine, weights, model, tokenizer
         self.config, self.seed, self.tp_group = r, seed, tp_group
         self.sampling = SamplingParams.from_config(r)
-        self.greedy = SamplingParams(temperature=0.0, max_tokens=r.max_tokens)
+        self.greedy_params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens)
 
     @contextmanager
     def session(self) -> Iterator[None]:
@@ -148,8 +148,8 @@ class RolloutSampler:
         first = sum(len(qs) for qs in everyone[:dist.get_rank(self.tp_group)])
         return outputs[first:first + len(requests)]
 
-    def greedy_texts(self, examples: list) -> list[str]:
+    def greedy(self, examples: list) -> list[Sample]:
         """The greedy response to each example (evaluation)."""
         with self.session():
-            outputs = self.generate([Request(e.prompt) for e in examples], self.greedy)
-        return [self.tokenizer.decode(o.samples[0].token_ids, skip_special_tokens=True) for o in outputs]
+            outputs = self.generate([Request(e.prompt) for e in examples], self.greedy_params)
+        return [o.samples[0] for o in outputs]
