@@ -85,3 +85,16 @@ def test_step_time_is_each_steps_minimum_over_the_repeats():
     # Load on the machine slowed step 1 of the first run and step 0 of the second: neither counts.
     runs = [[0.001, 0.009, 0.003], [0.008, 0.002, 0.003]]
     assert bench_engine.per_step_minimum_ms(runs) == pytest.approx((1 + 2 + 3) / 3)
+
+
+def test_shared_prefix_compares_groups_with_distinct_prompts(capsys):
+    report = bench_engine.main(["--shared-prefix", "--prompts", "2", "--n", "3", "--batch-size", "2", "--hidden", "64",
+                                "--layers", "1", "--images", "0", "--prompt-len", "20", "--output-len", "4"])
+    s = report["shared_prefix"]
+    steps = list(s["steps"].values())
+    assert list(s["steps"]) == list(bench_engine.SHARED_PREFIX_CASES) and s["prompt_tokens"] == 20
+    # Every case decodes its 6 sequences at once: 2 groups of 3, or 6 distinct prompts.
+    assert all(step["mean_decode_batch"] == 6 and step["decode_steps"] == 3 for step in steps)
+    assert s["shared_over_distinct"] == pytest.approx(steps[0]["decode_step_ms"] / steps[2]["decode_step_ms"])
+    assert s["plain_over_distinct"] == pytest.approx(steps[1]["decode_step_ms"] / steps[2]["decode_step_ms"])
+    assert "groups / distinct prompts" in capsys.readouterr().out

@@ -1,5 +1,6 @@
 """The decode engine on a tiny random Qwen2.5-VL: exact against transformers and
-against full recomputation, prefix sharing, preemption, sampling, bad input."""
+against full recomputation, prefix sharing, preemption, sampling, bad input, and
+group-shared decode attention (rollout.shared_prefix_decode) against plain decode."""
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from rollplex.engine import Engine, EngineConfig, Request, SamplingParams
 from rollplex.engine.block_manager import BlockManager
 from rollplex.models import Prompt, build_model, save_pretrained
 from rollplex.models.rope import mrope_positions
+from rollplex.ops.attention import CascadeDecodeAttention, PrefixGroups
 from test_model import IMG, VEND, VID, VSTART, image, tiny_args
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
@@ -257,8 +259,68 @@ def test_pool_is_sized_for_the_batch():
 
 def test_the_rl_loop_builds_engine_and_sampling_configs_from_its_rollout_section():
     rollout = RolloutConfig(block_size=8, max_num_seqs=5, enforce_eager=True, temperature=0.5, top_p=0.9, top_k=4,
-                            max_tokens=7, ignore_eos=True)
+                            max_tokens=7, ignore_eos=True, shared_prefix_decode=True)
     assert EngineConfig.from_config(rollout, num_blocks=12) == EngineConfig(
-        block_size=8, num_blocks=12, max_num_seqs=5, enforce_eager=True, progress=False)
+        block_size=8, num_blocks=12, max_num_seqs=5, enforce_eager=True, progress=False, shared_prefix_decode=True)
     assert SamplingParams.from_config(rollout) == SamplingParams(temperature=0.5, top_p=0.9, top_k=4, max_tokens=7,
                                                                  ignore_eos=True)
+
+
+# ----------------------------------------------------------------------------- group-shared decode attention
+
+BLOCK_SIZE = 4
+# Samples end at any of these (tokens the tiny model samples at seed 5), so a group shrinks as they finish.
+STOPS = SamplingParams(temperature=1.0, max_tokens=12, seed=5, stop_token_ids=[0, 5, 47, 93], ignore_eos=True)
+# Every sample runs to 12 tokens: in a small pool, the youngest are preempted and rejoin, recomputed.
+FULL_LENGTH = SamplingParams(temperature=1.0, max_tokens=12, seed=5, ignore_eos=True)
+
+
+def generate_mixed(model, num_blocks: int, params: SamplingParams, shared_prefix_decode: bool):
+    config = EngineConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, shared_prefix_decode=shared_prefix_decode)
+    engine = Engine(model, config)
+    return engine, engine.generate(mixed_requests(n=3), params)
+
+
+def check_groups_share_their_prefix(groups: PrefixGroups, block_tables: torch.Tensor) -> int:
+    """Every member's table starts with its group's prefix blocks (a recomputed sequence,
+    whose blocks are its own, is in no group); returns the rows in groups."""
+    batch = len(groups.shared_blocks)
+    for rows, prefix, tokens in zip(groups.members.tolist(), groups.prefix_tables.tolist(),
+                                    groups.prefix_lens.tolist()):
+        rows, prefix = [r for r in rows if r < batch], prefix[:tokens // BLOCK_SIZE]
+        assert block_tables[rows, :len(prefix)].tolist() == [prefix] * len(rows)
+    return int((groups.members < batch).sum())
+
+
+@pytest.mark.parametrize("num_blocks, params, preempts", [(256, STOPS, False), (22, STOPS, True),
+                                                          (14, FULL_LENGTH, True)],
+                         ids=["finishing", "finishing-preempting", "preempting"])
+def test_engine_samples_the_same_with_shared_prefix_decode(model, monkeypatch, num_blocks, params, preempts):
+    rows_in_groups = []
+    build = CascadeDecodeAttention.__init__
+
+    def spy(self, groups, block_tables, context_lens, tail_blocks, block_size):
+        rows_in_groups.append(check_groups_share_their_prefix(groups, block_tables))
+        # The tails span each row's blocks past its shared ones, no more.
+        assert tail_blocks == int((-(-context_lens // block_size) - groups.shared_blocks).max())
+        build(self, groups, block_tables, context_lens, tail_blocks, block_size)
+
+    monkeypatch.setattr(CascadeDecodeAttention, "__init__", spy)
+    _, plain = generate_mixed(model, num_blocks, params, shared_prefix_decode=False)
+    assert not rows_in_groups
+    engine, shared = generate_mixed(model, num_blocks, params, shared_prefix_decode=True)
+    # Steps ran cascaded, and groups lost rows as their samples finished or were preempted.
+    assert any(before > after for before, after in zip(rows_in_groups, rows_in_groups[1:]))
+    assert (engine.stats["preemptions"] > 0) == preempts
+    for a, b in zip(plain, shared):
+        for x, y in zip(a.samples, b.samples):
+            assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
+            assert (torch.tensor(x.logprobs) - torch.tensor(y.logprobs)).abs().max() <= 1e-5
+
+
+def test_greedy_with_shared_prefix_decode_equals_transformers(model, hf):
+    requests = mixed_requests(n=2)
+    engine = Engine(model, EngineConfig(block_size=4, num_blocks=128, shared_prefix_decode=True))
+    for r, out in zip(requests, engine.generate(requests, GREEDY)):
+        expected = hf_greedy(hf, r, GREEDY.max_tokens)
+        assert [s.token_ids for s in out.samples] == [expected, expected]

@@ -6,6 +6,8 @@
     python tools/bench_engine.py --device cuda --hidden 1024 --layers 8 --prompts 128
     python tools/bench_engine.py --n 8 --stop-tokens 10 --output-len 128   # RL-shaped: lengths vary per sample
     python tools/bench_engine.py --n 8 --output-len 64 --host-overhead     # host time per decode step (engine only)
+    python tools/bench_engine.py --shared-prefix --prompts 16 --n 8 --prompt-len 1024 --images 0 --batch-size 16
+                                                                   # group-shared decode against distinct prompts
 
 Both sides generate the same workload from the same random tiny checkpoint
 (built into a temp dir with rollplex.tiny.make_tiny_checkpoint, bytes
@@ -46,6 +48,12 @@ only adds time, drops out. On CPU the decoder layers are also timed within the
 same steps, and the tool reports each model's step time minus its layers' time:
 the depth-independent time measured directly, not fitted.
 
+`--shared-prefix` measures only the engine: its decode step time on `--prompts`
+groups of `--n` samples with `shared_prefix_decode` on and off, and on
+`--prompts` x `--n` distinct prompts of the same length (plain decode), timed as
+`--host-overhead` times them. The ratios to the distinct prompts' step say what
+reading each group's prompt KV once per step saves.
+
 On CUDA the tool also measures the engine's decode step time, with CUDA graphs
 and with `enforce_eager`, against a memory-bandwidth floor (see
 `decode_step_report`).
@@ -61,7 +69,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +156,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="instead of the comparison: the engine's depth-independent host time per decode step")
     r.add_argument("--host-overhead-layers", type=int, nargs="+", default=[1, 2, 4],
                    help="layer counts of the models --host-overhead fits its line over")
+    r.add_argument("--shared-prefix", action="store_true",
+                   help="instead of the comparison: the decode step of the groups with and without shared-prefix "
+                        "decode, against as many distinct prompts")
     r.add_argument("--json", type=Path, default=None, help="also write the report here")
     a = p.parse_args(argv)
     for name in ("prompts", "prompt_len", "output_len", "n", "batch_size", "repeats", "image_patches"):
@@ -157,6 +168,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--images must be >= 0")
     if not 0 <= a.stop_tokens <= 256:
         p.error("--stop-tokens must be in [0, 256] (they are byte tokens)")
+    if a.shared_prefix and (a.host_overhead or a.stop_tokens or a.output_len < 3 or a.n < 2):
+        p.error("--shared-prefix times fixed-length decoding of groups: it needs no --host-overhead or "
+                "--stop-tokens, --output-len >= 3 and --n >= 2")
     if a.host_overhead and (a.stop_tokens or a.output_len < 3 or len(set(a.host_overhead_layers)) < 2):
         p.error("--host-overhead times fixed-length decoding: it needs no --stop-tokens, --output-len >= 3 "
                 "and at least two distinct --host-overhead-layers")
@@ -274,13 +288,14 @@ def _sync(device: torch.device) -> None:
 
 
 def make_engine(model: Qwen2_5_VL, requests: list[Request], wl: Workload, a: argparse.Namespace,
-                enforce_eager: bool = False) -> Engine:
+                enforce_eager: bool = False, shared_prefix_decode: bool = False) -> Engine:
     # A pool that holds every sequence at full length, without sharing: the benchmark
     # measures throughput, not how the scheduler copes with a tight pool.
     longest = max(len(r.prompt.input_ids) for r in requests) + wl.output_len
     per_seq = -(-longest // a.block_size)
     config = EngineConfig(block_size=a.block_size, num_blocks=len(requests) * wl.n * per_seq,
-                          max_num_seqs=wl.batch_size * wl.n, enforce_eager=enforce_eager, progress=False)
+                          max_num_seqs=wl.batch_size * wl.n, enforce_eager=enforce_eager, progress=False,
+                          shared_prefix_decode=shared_prefix_decode)
     if a.max_model_len == "workload":
         config.max_model_len = longest
     elif a.max_model_len != "engine":
@@ -407,7 +422,7 @@ def decode_step_report(model: Qwen2_5_VL, requests: list[Request], wl: Workload,
     report: dict[str, Any] = {"copy_bandwidth_GBps": bandwidth / 1e9, "decode_weight_bytes": weights}
     for name, eager in (("cuda_graphs", False), ("eager", True)):
         engine = make_engine(model, requests, wl, a, enforce_eager=eager)
-        (step,) = decode_step_times([engine], requests, wl.output_len, a.repeats, device)
+        (step,) = decode_step_times([engine], [requests], wl.output_len, a.repeats, device)
         kv = kv_bytes_per_decode_step(model, requests, wl, step["decode_steps"])
         floor_s = (weights + kv) / bandwidth
         report[name] = {**step, "kv_bytes_per_step": kv, "floor_ms": floor_s * 1e3,
@@ -471,9 +486,9 @@ def per_step_minimum_ms(runs: list[list[float]]) -> float:
     return float(np.min(np.array(runs), axis=0).mean() * 1e3)
 
 
-def decode_step_times(engines: list[Engine], requests: list[Request], output_len: int, repeats: int,
+def decode_step_times(engines: list[Engine], requests: list[list[Request]], output_len: int, repeats: int,
                       device: torch.device, time_layers: bool = False) -> list[dict]:
-    """Each engine's decode step time, a whole engine step (scheduling, input building,
+    """Each engine's decode step time on its requests, a whole engine step (scheduling, input building,
     the forward, sampling, the host sync that reads the tokens back), timed step by step
     in generate(max_tokens=L) after a warm-up (and graph capture). The timed runs
     alternate between the engines, so drift in machine load hits all of them alike.
@@ -483,13 +498,13 @@ def decode_step_times(engines: list[Engine], requests: list[Request], output_len
     `time_layers`, `layers_ms` (the layers' own time, the same statistic) and
     `outside_layers_ms`, the same statistic of each step's time minus its layers' time."""
     clocks = [StepClock(engine, time_layers) for engine in engines]
-    for engine in engines:
-        rollplex_generate(engine, requests, output_len)
+    for engine, engine_requests in zip(engines, requests):
+        rollplex_generate(engine, engine_requests, output_len)
     runs: list[list[dict[str, list[float]]]] = [[] for _ in engines]
     for _ in range(repeats):
-        for clock, engine_runs in zip(clocks, runs):
+        for clock, engine_requests, engine_runs in zip(clocks, requests, runs):
             _sync(device)
-            engine_runs.append(clock.generate(requests, output_len))
+            engine_runs.append(clock.generate(engine_requests, output_len))
     results = []
     for clock, engine_runs in zip(clocks, runs):
         clock.close()
@@ -529,7 +544,7 @@ def host_overhead_report(a: argparse.Namespace, wl: Workload, device: torch.devi
             requests = requests or build_requests(path, model, wl)
             engines.append(make_engine(model, requests, wl, a))
     time_layers = device.type == "cpu"
-    steps = decode_step_times(engines, requests, wl.output_len, a.repeats, device, time_layers)
+    steps = decode_step_times(engines, [requests] * len(engines), wl.output_len, a.repeats, device, time_layers)
     slope, intercept = np.polyfit(layers, [s["decode_step_ms"] for s in steps], 1)
     per_repeat = [np.polyfit(layers, [s["all_step_ms"][i] for s in steps], 1) for i in range(a.repeats)]
     report = {"layers": layers, "models": [model_summary(e.model) for e in engines], "steps": steps,
@@ -541,6 +556,28 @@ def host_overhead_report(a: argparse.Namespace, wl: Workload, device: torch.devi
     return report
 
 
+SHARED_PREFIX_CASES = ("groups, shared-prefix decode", "groups, plain decode", "distinct prompts")
+
+
+def shared_prefix_report(a: argparse.Namespace, wl: Workload, device: torch.device, dtype: torch.dtype) -> dict:
+    """The decode step of `wl`'s groups with shared-prefix decode on and off, and of as
+    many distinct prompts of the same length (plain decode), on one model; and the
+    groups' step over the distinct prompts' step, for each."""
+    distinct_wl = replace(wl, prompts=wl.prompts * wl.n, n=1, batch_size=wl.batch_size * wl.n)
+    with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
+        path = build_checkpoint(Path(tmp), a, a.layers)
+        model = from_pretrained(path, dtype=dtype, device=device)
+        groups, distinct = build_requests(path, model, wl), build_requests(path, model, distinct_wl)
+    cases = ((groups, wl, True), (groups, wl, False), (distinct, distinct_wl, False))
+    engines = [make_engine(model, requests, w, a, shared_prefix_decode=on) for requests, w, on in cases]
+    steps = decode_step_times(engines, [requests for requests, _, _ in cases], wl.output_len, a.repeats, device)
+    distinct_ms = steps[2]["decode_step_ms"]
+    return {"model": model_summary(model), "prompt_tokens": len(groups[0].prompt.input_ids),
+            "steps": dict(zip(SHARED_PREFIX_CASES, steps)),
+            "shared_over_distinct": steps[0]["decode_step_ms"] / distinct_ms,
+            "plain_over_distinct": steps[1]["decode_step_ms"] / distinct_ms}
+
+
 # ------------------------------------------------------------------------------------------------ report
 
 
@@ -548,6 +585,8 @@ def format_report(report: dict) -> str:
     """The compact table printed at the end of a run."""
     if "host_overhead" in report:
         return format_host_overhead(report)
+    if "shared_prefix" in report:
+        return format_shared_prefix(report)
     wl, r, t = report["workload"], report["rollplex"], report["transformers"]
     samples = wl["prompts"] * wl["n"]
     rl = bool(wl["stop_tokens"])
@@ -619,6 +658,26 @@ def format_host_overhead(report: dict) -> str:
     return "\n".join(lines)
 
 
+def format_shared_prefix(report: dict) -> str:
+    wl, s = report["workload"], report["shared_prefix"]
+    lines = [
+        f"NOTE: {report['note']}",
+        f"model: {s['model']['summary']}; {report['device']} {report['dtype']}, {report['threads']} threads",
+        f"workload: {wl['prompts']} prompts x n={wl['n']} against {wl['prompts'] * wl['n']} distinct prompts, "
+        f"{s['prompt_tokens']} prompt tokens, {wl['output_len']} new tokens each, {report['repeats']} repeats "
+        "after warm-up",
+        "step: a whole engine decode step, each step's minimum over the repeats, averaged over the steps",
+        "",
+        f"{'':<32}{'step ms':>10}{'mean batch':>12}  per repeat mean step ms",
+    ]
+    for name, step in s["steps"].items():
+        lines.append(f"{name:<32}{step['decode_step_ms']:>10.3f}{step['mean_decode_batch']:>12.1f}  "
+                     + " ".join(f"{x:.3f}" for x in step["all_step_ms"]))
+    lines += [f"groups / distinct prompts: shared-prefix decode {s['shared_over_distinct']:.2f}x, "
+              f"plain decode {s['plain_over_distinct']:.2f}x"]
+    return "\n".join(lines)
+
+
 def model_summary(model: Qwen2_5_VL) -> dict:
     text = model.args.text
     params = sum(p.numel() for p in model.parameters())
@@ -683,6 +742,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if a.host_overhead:
         report["host_overhead"] = host_overhead_report(a, wl, device, dtype)
+    elif a.shared_prefix:
+        report["shared_prefix"] = shared_prefix_report(a, wl, device, dtype)
     else:
         report.update(comparison_report(a, wl, device, dtype))
     print(format_report(report))

@@ -191,6 +191,9 @@ class RolloutConfig(_Section):
     """Maximum sequences decoded at once."""
     enforce_eager: bool = False
     """Disable CUDA graphs in decoding."""
+    shared_prefix_decode: bool = False
+    """Decode attention reads each group's shared prompt blocks once per step for all its samples (a CPU torch
+    path; on CUDA the plain paged kernel runs). Off until measured on a GPU (docs/ENGINE.md)."""
 
     def _check_ranges(self) -> None:
         self._require(self.n >= 1, "n", ">= 1")

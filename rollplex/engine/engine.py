@@ -64,6 +64,7 @@ class EngineConfig:
     max_model_len: int = 8192  # prompt + generation, capped by the model's max_position_embeddings
     enforce_eager: bool = False  # no CUDA graphs
     progress: bool = True  # progress line on stderr for long generations (rank 0)
+    shared_prefix_decode: bool = False  # each group's shared prompt blocks read once per decode step (CPU torch path)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -77,7 +78,8 @@ class EngineConfig:
         """The RL loop's engine: the rollout section's blocks, batch and graphs, a pool
         of `num_blocks` (the memory plan's), no progress line (the loop logs its own)."""
         return cls(block_size=rollout.block_size, num_blocks=num_blocks, max_num_seqs=rollout.max_num_seqs,
-                   enforce_eager=rollout.enforce_eager, progress=False)
+                   enforce_eager=rollout.enforce_eager, progress=False,
+                   shared_prefix_decode=rollout.shared_prefix_decode)
 
 
 class Engine:
@@ -91,7 +93,8 @@ class Engine:
         self.cache = KVCache(text.num_hidden_layers, self._num_blocks(kv_heads), cfg.block_size, kv_heads,
                              text.head_dim, self.dtype, self.device)
         self.runner = ModelRunner(model, self.cache, self.max_model_len, cfg.max_num_seqs,
-                                  use_cuda_graphs=not cfg.enforce_eager)
+                                  use_cuda_graphs=not cfg.enforce_eager,
+                                  shared_prefix_decode=cfg.shared_prefix_decode)
         eos = model.args.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.stats: dict[str, float] = {}

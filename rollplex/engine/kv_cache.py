@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollplex.ops.attention import paged_decode_attention, varlen_attention
+from rollplex.ops.attention import CascadeDecodeAttention, paged_decode_attention, varlen_attention
 
 
 class KVCache:
@@ -101,7 +101,8 @@ class PagedAttention:
     Prefill (`block_tables` is None): the packed new tokens of each sequence
     attend to themselves, causally; their k/v are stored in the pool on the way.
     Decode: one new token per sequence attends to its whole context in the pool
-    through its block table.
+    through its block table; with `shared_prefix`, each group's shared prompt
+    blocks are read once for all its rows (CascadeDecodeAttention).
     """
 
     cache: KVCache
@@ -111,6 +112,7 @@ class PagedAttention:
     block_tables: torch.Tensor | None = None  # decode: (batch, max_blocks) int32
     context_lens: torch.Tensor | None = None  # decode: (batch,) int32, including the new token
     backend: str = "torch"
+    shared_prefix: CascadeDecodeAttention | None = None  # decode: the step's groups sharing prompt blocks
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.cache.layer(layer)
@@ -118,4 +120,6 @@ class PagedAttention:
         if self.block_tables is None:
             return varlen_attention(q, k, v, self.cu_seqlens, self.cu_seqlens, self.max_seqlen, self.max_seqlen,
                                     causal=True, backend=self.backend)
+        if self.shared_prefix is not None:
+            return self.shared_prefix(q, k_cache, v_cache)
         return paged_decode_attention(q, k_cache, v_cache, self.block_tables, self.context_lens, self.backend)

@@ -10,6 +10,11 @@ fits, with static input buffers that are refilled before each replay (padded
 rows write into the KV pool's sink block and their logits are dropped). On CPU,
 or with `enforce_eager`, the same decode inputs run eagerly through the same code.
 
+With `shared_prefix_decode`, an eager decode step on CPU attends each GRPO group's
+shared prompt blocks once for all its rows (rollplex.ops.attention.
+CascadeDecodeAttention, a torch path). On CUDA, and in a graph replay, the plain
+paged path runs: a cascade kernel with static shapes is not written yet.
+
 A graph bakes in the addresses it read at capture: each layer's K/V view of the
 pool, every weight and the rotary table. The pool is re-allocated per generate()
 at a size that depends on the batch, so the graphs are keyed on the pool's base
@@ -38,6 +43,7 @@ from rollplex.engine.kv_cache import KVCache, PagedAttention
 from rollplex.engine.sequence import Sequence
 from rollplex.models.inputs import VisionEmbeds
 from rollplex.models.protocol import VisionLanguageModel
+from rollplex.ops.attention import CascadeDecodeAttention
 
 
 @dataclass(frozen=True)
@@ -77,7 +83,7 @@ class GraphAddresses:
 
 class ModelRunner:
     def __init__(self, model: VisionLanguageModel, cache: KVCache, max_model_len: int, max_num_seqs: int,
-                 use_cuda_graphs: bool):
+                 use_cuda_graphs: bool, shared_prefix_decode: bool = False):
         self.model, self.cache = model, cache
         self.device = model.device
         self.block_size = cache.block_size
@@ -88,6 +94,7 @@ class ModelRunner:
         # On CPU the graph bookkeeping can still be exercised (tests set this True):
         # _EagerGraph replays the decode as captured, on the same static buffers.
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
+        self.shared_prefix_decode = shared_prefix_decode and self.device.type == "cpu"
         self.graphs: dict[int, "torch.cuda.CUDAGraph | _EagerGraph"] = {}
         self.graph_logits: dict[int, torch.Tensor] = {}  # each graph's static output
         self.captured: GraphAddresses | None = None  # what the graphs read; anything else needs new graphs
@@ -168,7 +175,7 @@ class ModelRunner:
         self.reserve_rotary(running.max_position)
         inputs = self._decode_inputs(running)
         if not self.use_cuda_graphs or batch > self.max_num_seqs:
-            return self._decode_eager(*inputs).float()
+            return self._decode_eager(*inputs, shared_prefix=self._shared_prefix(running, *inputs[3:])).float()
         if self.addresses_may_have_moved:
             if self.addresses() != self.captured:
                 self.capture()
@@ -206,10 +213,20 @@ class ModelRunner:
         return (running.last_tokens[rows], step.positions, step.slots, running.block_tables[rows, :width],
                 step.lengths.int())
 
-    def _decode_eager(self, ids, positions, slots, tables, lens, cache: KVCache | None = None) -> torch.Tensor:
+    def _shared_prefix(self, running: DecodeBatch, tables: torch.Tensor,
+                       lens: torch.Tensor) -> CascadeDecodeAttention | None:
+        """The step's group-shared attention, when it is on and rows share prompt blocks."""
+        found = running.shared_prefixes(self.block_size) if self.shared_prefix_decode else None
+        if found is None:
+            return None
+        groups, tail_blocks = found
+        return CascadeDecodeAttention(groups, tables, lens, tail_blocks, self.block_size)
+
+    def _decode_eager(self, ids, positions, slots, tables, lens, cache: KVCache | None = None,
+                      shared_prefix: CascadeDecodeAttention | None = None) -> torch.Tensor:
         """The decode forward, on the engine's pool or on `cache` (a graph's captured view of it)."""
         attn = PagedAttention(cache or self.cache, slots, block_tables=tables, context_lens=lens,
-                              backend=self.model.attn_backend)
+                              backend=self.model.attn_backend, shared_prefix=shared_prefix)
         rotary = tuple(self.rotary_table[positions].chunk(2, dim=-1))
         return self.model.logits(self.model.forward_generated(ids, rotary, attn))
 

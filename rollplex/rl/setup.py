@@ -39,7 +39,8 @@ RUN_LENGTH_AND_REPORTING_KEYS = frozenset({
     "trainer.num_threads", "trainer.resume", "trainer.collective_timeout_s",
     "logging.console", "logging.jsonl", "logging.tensorboard", "logging.log_every", "logging.wandb",
     "logging.swanlab", "logging.project", "logging.run_name", "trainer.log_samples_every", "trainer.log_samples",
-    "rollout.max_num_seqs", "rollout.enforce_eager", "rollout.kv_cache_memory", "trainer.device_memory",
+    "rollout.max_num_seqs", "rollout.enforce_eager", "rollout.shared_prefix_decode", "rollout.kv_cache_memory",
+    "trainer.device_memory",
     "trainer.max_tokens_per_micro_batch", "schedule.prefix_memory_budget", "parallel.activation_checkpointing",
     "data.reward_workers",
 })  # fmt: skip
