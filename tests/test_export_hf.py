@@ -131,3 +131,13 @@ def test_export_tool_writes_the_runs_dtype_over_an_earlier_export(tmp_path):
     held = model.state_dict()
     for key, tensor in hf.state_dict().items():
         assert torch.equal(tensor, torch.cat([held[n] for n in hf_key_to_params(key)]).to(torch.bfloat16)), key
+
+
+def test_an_export_into_its_own_model_folder_is_refused_before_anything_is_deleted(tmp_path):
+    import pytest
+
+    source = make_tiny_checkpoint(tmp_path / "source")
+    weights = sorted(p.name for p in source.glob("*.safetensors"))
+    with pytest.raises(ValueError, match="is the model folder it reads"):
+        export_hf(from_pretrained(source, dtype=torch.float32), source / ".", source)
+    assert sorted(p.name for p in source.glob("*.safetensors")) == weights and weights

@@ -148,3 +148,17 @@ def test_help_lists_the_budgets(capsys, monkeypatch):
         assert option in out, option
     # And the command line sets them.
     assert load_config(["--data.max_pixels", "50176", "--data.video_max_frames", "8"]).data.max_pixels == 50176
+
+
+def test_a_transformers_video_processor_keeps_its_frame_cap_when_made_torch_free(processor):
+    """A processor loaded elsewhere (AutoProcessor, with torchvision) is redone the torchvision-free way with its
+    own numbers, its frame cap among them."""
+    from types import SimpleNamespace
+
+    from rollplex.data.processor import torch_free
+
+    vp = processor.video_processor
+    theirs = SimpleNamespace(patch_size=vp.patch_size, temporal_patch_size=vp.temporal_patch_size,
+                             merge_size=vp.merge_size, size=dict(vp.size), image_mean=vp.image_mean,
+                             image_std=vp.image_std, rescale_factor=vp.rescale_factor, max_frames=6)
+    assert torch_free(theirs).max_frames == 6 and torch_free(theirs).size == vp.size

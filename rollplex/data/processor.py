@@ -325,4 +325,5 @@ def torch_free(vp: Any) -> TorchFreeQwen2VLVideoProcessor:
         image_mean=vp.image_mean,
         image_std=vp.image_std,
         rescale_factor=vp.rescale_factor,
+        max_frames=getattr(vp, "max_frames", None),  # transformers' frame cap, where it has one
     )

@@ -176,15 +176,10 @@ def save_pretrained(model: Qwen2_5_VL, path: str | os.PathLike, max_shard_bytes:
     path.mkdir(parents=True, exist_ok=True)
     config = hf_config if hf_config is not None else hf_config_from_args(model.args)
     (path / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key in sorted(tensors):
-        nbytes = tensors[key].numel() * tensors[key].element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = tensors[key]
-        size += nbytes
+    index = hub_file_index({key: tensors[key] for key in sorted(tensors)}, max_shard_bytes)
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(max(index.values()))]
+    for key, file in index.items():
+        shards[file - 1][key] = tensors[key]
     metadata = {"format": "pt"}
     if len(shards) == 1:
         save_file(shards[0], path / SINGLE_NAME, metadata=metadata)
@@ -197,3 +192,16 @@ def save_pretrained(model: Qwen2_5_VL, path: str | os.PathLike, max_shard_bytes:
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (path / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                               indent=2) + "\n")
+
+
+def hub_file_index(tensors: dict[str, torch.Tensor], max_file_bytes: int) -> dict[str, int]:
+    """{key: its file's number, from 1}: keys in order, a new file when the next
+    tensor would take the current one past `max_file_bytes` (a tensor larger than
+    that gets a file of its own; a DTensor counts its whole size)."""
+    index, file, size = {}, 1, 0
+    for key, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if size and size + nbytes > max_file_bytes:
+            file, size = file + 1, 0
+        index[key], size = file, size + nbytes
+    return index

@@ -202,6 +202,15 @@ class RLTrainer:
             save_config(cfg, self.out / "config.yaml")
         if cfg.trainer.val_before_train and self.step == 0 and (before := self.evaluate()):
             self.logger.log(0, before)  # the starting point of the val/score curve
+        try:
+            self._train_steps()
+            if cfg.trainer.save_hf:
+                self._save_hf()
+        finally:  # a run that stops on an error still flushes its trackers and stops its reward workers
+            self.logger.close()
+            self.reward_scorer.close()
+
+    def _train_steps(self) -> None:
         batches = self._batches(self.step)
         # The next batch is prepared in the background while this step runs; the rows skipped so far go with it.
         with Prefetcher(lambda: (next(batches), self.data.skipped)) as upcoming:
@@ -211,10 +220,6 @@ class RLTrainer:
                 _kill_if_asked(self.step, self.rank)
                 metrics = self.train_step(examples, data_s=upcoming.wait_s)
                 self._after_step(metrics)
-        if cfg.trainer.save_hf:
-            self._save_hf()
-        self.logger.close()
-        self.reward_scorer.close()
 
     def _after_step(self, metrics: dict[str, float]) -> None:
         """Evaluate, log and save as the step's number asks."""

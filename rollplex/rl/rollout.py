@@ -10,6 +10,7 @@ prompt, each with its samples' tokens, the engine's logprobs and finish reasons.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import cached_property
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
@@ -41,17 +42,18 @@ class Rollout:
         texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for g in groups for s in g.samples]
         return cls(examples, groups, texts, prefix)
 
-    @property
+    # The per-sample views are built once: the groups do not change after `of`.
+    @cached_property
     def samples(self) -> list[Sample]:
         """Every sample, group by group: the order of the per-sample lists (rewards, advantages)."""
         return [s for g in self.groups for s in g.samples]
 
-    @property
+    @cached_property
     def logprobs(self) -> list[torch.Tensor]:
         """The engine's logprobs of each sample's tokens."""
         return [torch.tensor(s.logprobs) for s in self.samples]
 
-    @property
+    @cached_property
     def finish_reasons(self) -> list[str]:
         return [s.finish_reason for s in self.samples]
 

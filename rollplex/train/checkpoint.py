@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from rollplex.dist import all_reduce_values, full_tensor, rank
 from rollplex.models import Qwen2_5_VL
-from rollplex.models.loader import CONFIG_NAME, INDEX_NAME
+from rollplex.models.loader import CONFIG_NAME, INDEX_NAME, hub_file_index
 from rollplex.models.qwen2_5_vl.hf import hf_config_from_args, hf_key_to_params, param_to_hf_key
 
 MARKER = "COMPLETE.json"
@@ -378,9 +378,12 @@ def export_hf(model: Qwen2_5_VL, out_dir: str | Path, source_dir: str | Path | N
     vision block's fused qkv, whose three parts are sharded apart: those are
     gathered, a few MB per block."""
     out_dir = Path(out_dir)
+    if source_dir is not None and out_dir.resolve() == Path(source_dir).resolve():
+        # Checked on every rank, before any barrier: the export would delete the model it copies its files from.
+        raise ValueError(f"the Hugging Face export folder {out_dir} is the model folder it reads: choose another")
     dtype = dtype or next(model.parameters()).dtype
     tensors = _hf_tensors(model, dtype)
-    writer = HuggingFaceStorageWriter(str(out_dir), fqn_to_index_mapping=_file_index(tensors, max_file_bytes),
+    writer = HuggingFaceStorageWriter(str(out_dir), fqn_to_index_mapping=hub_file_index(tensors, max_file_bytes),
                                       save_distributed=True, enable_consolidation=True)
     shards = Path(writer.path)  # each rank's files, out_dir/sharded
     if rank() == 0:
@@ -410,18 +413,6 @@ def _hf_tensors(model: Qwen2_5_VL, dtype: torch.dtype) -> dict[str, torch.Tensor
         tensor = torch.cat([full_tensor(p) for p in parts]) if len(parts) > 1 else parts[0]
         tensors[key] = tensor.detach().to(dtype)
     return tensors
-
-
-def _file_index(tensors: dict[str, torch.Tensor], max_file_bytes: int) -> dict[str, int]:
-    """{key: its file's number, from 1}: keys in order, a new file when the next
-    tensor would take the current one past `max_file_bytes`."""
-    index, file, size = {}, 1, 0
-    for key, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()  # a DTensor's numel is its global one
-        if size and size + nbytes > max_file_bytes:
-            file, size = file + 1, 0
-        index[key], size = file, size + nbytes
-    return index
 
 
 def _remove_weight_files(out_dir: Path, shards: Path) -> None:
