@@ -249,3 +249,28 @@ def compute_score(reward_inputs):
 def test_validation_responses_reach_a_batch_reward_with_their_tokens(tmp_path):
     trainer = tiny_run(tmp_path, EASYR1_TOKEN_LENGTH_REWARD)
     assert trainer.evaluate() == {"val/score": 1.0}  # every greedy response has at least one token
+
+
+# EasyR1's dapo.py shape: the reward needs the run's maximum response length, given by data.reward_kwargs.
+EASYR1_WITH_KWARGS = '''
+def compute_score(reward_inputs, max_response_length, overlong_buffer_length=0):
+    return [{"overall": 1.0 - len(r["response"]) / max_response_length, "buffer": overlong_buffer_length}
+            for r in reward_inputs]
+'''
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_reward_kwargs_reach_every_call(tmp_path, workers):
+    fn = write(tmp_path / "dapo.py", EASYR1_WITH_KWARGS)
+    kwargs = DataConfig(reward_kwargs='{"max_response_length": 8, "overlong_buffer_length": 2}')
+    with RewardScorer(f"{fn}:compute_score", workers=workers, kwargs=kwargs.reward_keyword_arguments()) as scorer:
+        result = scorer.score(["ab", "abcd"], ["", ""])
+    assert scorer.kind == "easyr1" and result.scores == [0.75, 0.5] and result.errors == 0
+    assert [c["buffer"] for c in result.components] == [2, 2]
+
+
+def test_reward_kwargs_must_be_a_json_object():
+    with pytest.raises(ConfigError, match="data.reward_kwargs is not JSON"):
+        DataConfig(reward_kwargs="max_response_length=8")
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        DataConfig(reward_kwargs="[8]")

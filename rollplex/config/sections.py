@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -322,6 +323,9 @@ class DataConfig(_Section):
     reward_score_key: str = ""
     """The entry of a dict result that is the score; empty = "overall" (EasyR1) or "score" (verl), whichever it has.
     Every number in a dict result is logged as reward/<name>/mean."""
+    reward_kwargs: str = ""
+    """Keyword arguments for the reward function on every call, as a JSON object, e.g. '{"max_response_length":
+    512}' (verl's custom_reward_function.reward_kwargs, EasyR1's reward_function_kwargs); empty = none."""
     seed: int = 0
     """Seed for shuffling and synthetic data."""
 
@@ -340,6 +344,19 @@ class DataConfig(_Section):
             # The built-in tasks build their own prompts: set there, either would be silently ignored.
             self._require(not getattr(self, name) or bool(self.train_files), name,
                           "empty without data.train_files (the built-in task keeps its prompts)")
+        self.reward_keyword_arguments()  # a malformed value stops the run here, not at the first scoring
+
+    def reward_keyword_arguments(self) -> dict[str, Any]:
+        """data.reward_kwargs as a dict."""
+        if not self.reward_kwargs:
+            return {}
+        try:
+            kwargs = json.loads(self.reward_kwargs)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"data.reward_kwargs is not JSON ({e}): {self.reward_kwargs!r}") from None
+        if not isinstance(kwargs, dict):
+            raise ConfigError(f"data.reward_kwargs must be a JSON object, got {self.reward_kwargs!r}")
+        return kwargs
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -129,7 +130,7 @@ def _die_with(trainer_pid: int) -> None:
         os._exit(1)
 
 
-def _serve(fd: int, spec: str, kind: str, score_key: str, trainer_pid: int) -> None:
+def _serve(fd: int, spec: str, kind: str, score_key: str, kwargs_json: str, trainer_pid: int) -> None:
     """A worker process: load the reward, say so (("", its kind), or (the load error,
     "")), then score chunks of samples until the trainer closes the pipe."""
     _die_with(trainer_pid)
@@ -137,7 +138,7 @@ def _serve(fd: int, spec: str, kind: str, score_key: str, trainer_pid: int) -> N
     conn = Connection(fd)
     with contextlib.suppress(EOFError, ConnectionError):  # the trainer closed the pipe: we are done
         try:
-            reward = Reward(spec, kind)
+            reward = Reward(spec, kind, json.loads(kwargs_json))
         except Exception as e:  # noqa: BLE001 - reported to the trainer, which raises it
             conn.send((_describe(e), ""))
             return
@@ -152,11 +153,13 @@ def _exit_reason(code: int) -> str:
 
 @dataclass(frozen=True)
 class _RewardSpec:
-    """What a worker loads: the function, its calling convention and a dict result's score entry."""
+    """What a worker loads: the function, its calling convention, a dict result's score entry
+    and the keyword arguments of every call (JSON)."""
 
     spec: str
     kind: str = "auto"
     score_key: str = ""
+    kwargs_json: str = "{}"
 
 
 @dataclass(eq=False)  # workers are told apart by identity
@@ -180,7 +183,7 @@ class _Worker:
         conn, child_conn = Pipe()
         boot = (f"import sys; sys.path[:] = {[str(entry) for entry in sys.path]!r}; "
                 f"from rollplex.data.reward_scoring import _serve; _serve({child_conn.fileno()}, {reward.spec!r}, "
-                f"{reward.kind!r}, {reward.score_key!r}, {os.getpid()})")
+                f"{reward.kind!r}, {reward.score_key!r}, {reward.kwargs_json!r}, {os.getpid()})")
         process = subprocess.Popen([sys.executable, "-c", boot], pass_fds=[child_conn.fileno()])
         child_conn.close()  # the worker holds the only other end: its death reads as EOF here
         return cls(process, conn, time.monotonic() + _START_TIMEOUT_S)
@@ -310,11 +313,12 @@ class RewardScorer:
     """
 
     def __init__(self, spec: str, workers: int = -1, timeout_s: float = 60.0, kind: str = "auto",
-                 score_key: str = ""):
+                 score_key: str = "", kwargs: dict[str, Any] | None = None):
         self.spec, self.timeout_s, self.score_key = spec, timeout_s, score_key
         self.workers = (0 if ":" not in spec else USER_REWARD_WORKERS) if workers == -1 else workers
-        self._reward = Reward(spec, kind) if self.workers == 0 else None
-        self._pool = _WorkerPool(_RewardSpec(spec, kind, score_key), self.workers, timeout_s) if self.workers else None
+        self._reward = Reward(spec, kind, kwargs) if self.workers == 0 else None
+        self._pool = _WorkerPool(_RewardSpec(spec, kind, score_key, json.dumps(kwargs or {})), self.workers,
+                                 timeout_s) if self.workers else None
         self.kind = self._reward.kind if self._reward else self._pool.kind  # the calling convention in use
 
     def score(self, responses: Sequence[str], answers: Sequence[str], response_ids: Sequence[list[int]] | None = None,

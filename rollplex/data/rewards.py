@@ -351,16 +351,17 @@ _BATCH_CALLS: dict[str, Callable[[Callable, Sequence[RewardSample]], Any]] = {
 class Reward:
     """A reward function (see `load_reward` for `spec`) with its calling convention:
     `kind` one of REWARD_KINDS, or "auto" to take it from the parameter names
-    (`detect_kind`). Calling it on samples returns their raw results, one each (a
+    (`detect_kind`), and `kwargs` added to every call. Calling it on samples returns their raw results, one each (a
     number, or a dict whose score `score_of` finds); a `batched` kind takes many
     samples in one call of the function, the others one call per sample."""
 
-    def __init__(self, spec: str, kind: str = "auto"):
+    def __init__(self, spec: str, kind: str = "auto", kwargs: dict[str, Any] | None = None):
         self.spec = spec
-        self.fn = load_reward(spec)
+        fn = load_reward(spec)
         if kind not in ("auto", *REWARD_KINDS):
             raise ValueError(f"unknown reward kind {kind!r}: use auto or one of {', '.join(REWARD_KINDS)}")
-        self.kind = detect_kind(self.fn) if kind == "auto" else kind
+        self.kind = detect_kind(fn) if kind == "auto" else kind
+        self.fn = functools.partial(fn, **kwargs) if kwargs else fn  # data.reward_kwargs, on every call
         self.batched = self.kind in BATCH_KINDS
 
     def __call__(self, samples: Sequence[RewardSample]) -> list[Any]:

@@ -117,8 +117,9 @@ class RLTrainer:
             self.actor = Actor(self.model, ActorConfig.from_config(cfg, self.memory.sizes.micro_batch_tokens),
                                self.dp_group, lr_lambda=lr_schedule(t.lr_schedule, t.warmup_steps,
                                                                     self.total_steps * cfg.algorithm.updates_per_batch))
-        self.reward_scorer = RewardScorer(cfg.data.reward, cfg.data.reward_workers, cfg.data.reward_timeout_s,
-                                          cfg.data.reward_kind, cfg.data.reward_score_key)
+        d = cfg.data
+        self.reward_scorer = RewardScorer(d.reward, d.reward_workers, d.reward_timeout_s, d.reward_kind,
+                                          d.reward_score_key, d.reward_keyword_arguments())
         self.gpu_sampler = GpuSampler(device=self.device.index if self.device.type == "cuda" else None)
 
     def _load_models(self, path: Path) -> None:
