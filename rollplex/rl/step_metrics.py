@@ -65,23 +65,17 @@ def gather_metrics(rollout: Rollout, rewards: RewardScores, actor: dict[str, flo
 
 def reward_component_means(components: list[dict[str, float]], group: dist.ProcessGroup | None) -> dict[str, float]:
     """reward/<name>/mean of each entry of a reward's dict results (EasyR1's format and
-    accuracy, ...), over the samples of every dp rank that have it."""
-    sums: dict[str, list[float]] = {}
-    for rank_sums in all_gather_objects(_component_sums(components), group):  # ranks may see different entries
-        for name, (total, count) in rank_sums.items():
-            entry = sums.setdefault(name, [0.0, 0])
-            entry[0] += total
-            entry[1] += count
-    return {f"reward/{name}/mean": total / count for name, (total, count) in sorted(sums.items())}
-
-
-def _component_sums(components: list[dict[str, float]]) -> dict[str, tuple[float, int]]:
-    sums: dict[str, tuple[float, int]] = {}
+    accuracy, ...), over the samples of every dp rank that have it (ranks may see different entries)."""
+    totals, counts = Counter(), Counter()  # Counter.update adds (and keeps zero and negative sums, unlike +)
     for sample in components:
-        for name, value in sample.items():
-            total, count = sums.get(name, (0.0, 0))
-            sums[name] = (total + value, count + 1)
-    return sums
+        totals.update(sample)
+        counts.update(sample.keys())
+    every = all_gather_objects((dict(totals), dict(counts)), group)
+    totals, counts = Counter(), Counter()
+    for rank_totals, rank_counts in every:
+        totals.update(rank_totals)
+        counts.update(rank_counts)
+    return {f"reward/{name}/mean": totals[name] / counts[name] for name in sorted(counts)}
 
 
 class RewardsFailed(RuntimeError):
