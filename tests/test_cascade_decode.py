@@ -13,10 +13,11 @@ from rollplex.ops.attention import CascadeDecodeAttention, PrefixGroups, paged_d
 BLOCK = 4
 
 
-def random_batch(groups: list[tuple[int, int]], singles: list[int], tails: list[int], seed: int = 0):
+def random_batch(groups: list[tuple[int, int]], singles: list[int], tails: list[int], seed: int = 0,
+                 block_size: int = BLOCK):
     """Block tables and context lengths of a decode batch: each (members, prefix blocks)
     group's rows share their first blocks, then own `tails[row]` tokens; a single row
-    owns all of its `singles` blocks' worth of tokens, its last block partial."""
+    owns `singles[i]` tokens, its last block partial."""
     g = torch.Generator().manual_seed(seed)
     next_block, tables, lens, members, prefix_tables = 0, [], [], [], []
 
@@ -32,11 +33,11 @@ def random_batch(groups: list[tuple[int, int]], singles: list[int], tails: list[
         prefix_tables.append(prefix)
         for _ in range(size):
             tail = tails[row]
-            tables.append(prefix + take(-(-tail // BLOCK)))
-            lens.append(prefix_blocks * BLOCK + tail)
+            tables.append(prefix + take(-(-tail // block_size)))
+            lens.append(prefix_blocks * block_size + tail)
             row += 1
     for tokens in singles:
-        tables.append(take(-(-tokens // BLOCK)))
+        tables.append(take(-(-tokens // block_size)))
         lens.append(tokens)
     width = max(map(len, tables))
     sink = next_block

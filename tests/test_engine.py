@@ -324,3 +324,36 @@ def test_greedy_with_shared_prefix_decode_equals_transformers(model, hf):
     for r, out in zip(requests, engine.generate(requests, GREEDY)):
         expected = hf_greedy(hf, r, GREEDY.max_tokens)
         assert [s.token_ids for s in out.samples] == [expected, expected]
+
+
+@pytest.mark.parametrize("num_blocks, params, preempts", [(256, STOPS, False), (30, FULL_LENGTH, True)],
+                         ids=["finishing", "preempting"])
+def test_decode_graphs_sample_the_same_with_shared_prefix_decode(model, monkeypatch, num_blocks, params, preempts):
+    """Decode graphs captured with the cascade over static group buffers (on CPU the
+    stand-in replays them as captured), refilled as groups change: groups of 5 rows
+    cut into 4 + 1 by the group width, shrinking as samples finish or are preempted."""
+    requests = mixed_requests(n=5)
+    plain = Engine(model, EngineConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, enforce_eager=True))
+    graphed = Engine(model, EngineConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, max_num_seqs=20,
+                                         max_model_len=64, shared_prefix_decode=True))
+    graphed.runner.use_cuda_graphs = True  # on CPU: the stand-in
+    graphed.runner.prefix_group_width = 4
+    fills = []
+    fill = graphed.runner._fill_prefix_groups
+
+    def spy(batch, groups):
+        fill(batch, groups)
+        if groups is not None:
+            fills.append(sorted(int(n) for n in (groups.members < batch).sum(1)))
+
+    monkeypatch.setattr(graphed.runner, "_fill_prefix_groups", spy)
+    shared = graphed.generate(requests, params)
+    assert graphed.runner.captures == 1 and list(graphed.runner.graphs) == [20, 16, 8, 4, 2, 1]
+    # Groups hold at most 4 rows; a piece of 1 row is a group of 5 cut (a single row is no group by itself).
+    assert max(map(max, fills)) == 4 and any(1 in pieces for pieces in fills)
+    assert any(sum(before) > sum(after) for before, after in zip(fills, fills[1:]))
+    assert (graphed.stats["preemptions"] > 0) == preempts
+    for a, b in zip(plain.generate(requests, params), shared):
+        for x, y in zip(a.samples, b.samples):
+            assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
+            assert (torch.tensor(x.logprobs) - torch.tensor(y.logprobs)).abs().max() <= 1e-5

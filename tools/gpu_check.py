@@ -210,9 +210,69 @@ def _time_triton_against_gather(device: str) -> dict:
     from rollplex.ops.paged_decode_triton import paged_decode_attention_triton
 
     case = _paged_case(device, 64, 2, 64)
+    return _time_ms({"triton": lambda: paged_decode_attention_triton(*case),
+                     "gather_sdpa": lambda: _paged_reference(*case)})
+
+
+def _cascade_case(device: str, groups: int, members: int, prefix_blocks: int, tail_tokens: int, seed: int = 0):
+    """A decode batch of `groups` groups of `members` rows sharing `prefix_blocks` blocks of 16
+    tokens, each row with up to `tail_tokens` of its own after them, and two rows in no group:
+    the paged inputs and the step's CascadeDecodeAttention (bf16 on CUDA)."""
+    from rollplex.ops.attention import CascadeDecodeAttention, PrefixGroups
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    dtype = torch.bfloat16 if _cuda(device) else torch.float32  # the CPU interpreter has no bf16
+    kv_heads, heads, dim, block = 2, 16, 128, 16
+    tail_blocks = -(-tail_tokens // block)
+    batch = groups * members + 2
+    rows_blocks = torch.randperm(groups * prefix_blocks + batch * (prefix_blocks + tail_blocks), generator=g)
+    prefixes = rows_blocks[:groups * prefix_blocks].view(groups, prefix_blocks)
+    own = rows_blocks[groups * prefix_blocks:].view(batch, prefix_blocks + tail_blocks)
+    tables = own.clone()
+    tables[:groups * members, :prefix_blocks] = prefixes.repeat_interleave(members, 0)
+    lens = torch.randint(1, tail_tokens + 1, (batch,), generator=g) + prefix_blocks * block
+    sink = int(rows_blocks.max()) + 1
+    on_device = torch.Generator(device=device).manual_seed(seed)  # the pool is large: drawn where it lives
+    k = torch.randn(sink + 1, block, kv_heads, dim, generator=on_device, device=device).to(dtype)
+    v = torch.randn(sink + 1, block, kv_heads, dim, generator=on_device, device=device).to(dtype)
+    q = torch.randn(batch, heads, dim, generator=g).to(device, dtype)
+    layout = PrefixGroups.build([list(range(i * members, (i + 1) * members)) for i in range(groups)],
+                                prefixes.tolist(), batch, sink, block, torch.device(device))
+    tables, lens = tables.to(device, torch.int32), lens.to(device, torch.int32)
+    return q, k, v, tables, lens, CascadeDecodeAttention(layout, tables, lens, tables.shape[1], block)
+
+
+def check_cascade_decode_triton(device: str) -> dict:
+    """The Triton group-shared (cascade) decode kernel, which CascadeDecodeAttention runs on
+    CUDA, against the fp32 gather reference of plain paged decode; on CUDA also its time
+    against the plain Triton paged kernel at 256 rows in 32 groups of 8 over 4096-token
+    prompts (what the cascade is for: each group's prompt K/V read once, not 8 times)."""
+    from rollplex.ops.cascade_decode_triton import cascade_decode_attention_triton
+    from rollplex.ops.paged_decode_triton import paged_decode_attention_triton
+
+    cuda = _cuda(device)
+    q, k, v, tables, lens, cascade = _cascade_case(device, *((4, 8, 16, 40) if cuda else (2, 4, 3, 5)))
+    g = cascade.groups
+    out = cascade_decode_attention_triton(q, k, v, g.members, g.prefix_tables, g.prefix_lens, cascade.tail_tables,
+                                          cascade.tail_lens)
+    err = (out.float() - _paged_reference(q, k, v, tables, lens)).abs().max().item()
+    dispatched = not cuda or torch.equal(cascade(q, k, v), out)  # CascadeDecodeAttention runs the kernel on CUDA
+    result: dict = {"max_abs_err": err, "dispatched_to_triton": dispatched, "ok": err < 2e-2 and dispatched,
+                    "criterion": "max abs error < 2e-2 (bf16) against the fp32 gather reference; "
+                                 "CascadeDecodeAttention runs the kernel on CUDA"}
+    if cuda:
+        q, k, v, tables, lens, cascade = _cascade_case(device, 32, 8, 256, 256, seed=1)
+        result["timing_ms_256_rows_4k_prompts"] = timings = _time_ms({
+            "cascade": lambda: cascade(q, k, v),
+            "plain_triton": lambda: paged_decode_attention_triton(q, k, v, tables, lens)})
+        timings["cascade_over_plain"] = timings["cascade"] / timings["plain_triton"]
+    return result
+
+
+def _time_ms(calls: dict) -> dict:
+    """Mean CUDA time of each call over 20 runs, after one warm-up run."""
     timings = {}
-    for name, fn in (("triton", lambda: paged_decode_attention_triton(*case)),
-                     ("gather_sdpa", lambda: _paged_reference(*case))):
+    for name, fn in calls.items():
         fn()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -460,9 +520,10 @@ def check_forward_timing(device: str) -> dict:
 
 
 def check_gpu_tests(device: str) -> dict:
-    """tests/paged_decode_triton_cases.py, compiled on the GPU (in the interpreter on the CPU), and on
-    CUDA the test files with CUDA cases, which skip them on a CPU: none may be skipped there."""
-    files = ["tests/paged_decode_triton_cases.py"]
+    """tests/paged_decode_triton_cases.py and tests/cascade_decode_triton_cases.py, compiled on the GPU (in
+    the interpreter on the CPU), and on CUDA the test files with CUDA cases, which skip them on a CPU: none
+    may be skipped there."""
+    files = ["tests/paged_decode_triton_cases.py", "tests/cascade_decode_triton_cases.py"]
     if _cuda(device):
         files += ["tests/test_cuda_graphs.py", "tests/test_sampler.py",
                   "tests/test_nonfinite.py::test_a_weight_gone_bad_under_a_decode_graph_is_caught_and_located"]
@@ -478,6 +539,7 @@ def check_gpu_tests(device: str) -> dict:
 CHECKS = {
     "model_parity_bf16": check_model_parity_bf16,
     "paged_decode_triton": check_paged_decode_triton,
+    "cascade_decode_triton": check_cascade_decode_triton,
     "engine_cuda_graphs": check_engine_cuda_graphs,
     "overlap_step": check_overlap_step,
     "bench_schedules": check_bench_schedules,
@@ -485,7 +547,7 @@ CHECKS = {
     "forward_timing_3b": check_forward_timing,
     "gpu_tests": check_gpu_tests,
 }
-INTERPRETED_ON_CPU = ("paged_decode_triton", "gpu_tests")  # Triton's interpreter on the CPU
+INTERPRETED_ON_CPU = ("paged_decode_triton", "cascade_decode_triton", "gpu_tests")  # Triton's interpreter on the CPU
 ARTIFACTS = Path(".")  # where checks write files beyond the JSON report (set next to --out)
 
 

@@ -193,8 +193,8 @@ class RolloutConfig(_Section):
     enforce_eager: bool = False
     """Disable CUDA graphs in decoding."""
     shared_prefix_decode: bool = False
-    """Decode attention reads each group's shared prompt blocks once per step for all its samples (a CPU torch
-    path; on CUDA the plain paged kernel runs). Off until measured on a GPU (docs/ENGINE.md)."""
+    """Decode attention reads each group's shared prompt blocks once per step for all its samples (a Triton
+    kernel on CUDA, in the decode graphs too; a torch path on CPU). Off until measured on a GPU (docs/ENGINE.md)."""
 
     def _check_ranges(self) -> None:
         self._require(self.n >= 1, "n", ">= 1")

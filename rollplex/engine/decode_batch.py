@@ -86,9 +86,9 @@ class DecodeBatch:
     def _set_rows(self, rows: np.ndarray) -> None:
         self.rows, self.device_rows = rows, torch.from_numpy(rows).to(self.device)
         self._step_inputs: StepInputs | None = None  # made when first asked for, until a length or row changes
-        # The rows that share prompt blocks and, per row, how many (host): found when first asked for, until a
-        # row joins or leaves (a group shrinks as its samples finish or are preempted).
-        self._prefix_groups: tuple[PrefixGroups | None, np.ndarray] | None = None
+        # The rows that share prompt blocks and, per row, how many (host), for a group width: found when first
+        # asked for, until a row joins or leaves (a group shrinks as its samples finish or are preempted).
+        self._prefix_groups: tuple[int, PrefixGroups | None, np.ndarray] | None = None
 
     def join(self, seqs: list[Sequence]) -> int:
         """Start decoding `seqs` (whose next token is still to be sampled) after the
@@ -171,19 +171,21 @@ class DecodeBatch:
             self._step_inputs = StepInputs(on_device, positions, slots, u.view(torch.float64), int(lengths.max()))
         return self._step_inputs
 
-    def shared_prefixes(self, block_size: int) -> tuple[PrefixGroups, int] | None:
-        """The running rows that share their group's full prompt blocks, and the most
-        blocks any row holds past the ones it shares (its tail), for this step; None
-        when no two rows share a block."""
-        if self._prefix_groups is None:
-            self._prefix_groups = self._find_prefix_groups(block_size)
-        groups, shared_blocks = self._prefix_groups
+    def shared_prefixes(self, block_size: int, group_width: int) -> tuple[PrefixGroups, int] | None:
+        """The running rows that share their group's full prompt blocks, in groups of at
+        most `group_width` rows (a larger group is cut: each piece reads the prompt once),
+        and the most blocks any row holds past the ones it shares (its tail), for this
+        step; None when no two rows share a block. The same PrefixGroups object until a
+        row joins or leaves."""
+        if self._prefix_groups is None or self._prefix_groups[0] != group_width:
+            self._prefix_groups = (group_width, *self._find_prefix_groups(block_size, group_width))
+        _, groups, shared_blocks = self._prefix_groups
         if groups is None:
             return None
         lengths = self.lengths[self.rows]
         return groups, int((-(-lengths // block_size) - shared_blocks).max())
 
-    def _find_prefix_groups(self, block_size: int) -> tuple[PrefixGroups | None, np.ndarray]:
+    def _find_prefix_groups(self, block_size: int, group_width: int) -> tuple[PrefixGroups | None, np.ndarray]:
         """Live sequences hold the same block only when they forked from one prompt, and
         then share all of its full blocks (never copied: copy-on-write touches only a
         partial last block), so the first block identifies a group. A sequence recomputed
@@ -192,7 +194,8 @@ class DecodeBatch:
         for i, s in enumerate(self.seqs):
             if s.num_prompt >= block_size:
                 members.setdefault(s.block_table[0], []).append(i)
-        groups = [rows for rows in members.values() if len(rows) > 1]
+        groups = [rows[i:i + group_width] for rows in members.values() if len(rows) > 1
+                  for i in range(0, len(rows), group_width)]
         if not groups:
             return None, np.zeros(0, np.int64)
         tables = [self.seqs[rows[0]].block_table[:self.seqs[rows[0]].num_prompt // block_size] for rows in groups]

@@ -64,7 +64,7 @@ class EngineConfig:
     max_model_len: int = 8192  # prompt + generation, capped by the model's max_position_embeddings
     enforce_eager: bool = False  # no CUDA graphs
     progress: bool = True  # progress line on stderr for long generations (rank 0)
-    shared_prefix_decode: bool = False  # each group's shared prompt blocks read once per decode step (CPU torch path)
+    shared_prefix_decode: bool = False  # each group's shared prompt blocks read once per decode step (cascade)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):

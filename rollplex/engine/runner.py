@@ -10,10 +10,17 @@ fits, with static input buffers that are refilled before each replay (padded
 rows write into the KV pool's sink block and their logits are dropped). On CPU,
 or with `enforce_eager`, the same decode inputs run eagerly through the same code.
 
-With `shared_prefix_decode`, an eager decode step on CPU attends each GRPO group's
-shared prompt blocks once for all its rows (rollplex.ops.attention.
-CascadeDecodeAttention, a torch path). On CUDA, and in a graph replay, the plain
-paged path runs: a cascade kernel with static shapes is not written yet.
+With `shared_prefix_decode`, a decode step attends each GRPO group's shared prompt
+blocks once for all its rows (rollplex.ops.attention.CascadeDecodeAttention: the
+Triton kernel of rollplex/ops/cascade_decode_triton.py on CUDA, a torch path on
+CPU), eagerly or in a graph. A group holds at most `prefix_group_width` rows (the
+kernel's tile: a larger group is cut into pieces, each reading the prompt once),
+so a graph needs no recapture and no eager fallback for any group size: its
+static group buffers hold half the bucket's rows of groups (cut groups number no
+more), that many rows each, prefix tables as wide as the block tables, and tails
+over the full table width; they are refilled only when a row joins or leaves.
+Its graphs are captured with the cascade, and a step without groups replays them
+with padding groups only.
 
 A graph bakes in the addresses it read at capture: each layer's K/V view of the
 pool, every weight and the rotary table. The pool is re-allocated per generate()
@@ -43,7 +50,8 @@ from rollplex.engine.kv_cache import KVCache, PagedAttention
 from rollplex.engine.sequence import Sequence
 from rollplex.models.inputs import VisionEmbeds
 from rollplex.models.protocol import VisionLanguageModel
-from rollplex.ops.attention import CascadeDecodeAttention
+from rollplex.ops.attention import CascadeDecodeAttention, PrefixGroups
+from rollplex.ops.cascade_decode_triton import prefix_group_width
 
 
 @dataclass(frozen=True)
@@ -94,7 +102,10 @@ class ModelRunner:
         # On CPU the graph bookkeeping can still be exercised (tests set this True):
         # _EagerGraph replays the decode as captured, on the same static buffers.
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
-        self.shared_prefix_decode = shared_prefix_decode and self.device.type == "cpu"
+        self.shared_prefix_decode = shared_prefix_decode
+        text = model.args.text
+        self.prefix_group_width = prefix_group_width(text.num_attention_heads // text.num_key_value_heads)
+        self.filled_prefix_groups: PrefixGroups | None = None  # what the static group buffers hold
         self.graphs: dict[int, "torch.cuda.CUDAGraph | _EagerGraph"] = {}
         self.graph_logits: dict[int, torch.Tensor] = {}  # each graph's static output
         self.captured: GraphAddresses | None = None  # what the graphs read; anything else needs new graphs
@@ -174,8 +185,10 @@ class ModelRunner:
         batch = len(running)
         self.reserve_rotary(running.max_position)
         inputs = self._decode_inputs(running)
+        groups = (running.shared_prefixes(self.block_size, self.prefix_group_width)
+                  if self.shared_prefix_decode else None)
         if not self.use_cuda_graphs or batch > self.max_num_seqs:
-            return self._decode_eager(*inputs, shared_prefix=self._shared_prefix(running, *inputs[3:])).float()
+            return self._decode_eager(*inputs, prefix_groups=groups).float()
         if self.addresses_may_have_moved:
             if self.addresses() != self.captured:
                 self.capture()
@@ -190,6 +203,8 @@ class ModelRunner:
                 buf[:batch, value.shape[1]:] = self.cache.sink_block
             else:
                 buf[:batch].copy_(value)
+        if self.shared_prefix_decode:
+            self._fill_prefix_groups(batch, None if groups is None else groups[0])
         self.graphs[bucket].replay()
         return self.graph_logits[bucket][:batch].float()
 
@@ -213,18 +228,15 @@ class ModelRunner:
         return (running.last_tokens[rows], step.positions, step.slots, running.block_tables[rows, :width],
                 step.lengths.int())
 
-    def _shared_prefix(self, running: DecodeBatch, tables: torch.Tensor,
-                       lens: torch.Tensor) -> CascadeDecodeAttention | None:
-        """The step's group-shared attention, when it is on and rows share prompt blocks."""
-        found = running.shared_prefixes(self.block_size) if self.shared_prefix_decode else None
-        if found is None:
-            return None
-        groups, tail_blocks = found
-        return CascadeDecodeAttention(groups, tables, lens, tail_blocks, self.block_size)
-
     def _decode_eager(self, ids, positions, slots, tables, lens, cache: KVCache | None = None,
-                      shared_prefix: CascadeDecodeAttention | None = None) -> torch.Tensor:
-        """The decode forward, on the engine's pool or on `cache` (a graph's captured view of it)."""
+                      prefix_groups: tuple[PrefixGroups, int] | None = None) -> torch.Tensor:
+        """The decode forward, on the engine's pool or on `cache` (a graph's captured view of it);
+        with `prefix_groups` (the rows sharing prompt blocks, and the most tail blocks of a row),
+        group-shared attention. Its tail tables are made here, so a graph captures that too."""
+        shared_prefix = None
+        if prefix_groups is not None:
+            groups, tail_blocks = prefix_groups
+            shared_prefix = CascadeDecodeAttention(groups, tables, lens, tail_blocks, self.block_size)
         attn = PagedAttention(cache or self.cache, slots, block_tables=tables, context_lens=lens,
                               backend=self.model.attn_backend, shared_prefix=shared_prefix)
         rotary = tuple(self.rotary_table[positions].chunk(2, dim=-1))
@@ -241,6 +253,41 @@ class ModelRunner:
         s["tables"][start:end] = self.cache.sink_block
         s["lens"][start:end] = 1
 
+    def _fill_prefix_groups(self, batch: int, groups: PrefixGroups | None) -> None:
+        """The static group buffers, from the step's groups (None: no rows share blocks).
+        Refilled only when the groups changed (the decode batch keeps one PrefixGroups
+        until a row joins or leaves). Padding: member slots past every bucket (n), groups
+        of no prefix (length 0, sink blocks), rows sharing no block."""
+        if groups is self.filled_prefix_groups:
+            return
+        self._pad_prefix_groups()
+        if groups is not None:
+            s = self.static
+            count, width = groups.members.shape
+            padding = groups.members >= batch
+            s["members"][:count, :width].copy_(groups.members.masked_fill(padding, self.max_num_seqs))
+            s["prefix_tables"][:count, :groups.prefix_tables.shape[1]].copy_(groups.prefix_tables)
+            s["prefix_lens"][:count].copy_(groups.prefix_lens)
+            s["shared_blocks"][:batch].copy_(groups.shared_blocks)
+        self.filled_prefix_groups = groups
+
+    def _pad_prefix_groups(self) -> None:
+        s = self.static
+        s["members"].fill_(self.max_num_seqs)
+        s["prefix_tables"].fill_(self.cache.sink_block)
+        s["prefix_lens"].zero_()
+        s["shared_blocks"].zero_()
+
+    def _static_prefix_groups(self, bucket: int) -> tuple[PrefixGroups, int] | None:
+        """What a bucket's graph attends groups through: the static buffers, half the
+        bucket's rows of groups (cut groups of >= 4 rows number at most that many:
+        cascade_decode_triton.prefix_group_width), tails over the full table width."""
+        if not self.shared_prefix_decode:
+            return None
+        s, groups = self.static, max(1, bucket // 2)
+        return PrefixGroups(s["members"][:groups], s["prefix_tables"][:groups], s["prefix_lens"][:groups],
+                            s["shared_blocks"][:bucket]), self.max_blocks
+
     def capture(self) -> None:
         """Capture one decode graph per batch-size bucket, largest first, sharing one memory pool."""
         start = time.perf_counter()
@@ -253,18 +300,27 @@ class ModelRunner:
             "lens": torch.ones(n, dtype=torch.int32, device=dev),
         }
         self._pad_rows(0, n)
+        if self.shared_prefix_decode:
+            most_groups = max(1, n // 2)
+            s.update(members=torch.empty(most_groups, self.prefix_group_width, dtype=torch.long, device=dev),
+                     prefix_tables=torch.empty(most_groups, self.max_blocks, dtype=torch.long, device=dev),
+                     prefix_lens=torch.empty(most_groups, dtype=torch.long, device=dev),
+                     shared_blocks=torch.empty(n, dtype=torch.long, device=dev))
+            self._pad_prefix_groups()
+            self.filled_prefix_groups = None
         buckets = sorted({b for b in (1, 2, 4, 8) if b <= n} | set(range(16, n + 1, 16)) | {n}, reverse=True)
         self.graphs, self.graph_logits, pool = {}, {}, None
         for b in buckets:
             args = (s["ids"][:b], s["positions"][:b], s["slots"][:b], s["tables"][:b], s["lens"][:b])
-            self._decode_eager(*args)  # warm-up: lazy allocations happen outside the capture
+            groups = self._static_prefix_groups(b)
+            self._decode_eager(*args, prefix_groups=groups)  # warm-up: lazy allocations happen outside the capture
             if dev.type != "cuda":
-                self.graphs[b] = _EagerGraph(self, args)
+                self.graphs[b] = _EagerGraph(self, args, groups)
                 self.graph_logits[b] = self.graphs[b].out
                 continue
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.graph_logits[b] = self._decode_eager(*args)
+                self.graph_logits[b] = self._decode_eager(*args, prefix_groups=groups)
             pool = graph.pool()
             self.graphs[b] = graph
         self.captured = self.addresses()
@@ -294,8 +350,9 @@ class _EagerGraph:
     reads of freed memory) is an error. So the runner's buffer filling, padding, bucket choice and recapture
     rule run, and are tested, unchanged."""
 
-    def __init__(self, runner: ModelRunner, inputs: tuple[torch.Tensor, ...]):
-        self.runner, self.inputs = runner, inputs
+    def __init__(self, runner: ModelRunner, inputs: tuple[torch.Tensor, ...],
+                 prefix_groups: tuple[PrefixGroups, int] | None):
+        self.runner, self.inputs, self.prefix_groups = runner, inputs, prefix_groups
         self.captured = runner.addresses()
         self.out = self._run()
 
@@ -311,4 +368,4 @@ class _EagerGraph:
             raise RuntimeError("stale CUDA graph: the rotary table moved since capture; "
                                "on a GPU it would read the old (freed) table")
         pool = self.captured.pool.laid_on(runner.cache.data)
-        return runner._decode_eager(*self.inputs, cache=runner.cache.with_data(pool))
+        return runner._decode_eager(*self.inputs, cache=runner.cache.with_data(pool), prefix_groups=self.prefix_groups)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from rollplex.ops.cascade_decode_triton import cascade_decode_attention_triton
 from rollplex.ops.paged_decode_triton import paged_decode_attention_triton, triton_available
 
 _HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
@@ -193,7 +194,7 @@ def paged_decode_attention(
 @dataclass(frozen=True)
 class PrefixGroups:
     """Which rows of a decode batch share prompt KV blocks: group g's members
-    (running indices `members[g]`, padded with the batch size) all hold the same
+    (running indices `members[g]`, padded with indices >= the batch size) all hold the same
     first `prefix_lens[g]` tokens in blocks `prefix_tables[g]` (padded with any
     block). `shared_blocks[row]` is how many leading blocks of a row's table its
     group covers (0 for a row in no group). Changes only when rows join or leave."""
@@ -206,17 +207,21 @@ class PrefixGroups:
     @classmethod
     def build(cls, members: list[list[int]], prefix_tables: list[list[int]], batch: int, pad_block: int,
               block_size: int, device: torch.device) -> PrefixGroups:
-        """From each group's running indices and shared block ids (host lists)."""
-        most_members, most_blocks = max(map(len, members)), max(map(len, prefix_tables))
+        """From each group's running indices and shared block ids (host lists; maybe none)."""
+        most_members, most_blocks = max(map(len, members), default=1), max(map(len, prefix_tables), default=1)
         shared = [0] * batch
         for rows, table in zip(members, prefix_tables):
             for row in rows:
                 shared[row] = len(table)
+
+        def int64(values: list, *shape: int) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device).view(*shape)
+
         return cls(
-            torch.tensor([m + [batch] * (most_members - len(m)) for m in members], device=device),
-            torch.tensor([t + [pad_block] * (most_blocks - len(t)) for t in prefix_tables], device=device),
-            torch.tensor([len(t) * block_size for t in prefix_tables], device=device),
-            torch.tensor(shared, device=device))
+            int64([m + [batch] * (most_members - len(m)) for m in members], len(members), most_members),
+            int64([t + [pad_block] * (most_blocks - len(t)) for t in prefix_tables], len(members), most_blocks),
+            int64([len(t) * block_size for t in prefix_tables], len(members)),
+            int64(shared, batch))
 
 
 class CascadeDecodeAttention:
@@ -224,8 +229,11 @@ class CascadeDecodeAttention:
     all of a group's queries attend over its prefix in one pass, each row over its
     own blocks past the prefix (its tail: the copied partial prompt block and its
     generated tokens), and the two partial results are merged by their log-sum-exp.
-    Equal to `paged_decode_attention` up to rounding. Torch path (CPU); built once
-    per decode step (the tails' block tables), called once per layer.
+    Equal to `paged_decode_attention` up to rounding. On CUDA with triton it runs
+    rollplex/ops/cascade_decode_triton.py's kernel (each group's prompt K/V tiles loaded
+    once), else this torch path, with the same logic; built once per decode step
+    (the tails' block tables), called once per layer. No host sync: a CUDA graph can
+    capture both over static (padded) group buffers.
 
     `tail_blocks`: the most blocks any row holds past its shared ones, counted on
     the host (from the lengths there) so that no call reads the device."""
@@ -240,6 +248,10 @@ class CascadeDecodeAttention:
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """q: (batch, q_heads, head_dim); the caches as `paged_decode_attention` takes them."""
+        if q.is_cuda and triton_available(q.device):
+            g = self.groups
+            return cascade_decode_attention_triton(q, k_cache, v_cache, g.members, g.prefix_tables, g.prefix_lens,
+                                                   self.tail_tables, self.tail_lens)
         batch, q_heads, head_dim = q.shape
         kv_heads = k_cache.shape[2]
         tail_out, tail_lse = _paged_attention_with_lse(q.view(batch, kv_heads, -1, head_dim), k_cache, v_cache,
@@ -259,11 +271,12 @@ class CascadeDecodeAttention:
         kv_heads = k_cache.shape[2]
         groups, most_members = g.members.shape
         padded = torch.cat([q, q.new_zeros(1, *q.shape[1:])])  # row `batch`: the padding members' query
-        group_q = padded[g.members].view(groups, most_members, kv_heads, -1, head_dim).transpose(1, 2)
+        members = g.members.clamp(max=batch)
+        group_q = padded[members].view(groups, most_members, kv_heads, -1, head_dim).transpose(1, 2)
         per_kv_head = group_q.shape[3]
         out, lse = _paged_attention_with_lse(group_q.reshape(groups, kv_heads, most_members * per_kv_head, head_dim),
                                              k_cache, v_cache, g.prefix_tables, g.prefix_lens)
-        rows = g.members.flatten()
+        rows = members.flatten()
         row_out = out.new_zeros(batch + 1, kv_heads, per_kv_head, head_dim)
         row_lse = out.new_full((batch + 1, kv_heads, per_kv_head), float("-inf"))
         row_out[rows] = out.view(groups, kv_heads, most_members, per_kv_head, head_dim).transpose(1, 2).flatten(0, 1)

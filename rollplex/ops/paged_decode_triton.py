@@ -17,7 +17,10 @@ One program handles one (sequence, kv head) and all the query heads of its GQA
 group at once, so each K/V tile is loaded once per group. Scores and the
 softmax run in fp32 (online softmax, exp2); tiles of TILE_N tokens are
 independent of the block size (each token's block id is gathered from the
-block table), so `tl.dot` always sees at least 16 keys.
+block table), so `tl.dot` always sees at least 16 keys. The same kernel runs the
+group-shared prefixes of rollplex/ops/cascade_decode_triton.py, where a program's
+entry is a group of rows attending one context (`DecodeLaunch`), and the same
+merge combines a row's prefix and tail partitions.
 
 Split-K (flash-decoding): with few sequences and long contexts, (batch x
 kv_heads) programs cannot fill the GPU, so the context is also cut into
@@ -41,6 +44,7 @@ import functools
 import importlib.util
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -97,48 +101,60 @@ def _kernels():
 
     @triton.jit
     def _paged_decode_kernel(
-        q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, lse_ptr,
+        q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, members_ptr, out_ptr, lse_ptr,
         stride_qb, stride_qh, stride_qd,
         stride_kb, stride_kt, stride_kh, stride_kd,
         stride_vb, stride_vt, stride_vh, stride_vd,
         stride_btb, stride_btn,
+        stride_mb, stride_mm,
         stride_ob, stride_oh, stride_os, stride_od,
         stride_lb, stride_lh, stride_ls,
         qk_scale,  # softmax scale * log2(e)
         tiles_per_split,  # partition length in tiles of TILE_N tokens
         max_context,  # max_blocks * block_size: longer context_lens are clamped, as in the torch path
-        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+        num_members,  # query rows per entry (1 without GATHER_ROWS)
+        batch,  # rows of q: a member row at or past it is padding
+        GROUP: tl.constexpr, ROWS_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-        SPLIT: tl.constexpr, FP32_DOT: tl.constexpr,
+        SPLIT: tl.constexpr, FP32_DOT: tl.constexpr, GATHER_ROWS: tl.constexpr,
     ):
-        seq = tl.program_id(0)
+        # An entry is one sequence (its row of q), or with GATHER_ROWS a group of
+        # q rows that attend the same context (members_ptr[entry]): the tile's
+        # rows are (member, query head of this KV head) pairs.
+        entry = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
 
-        offs_g = tl.arange(0, GROUP_PAD)
+        offs_r = tl.arange(0, ROWS_PAD)
         offs_d = tl.arange(0, HEAD_DIM_PAD)
         offs_n = tl.arange(0, TILE_N)
-        mask_g = offs_g < GROUP
+        member = offs_r // GROUP
+        in_entry = member < num_members
+        if GATHER_ROWS:
+            rows = tl.load(members_ptr + entry * stride_mb + member * stride_mm, mask=in_entry, other=0).to(tl.int64)
+        else:
+            rows = tl.zeros([ROWS_PAD], dtype=tl.int64) + entry
+        mask_r = in_entry & (rows < batch)
         mask_d = offs_d < HEAD_DIM
-        heads = kvh * GROUP + offs_g
+        heads = kvh * GROUP + offs_r % GROUP
 
-        ctx_len = tl.minimum(tl.load(lens_ptr + seq), max_context)
+        ctx_len = tl.minimum(tl.load(lens_ptr + entry), max_context)
         start_tile = split * tiles_per_split
         end_tile = tl.minimum(start_tile + tiles_per_split, tl.cdiv(ctx_len, TILE_N))
 
-        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                    mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+        q = tl.load(q_ptr + rows[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                    mask=mask_r[:, None] & mask_d[None, :], other=0.0)
 
         # Finite start for the running max: a partition with no valid key keeps
         # m = -1e30 and l = 0 without ever computing (-inf) - (-inf).
-        m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
+        m_i = tl.full([ROWS_PAD], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([ROWS_PAD], dtype=tl.float32)
+        acc = tl.zeros([ROWS_PAD, HEAD_DIM_PAD], dtype=tl.float32)
 
         k_base = k_ptr + kvh * stride_kh
         v_base = v_ptr + kvh * stride_vh
-        bt_row = bt_ptr + seq * stride_btb
+        bt_row = bt_ptr + entry * stride_btb
         for tile in range(start_tile, end_tile):
             pos = tile * TILE_N + offs_n
             valid = pos < ctx_len
@@ -168,12 +184,13 @@ def _kernels():
 
         has_keys = l_i > 0.0
         out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-        o_ptrs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :] * stride_od
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+        o_ptrs = (out_ptr + rows[:, None] * stride_ob + heads[:, None] * stride_oh + split * stride_os
+                  + offs_d[None, :] * stride_od)
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_r[:, None] & mask_d[None, :])
         if SPLIT:
             # log2-sum-exp2 of the scaled scores; -inf for an empty partition.
             lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-            tl.store(lse_ptr + seq * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=mask_g)
+            tl.store(lse_ptr + rows * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=mask_r)
 
     @triton.jit
     def _merge_splits_kernel(
@@ -195,8 +212,11 @@ def _kernels():
         m = tl.maximum(tl.max(lse, axis=0), -1.0e30)  # finite even when every partition is empty
         w = tl.exp2(lse - m)
         denom = tl.sum(w, axis=0)
+        # A partition with lse -inf has weight 0 and may never have been written (the cascade's prefix
+        # partitions of a row in no group): its output is not read, so garbage there cannot poison the sum.
+        written = mask_s & (lse > float("-inf"))
         part = tl.load(part_ptr + seq * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps
-                       + offs_d[None, :] * stride_pd, mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+                       + offs_d[None, :] * stride_pd, mask=written[:, None] & mask_d[None, :], other=0.0)
         out = tl.sum(part * w[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)
         tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d * stride_od,
                  out.to(out_ptr.dtype.element_ty), mask=mask_d)
@@ -211,9 +231,9 @@ def _sm_count(device: torch.device) -> int:
     return 132  # interpreter mode: pretend to be an H100/H200, so split-K paths get exercised
 
 
-def _tile_n(block_size: int, head_dim_pad: int) -> int:
-    """Keys per tile: >= 16 for tl.dot, smaller for wide heads to keep K/V tiles in registers."""
-    return 64 if head_dim_pad <= 128 else 32
+def _tile_n(rows_pad: int, head_dim_pad: int) -> int:
+    """Keys per tile: >= 16 for tl.dot, fewer for wide heads or many query rows, to keep the tiles in registers."""
+    return 64 if head_dim_pad <= 128 and rows_pad * head_dim_pad <= 64 * 128 else 32
 
 
 def default_num_splits(batch: int, kv_heads: int, max_context: int, tile_n: int, sm_count: int) -> int:
@@ -232,6 +252,87 @@ def default_num_splits(batch: int, kv_heads: int, max_context: int, tile_n: int,
     return max(1, min(by_length, by_occupancy, 64))
 
 
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """One launch of the decode kernel, planned from shapes only (so a CUDA graph can
+    replay it): its tile, and the partitions each entry's context is cut into.
+
+    An entry is a sequence, whose row of q attends its context, or with `members`
+    a group of q rows that all attend one context (the cascade's shared prefix):
+    the group's rows x the query heads of a KV head are the M dimension of one
+    tl.dot, so each K/V tile is read once for all of them."""
+
+    num_splits: int
+    tiles_per_split: int
+    tile_n: int
+    rows_pad: int
+    head_dim_pad: int
+
+    @classmethod
+    def plan(cls, q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, num_members: int = 1,
+             num_splits: int | None = None, busy_entries: int | None = None) -> DecodeLaunch:
+        """`num_splits` defaults to `default_num_splits` for `busy_entries` entries
+        with work (default: every row of block_tables)."""
+        q_heads, head_dim = q.shape[1:]
+        block_size, kv_heads = k_cache.shape[1:3]
+        rows_pad = max(16, _next_pow2(num_members * (q_heads // kv_heads)))  # tl.dot needs >= 16 rows
+        head_dim_pad = max(16, _next_pow2(head_dim))
+        tile_n = _tile_n(rows_pad, head_dim_pad)
+        max_context = block_tables.shape[1] * block_size
+        max_tiles = max(1, math.ceil(max_context / tile_n))
+        if num_splits is None:
+            entries = block_tables.shape[0] if busy_entries is None else busy_entries
+            num_splits = default_num_splits(max(1, entries), kv_heads, max_context, tile_n, _sm_count(q.device))
+        num_splits = max(1, min(int(num_splits), max_tiles))
+        tiles_per_split = math.ceil(max_tiles / num_splits)
+        num_splits = math.ceil(max_tiles / tiles_per_split)  # no partition starts past the table
+        return cls(num_splits, tiles_per_split, tile_n, rows_pad, head_dim_pad)
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, scale: float,
+                 members: torch.Tensor | None = None) -> None:
+        """Entry i's queries (q[i], or the rows members[i]; those >= len(q) are padding)
+        over the first context_lens[i] tokens of block_tables[i]. With `lse`, partition s
+        of a row's head writes its normalised output to out[row, head, s] and its
+        log2-sum-exp to lse[row, head, s]; without, out[row, head, 0] is the result
+        (one partition)."""
+        decode_kernel, _ = _kernels()
+        batch, q_heads, head_dim = q.shape
+        block_size, kv_heads = k_cache.shape[1:3]
+        gather = members is not None
+        decode_kernel[(block_tables.shape[0], kv_heads, self.num_splits)](
+            q, k_cache, v_cache, block_tables, context_lens, members if gather else context_lens, out,
+            out if lse is None else lse,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
+            *(members.stride() if gather else (0, 0)), *out.stride(), *((0, 0, 0) if lse is None else lse.stride()),
+            scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
+            self.tiles_per_split, block_tables.shape[1] * block_size, members.shape[1] if gather else 1, batch,
+            GROUP=q_heads // kv_heads, ROWS_PAD=self.rows_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=self.head_dim_pad,
+            BLOCK_SIZE=block_size, TILE_N=self.tile_n, SPLIT=lse is not None, FP32_DOT=q.dtype == torch.float32,
+            GATHER_ROWS=gather, num_warps=4 if self.rows_pad <= 64 else 8)
+
+
+def merge_partitions(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
+    """out[row, head] = the partitions part[row, head, s] weighted by their share of the
+    softmax, 2 ** lse[row, head, s] (a partition with lse -inf is skipped, never read)."""
+    _, merge_kernel = _kernels()
+    num_splits, head_dim = part.shape[2:]
+    merge_kernel[tuple(out.shape[:2])](
+        part, lse, out, *part.stride(), *lse.stride(), *out.stride(),
+        NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits), HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(16, _next_pow2(head_dim)), num_warps=4)
+
+
+def check_decode_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"bad shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
+                         f"v_cache {tuple(v_cache.shape)}")
+    q_heads, head_dim = q.shape[1:]
+    kv_heads, kv_dim = k_cache.shape[2:]
+    if kv_dim != head_dim or q_heads % kv_heads != 0:
+        raise ValueError(f"q {tuple(q.shape)} does not fit a KV cache of {kv_heads} heads x {kv_dim}")
+
+
 def paged_decode_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -248,59 +349,21 @@ def paged_decode_attention_triton(
     `num_splits` (partitions of the context, merged by log-sum-exp) defaults to
     a shape-only heuristic; 1 is the plain one-pass kernel. No host sync.
     """
-    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"bad shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
-                         f"v_cache {tuple(v_cache.shape)}")
+    check_decode_shapes(q, k_cache, v_cache)
     batch, q_heads, head_dim = q.shape
-    _, block_size, kv_heads, kv_dim = k_cache.shape
-    if kv_dim != head_dim or q_heads % kv_heads != 0:
-        raise ValueError(f"q {tuple(q.shape)} does not fit a KV cache of {kv_heads} heads x {kv_dim}")
     if block_tables.shape[0] != batch or context_lens.shape != (batch,):
         raise ValueError(f"block_tables {tuple(block_tables.shape)} / context_lens {tuple(context_lens.shape)} "
                          f"do not match batch {batch}")
-    decode_kernel, merge_kernel = _kernels()
-
-    group = q_heads // kv_heads
-    group_pad = max(16, _next_pow2(group))  # tl.dot needs >= 16 rows
-    head_dim_pad = max(16, _next_pow2(head_dim))
-    tile_n = _tile_n(block_size, head_dim_pad)
-    max_context = block_tables.shape[1] * block_size
-    max_tiles = max(1, math.ceil(max_context / tile_n))
-    if num_splits is None:
-        num_splits = default_num_splits(batch, kv_heads, max_context, tile_n, _sm_count(q.device))
-    num_splits = max(1, min(int(num_splits), max_tiles))
-    tiles_per_split = math.ceil(max_tiles / num_splits)
-    num_splits = math.ceil(max_tiles / tiles_per_split)  # no partition starts past the table
-
+    launch = DecodeLaunch.plan(q, k_cache, block_tables, num_splits=num_splits)
     scale = head_dim ** -0.5 if scale is None else float(scale)
-    qk_scale = scale * 1.4426950408889634  # log2(e): the kernel uses exp2
-    fp32_dot = q.dtype == torch.float32
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    common = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-                  BLOCK_SIZE=block_size, TILE_N=tile_n, FP32_DOT=fp32_dot, num_warps=4)
-    kv_strides = (*k_cache.stride(), *v_cache.stride())
-    bt_strides = block_tables.stride()
-
-    if num_splits == 1:
-        decode_kernel[(batch, kv_heads, 1)](
-            q, k_cache, v_cache, block_tables, context_lens, out, out,
-            *q.stride(), *kv_strides, *bt_strides,
-            out.stride(0), out.stride(1), 0, out.stride(2),
-            0, 0, 0,
-            qk_scale, tiles_per_split, max_context, SPLIT=False, **common)
+    if launch.num_splits == 1:
+        launch(q, k_cache, v_cache, block_tables, context_lens, out[:, :, None], None, scale)
         return out
-
-    part = torch.empty(batch, q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-    lse = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=q.device)
-    decode_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, part, lse,
-        *q.stride(), *kv_strides, *bt_strides,
-        *part.stride(), *lse.stride(),
-        qk_scale, tiles_per_split, max_context, SPLIT=True, **common)
-    merge_kernel[(batch, q_heads)](
-        part, lse, out, *part.stride(), *lse.stride(), *out.stride(),
-        NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits), HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad, num_warps=4)
+    part = torch.empty(batch, q_heads, launch.num_splits, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, q_heads, launch.num_splits, dtype=torch.float32, device=q.device)
+    launch(q, k_cache, v_cache, block_tables, context_lens, part, lse, scale)
+    merge_partitions(part, lse, out)
     return out
