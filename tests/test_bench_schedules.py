@@ -1,6 +1,6 @@
-"""tools/bench_schedules.py runs the three schedules end to end on a tiny CPU
-workload and writes its report, traces and timeline; under torchrun with 2
-processes, the disaggregated baseline as a fourth. No timing assertions: the
+"""tools/bench_schedules.py runs the four colocated schedules end to end on a tiny
+CPU workload and writes its report, traces and timeline; under torchrun with 2
+processes, the disaggregated baseline as a fifth. No timing assertions: the
 figures depend on the machine."""
 
 import json
@@ -21,7 +21,8 @@ import bench_schedules  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["--config", str(Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"), "--steps", "1",
-        "--data.task", "direction", "--data.batch_size", "2", "--rollout.n", "2", "--rollout.max_tokens", "4",
+        "--data.task", "direction", "--data.batch_size", "2", "--rollout.n", "2", "--rollout.min_tokens", "1",
+        "--rollout.max_tokens", "4",
         "--algorithm.kl_coef", "0.01", "--rollout.kv_cache_memory", "16e6", "--trainer.num_threads", "1"]
 
 
@@ -39,7 +40,7 @@ def test_bench_schedules_end_to_end(tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     assert report["ratios"] == returned["ratios"]
     schedules = report["schedules"]
-    assert list(schedules) == ["serial-naive", "serial-prefix", "overlap"]
+    assert list(schedules) == ["serial-naive", "serial-prefix", "overlap", "overlap-stream"]
     for s in schedules.values():
         assert len(s["steps"]) == 1 and s["warmup"] and s["traced"]
         assert s["config"]["data"]["task"] == "direction" and s["config"]["rollout"]["n"] == 2
@@ -54,6 +55,10 @@ def test_bench_schedules_end_to_end(tmp_path, capsys):
     assert r["throughput_overlap_over_serial_prefix"] == pytest.approx(tput["overlap"] / tput["serial-prefix"])
     assert r["throughput_serial_prefix_over_serial_naive"] == pytest.approx(tput["serial-prefix"] / tput["serial-naive"])
     assert all(math.isfinite(v) for v in r.values()) and r["decode_slowdown"] > -1
+    prefix = schedules["serial-prefix"]["mean"]
+    assert r["finished_group_work_share_serial_prefix"] == pytest.approx(
+        prefix["timing_s/stream_exposed"] / prefix["timing_s/step"])
+    assert 0 < r["prompt_work_share_serial_prefix"] + r["finished_group_work_share_serial_prefix"] < 1
 
     # The timeline shows the schedules apart: serial-prefix runs its prompt work after
     # the gen phase, overlap between engine steps, serial-naive has none.
@@ -65,11 +70,16 @@ def test_bench_schedules_end_to_end(tmp_path, capsys):
     last_engine_step = overlap["engine_steps"][-1][0]
     assert any(kind != "vision" and b <= last_engine_step for kind, a, b in overlap["prefix_spans"])
     assert overlap["scheduler_step_ends"]
+    # overlap-stream also works on the groups that finish first, between engine steps.
+    streamed = timelines["overlap-stream"]
+    assert any(kind.startswith("group") and b <= streamed["engine_steps"][-1][0]
+               for kind, a, b in streamed["prefix_spans"])
     assert (out / "timeline.png").stat().st_size > 0
 
     printed = capsys.readouterr().out
     assert "random" in printed and "no overlap gain is expected" in printed
     assert "overlap / serial-naive" in printed and "decode slowdown" in printed
+    assert "finished groups' work share" in printed
     assert "planned gen" in printed and "disagg" not in printed
 
 
@@ -104,7 +114,7 @@ def test_bench_schedules_torchrun_two_ranks(tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["world_size"] == 2
     schedules = report["schedules"]
-    assert list(schedules) == ["serial-naive", "serial-prefix", "overlap", "disagg"]
+    assert list(schedules) == ["serial-naive", "serial-prefix", "overlap", "overlap-stream", "disagg"]
     disagg = schedules["disagg"]
     assert disagg["config"]["schedule"]["kind"] == "disagg" and disagg["config"]["schedule"]["rollout_ranks"] == 1
     for s in schedules.values():

@@ -13,6 +13,7 @@ config and seeds, in this process, so it sees the same prompts and samples:
     serial-naive   --schedule.kind serial --schedule.share_prefix false
     serial-prefix  --schedule.kind serial --schedule.share_prefix true
     overlap        --schedule.kind overlap
+    overlap-stream --schedule.kind overlap --schedule.stream_groups true
     disagg         --schedule.kind disagg --schedule.rollout_ranks N//2     (only under torchrun, N >= 2 ranks)
 
 Under torchrun every rank runs the same schedules, each trainer built
@@ -39,8 +40,12 @@ printed (perf/planned_memory_gb/<phase>, perf/memory_plan_error/<phase>).
 On CUDA each step also gets `timing_s/gen_gpu`, the gen phase's GPU time from
 events, and the ratios add `decode_slowdown_gpu` (overlap's against
 serial-prefix's: the contention the side stream costs decode). Every run
-reports `prompt_work_share_serial_prefix`: serial-prefix's prompt work after
-rollout as a share of its step, the most that overlap can hide.
+reports the shares of serial-prefix's step that the decode window can take:
+`prompt_work_share_serial_prefix`, its prompt work after rollout (what overlap
+hides), and `finished_group_work_share_serial_prefix`, its finished groups'
+work (reward, reference and old logprobs, the first optimizer step:
+timing_s/stream_exposed), what overlap-stream hides besides. Their sum is the
+most those two schedules can gain.
 
 The model has random weights: only the timings mean anything.
 """
@@ -68,6 +73,7 @@ SCHEDULES = {  # colocated: every rank rolls out and trains
     "serial-naive": ["--schedule.kind", "serial", "--schedule.share_prefix", "false"],
     "serial-prefix": ["--schedule.kind", "serial", "--schedule.share_prefix", "true"],
     "overlap": ["--schedule.kind", "overlap"],
+    "overlap-stream": ["--schedule.kind", "overlap", "--schedule.stream_groups", "true"],
 }
 PHASES = ("gen", "prefix", "ref", "old_log_prob", "update_actor")
 PLANNED_PHASES = ("gen", "update_actor")  # the phases the loop's memory plan is logged for
@@ -81,7 +87,10 @@ CPU_RANKS_NOTE = ("on CPU the ranks are processes sharing this machine's cores a
 DISAGG_NOTE = ("disagg: perf/throughput is tokens / step time / all ranks (rollout and trainer), the per-GPU "
                "definition of the other schedules, so its ratios compare equal GPU counts")
 DISAGG_PLAN_NOTE = "disagg: no plan (the memory plan models colocated ranks)"
-KIND_COLOURS = {"vision": "tab:purple", "ref": "tab:orange", "actor": "tab:green", "old": "tab:red"}
+KIND_COLOURS = {"vision": "tab:purple", "ref": "tab:orange", "actor": "tab:green", "old": "tab:red",
+                # the finished groups' work (overlap-stream): rollplex.rl.stream
+                "group reward": "tab:brown", "group ref": "tab:olive", "group old": "tab:pink",
+                "group update": "tab:cyan"}
 
 
 def schedules(world: int) -> dict[str, list[str]]:
@@ -103,11 +112,12 @@ class Recorder:
         rollout, encode, generate = trainer.rollout, trainer._encode, trainer.engine.generate
 
         def recording_rollout(*args, **kwargs):
-            rec = {"start": time.perf_counter(), "vision": [], "engine": [], "prefix": None}
+            rec = {"start": time.perf_counter(), "vision": [], "engine": [], "prefix": None, "stream": None}
             self.steps.append(rec)
             result = rollout(*args, **kwargs)
             rec["end"] = time.perf_counter()
             rec["prefix"] = result.prefix  # its spans fill in later too (serial drains after gen): see finish()
+            rec["stream"] = result.stream
             return result
 
         def recording_encode(*args, **kwargs):
@@ -117,7 +127,7 @@ class Recorder:
                 self.steps[-1]["vision"].append(("vision", start, time.perf_counter()))
             return out
 
-        def recording_generate(requests, params, between_steps=None):
+        def recording_generate(requests, params, between_steps=None, on_finished=None):
             engine = self.steps[-1]["engine"] if self.steps else []
             last = [time.perf_counter()]
 
@@ -132,7 +142,7 @@ class Recorder:
             events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.cuda else None
             if events:
                 events[0].record()
-            out = generate(requests, params, after_step)
+            out = generate(requests, params, after_step, on_finished)
             engine.append((last[0], time.perf_counter()))
             if events and self.steps:
                 events[1].record()
@@ -146,8 +156,9 @@ class Recorder:
         Returns the gen phase's GPU time in seconds (CUDA), else None."""
         rec = self.steps[-1]
         events = rec.pop("gen_events", None)
-        prefix = rec.pop("prefix")
-        rec["spans"] = list(prefix.spans) if prefix is not None else []
+        prefix, stream = rec.pop("prefix"), rec.pop("stream")
+        rec["spans"] = (list(prefix.spans) if prefix is not None else []) + \
+            (list(stream.spans) if stream is not None else [])
         rec["step_ends"] = list(prefix.step_ends) if prefix is not None else []
         if events is None:
             return None
@@ -251,7 +262,10 @@ def ratios(results: dict) -> dict:
            # decode-only gen phase of serial-prefix (same vision encode, same samples, no slices)
            "decode_slowdown": (o["timing_s/gen"] - o.get("timing_s/prefix_exposed", 0.0)) / p["timing_s/gen"] - 1,
            # the most overlap can gain: serial-prefix's prompt work after rollout, as a share of its step
-           "prompt_work_share_serial_prefix": p.get("timing_s/prefix", 0.0) / p["timing_s/step"]}
+           "prompt_work_share_serial_prefix": p.get("timing_s/prefix", 0.0) / p["timing_s/step"],
+           # what overlap-stream can hide besides: serial-prefix's finished groups' work after decode
+           "finished_group_work_share_serial_prefix": p.get("timing_s/stream_exposed", 0.0) / p["timing_s/step"],
+           "throughput_overlap_stream_over_serial_prefix": tput["overlap-stream"] / tput["serial-prefix"]}
     if "timing_s/gen_gpu" in o and "timing_s/gen_gpu" in p:  # CUDA: the decode contention itself
         out["decode_slowdown_gpu"] = o["timing_s/gen_gpu"] / p["timing_s/gen_gpu"] - 1
     if "disagg" in tput:  # per GPU at equal GPU count: perf/throughput divides by every rank in each schedule
@@ -273,14 +287,15 @@ def same_samples(results: dict) -> tuple[bool, list[str]]:
 
 
 def print_table(results: dict, r: dict, cuda: bool) -> None:
-    cols = ("step s", *PHASES, "gen gpu s", "tok/s", "hidden", "exposed", "ovl eff", "deferred")
+    cols = ("step s", *PHASES, "gen gpu s", "tok/s", "hidden", "exposed", "ovl eff", "deferred", "grp hidden",
+            "grp exposed")
     print(f"{'schedule':<14}" + "".join(f"{c:>13}" for c in cols))
     for name, res in results.items():
         m = res["mean"]
         values = [m["timing_s/step"], *(m.get(f"timing_s/{p}") for p in PHASES), m.get("timing_s/gen_gpu"),
                   m["perf/throughput"],
                   m.get("timing_s/prefix_hidden"), m.get("timing_s/prefix_exposed"), m.get("perf/overlap_efficiency"),
-                  m.get("prefix/deferred_items")]
+                  m.get("prefix/deferred_items"), m.get("timing_s/stream_hidden"), m.get("timing_s/stream_exposed")]
         print(f"{name:<14}" + "".join(f"{'-':>13}" if v is None else f"{v:>13.4g}" for v in values))
     if "disagg" in results:
         m = results["disagg"]["mean"]
@@ -292,6 +307,7 @@ def print_table(results: dict, r: dict, cuda: bool) -> None:
     print(f"throughput overlap / serial-naive   {r['throughput_overlap_over_serial_naive']:.3f}")
     print(f"throughput overlap / serial-prefix  {r['throughput_overlap_over_serial_prefix']:.3f}")
     print(f"throughput serial-prefix / naive    {r['throughput_serial_prefix_over_serial_naive']:.3f}")
+    print(f"throughput overlap-stream / serial-prefix  {r['throughput_overlap_stream_over_serial_prefix']:.3f}")
     if "throughput_disagg_over_overlap" in r:
         print(f"throughput disagg / overlap         {r['throughput_disagg_over_overlap']:.3f}  "
               "(per GPU, equal GPU count)")
@@ -303,6 +319,8 @@ def print_table(results: dict, r: dict, cuda: bool) -> None:
               f"{r['decode_slowdown_gpu']:+.3f}")
     print(f"prompt work share of the serial-prefix step (the most overlap can hide)  "
           f"{r['prompt_work_share_serial_prefix']:.3f}")
+    print(f"finished groups' work share of the serial-prefix step (what overlap-stream can hide besides)  "
+          f"{r['finished_group_work_share_serial_prefix']:.3f}")
 
 
 def print_memory(results: dict, cuda: bool) -> None:

@@ -456,9 +456,15 @@ class ScheduleConfig(_Section):
     """Memory for kept prompt state (K/V, graphs): bytes if > 1, else a fraction of the device's memory
     (trainer.device_memory); 0 = the memory plan's, each step: what both the decode window (beside that step's KV
     pool) and the update (beside its micro-batch) can hold. Work that does not fit runs the serial path."""
+    stream_groups: bool = False
+    """overlap only: a group whose n samples have all finished gets its reward, advantages, reference and old
+    logprobs and (first optimizer step's groups) the actor's forward and backward in the decode tail, between
+    decode steps, instead of after decode (docs/SCHEDULES.md, "Streaming finished groups")."""
 
     def _check_ranges(self) -> None:
         self._require(self.rollout_ranks >= 0, "rollout_ranks", ">= 0")
+        self._require(not self.stream_groups or self.kind == "overlap", "stream_groups",
+                      "false unless schedule.kind is overlap (the decode window is where the groups' work goes)")
         self._require(self.prefix_memory_budget >= 0, "prefix_memory_budget", ">= 0 (0 = the memory plan's)")
 
 

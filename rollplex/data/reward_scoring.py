@@ -91,6 +91,12 @@ class RewardScores:
     def failed(self) -> int:
         return self.errors + self.timeouts
 
+    @classmethod
+    def concat(cls, parts: Sequence[RewardScores]) -> RewardScores:
+        """Batches scored apart, as one batch in their order."""
+        return cls([x for p in parts for x in p.scores], sum(p.errors for p in parts), sum(p.timeouts for p in parts),
+                   [c for p in parts for c in p.components], next((p.first_error for p in parts if p.first_error), ""))
+
 
 def _warn_failures(name: str, result: RewardScores, timeout_s: float = 0.0) -> None:
     total = len(result.scores)
@@ -105,12 +111,10 @@ def _warn_failures(name: str, result: RewardScores, timeout_s: float = 0.0) -> N
 def score_all(reward: Reward, samples: Sequence[RewardSample], score_key: str = "") -> RewardScores:
     """Score `samples` in this process, one call per sample or, for a batched reward,
     one call for all; a failing call costs its samples (scored 0.0, counted in
-    `errors`) and the others go on. Warns once, with the first error."""
+    `errors`) and the others go on."""
     outcomes = [o for chunk in chunks(len(samples), reward.batched, 1)
                 for o in score_chunk(reward, [samples[i] for i in chunk], score_key)]
-    scores = RewardScores.of(outcomes)
-    _warn_failures(reward.spec, scores)
-    return scores
+    return RewardScores.of(outcomes)
 
 
 # ----------------------------------------------------------------------------- worker processes
@@ -322,19 +326,25 @@ class RewardScorer:
         self.kind = self._reward.kind if self._reward else self._pool.kind  # the calling convention in use
 
     def score(self, responses: Sequence[str], answers: Sequence[str], response_ids: Sequence[list[int]] | None = None,
-              columns: Sequence[dict[str, Any]] | None = None) -> RewardScores:
+              columns: Sequence[dict[str, Any]] | None = None, warn: bool = True) -> RewardScores:
         """Score each response against its answer; `response_ids` (its tokens) and `columns`
-        (its dataset row's, see `RewardSample`) are what the anchors' functions also read."""
+        (its dataset row's, see `RewardSample`) are what the anchors' functions also read.
+        Warns once when some failed (with `warn`; else the caller does: `warn_failures`)."""
         samples = _samples(responses, answers, response_ids, columns)
         if self._pool is None:
-            return score_all(self._reward, samples, self.score_key)
-        calls = chunks(len(samples), self.kind in BATCH_KINDS, self.workers)
-        results = self._pool.score([[samples[i] for i in chunk] for chunk in calls])
-        outcomes = [o for chunk, result in zip(calls, results)
-                    for o in (result if result is not None else [None] * len(chunk))]
-        scores = RewardScores.of(outcomes)
-        _warn_failures(self.spec, scores, self.timeout_s)
+            scores = score_all(self._reward, samples, self.score_key)
+        else:
+            calls = chunks(len(samples), self.kind in BATCH_KINDS, self.workers)
+            results = self._pool.score([[samples[i] for i in chunk] for chunk in calls])
+            scores = RewardScores.of([o for chunk, result in zip(calls, results)
+                                      for o in (result if result is not None else [None] * len(chunk))])
+        if warn:
+            self.warn_failures(scores)
         return scores
+
+    def warn_failures(self, scores: RewardScores) -> None:
+        """One warning per kind of failure in `scores`, with the first error."""
+        _warn_failures(self.spec, scores, self.timeout_s)
 
     def close(self) -> None:
         if self._pool is not None:

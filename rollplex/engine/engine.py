@@ -123,10 +123,13 @@ class Engine:
     # ------------------------------------------------------------------ generate
 
     def generate(self, requests: list[Request], params: SamplingParams | None = None,
-                 between_steps: Callable[[int], None] | None = None) -> list[Group]:
+                 between_steps: Callable[[int], None] | None = None,
+                 on_finished: Callable[[int, Group], None] | None = None) -> list[Group]:
         """Sample every request's n responses. `between_steps(running)`, when
         given, is called after each engine step with the number of sequences
-        still decoding: the RL loop's prefix scheduler runs its work there."""
+        still decoding: the RL loop's prefix scheduler runs its work there.
+        `on_finished(index, group)`, before it, with each request whose samples
+        have all finished in that step (the RL loop streams their work)."""
         params = params or SamplingParams()
         prompts = [self._prepare(i, r, params) for i, r in enumerate(requests)]
         scheduler = self._start(requests, prompts, params)
@@ -138,11 +141,15 @@ class Engine:
                 tokens, host_tokens, host_logprobs = self._sample(logits, step, scheduler.batch, params)
                 finished = scheduler.postprocess(tokens, host_tokens, host_logprobs, step.first)
             progress.update(len(finished), self.stats["decode_tokens"])
+            if on_finished is not None:
+                for p in {s.prompt.index: s.prompt for s in finished}.values():
+                    if all(sample is not None for sample in p.samples):
+                        on_finished(p.index, _group(p))
             if between_steps is not None and scheduler.has_work():
                 between_steps(len(scheduler.running))
         progress.close()
         self._end(scheduler)
-        return [Group(p.request.prompt, list(p.samples), p.vision) for p in prompts]
+        return [_group(p) for p in prompts]
 
     def _start(self, requests: list[Request], prompts: list[PromptState], params: SamplingParams) -> Scheduler:
         """A new generation: its KV pool, the runner told, and a scheduler over a new
@@ -266,6 +273,10 @@ class Engine:
             return first_nonfinite_stage(self.model, lambda: self.runner.decode(batch, []), rows, rows)
         finally:
             self.runner.use_cuda_graphs = graphs
+
+
+def _group(p: PromptState) -> Group:
+    return Group(p.request.prompt, list(p.samples), p.vision)
 
 
 def _seeds(index: int, r: Request, params: SamplingParams) -> list[int]:

@@ -31,22 +31,23 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from rollplex.config import Config, config_to_dict, save_config
 from rollplex.data.prefetch import Prefetcher
-from rollplex.data.reward_scoring import RewardScorer
+from rollplex.data.reward_scoring import RewardScorer, RewardScores
 from rollplex.dist import ParallelDims, all_gather_objects, build_mesh, init_distributed
 from rollplex.metrics import GpuSampler, MetricsLogger, Timer
 from rollplex.models import Prompt, VisionEmbeds, from_pretrained
 from rollplex.rl.disagg import DisaggExchange, DisaggLayout, WeightBroadcast
 from rollplex.rl.memory import GiB, PrefixKind
-from rollplex.rl.prefix import PrefixPlanner, PrefixWork, update_chunks
+from rollplex.rl.prefix import PrefixPlanner, PrefixScheduler, PrefixWork, update_chunks
 from rollplex.rl.reports import startup_summary, training_records, validation_records
 from rollplex.rl.rollout import Rollout, RolloutSampler, balanced_share, build_engine
+from rollplex.rl.stream import GroupStream, StreamPlan, StreamReport, score_groups
 from rollplex.rl.setup import PromptSource, load_run_processor, model_path, plan_run_memory, resume_point
 from rollplex.rl.step_metrics import (PhaseMeter, combine_updates, gather_metrics, memory_metrics, prefix_metrics,
                                       speed_metrics, stop_if_every_reward_failed)
@@ -255,10 +256,9 @@ class RLTrainer:
         if prefix is not None and cfg.schedule.kind == "serial":
             with phase(timer, "prefix"), self.weights.for_rollout():
                 prefix.drain()
+        stream = rollout.stream
         with phase(timer, "reward"):
-            per_sample = [e for e in rollout.examples for _ in range(cfg.rollout.n)]
-            rewards = self.reward_scorer.score(rollout.texts, [e.answer for e in per_sample],
-                                               [s.token_ids for s in rollout.samples], [e.columns for e in per_sample])
+            rewards = self._rewards(rollout)
             stop_if_every_reward_failed(rewards, cfg.data.reward, self.dp_group)
         group_index = torch.arange(len(rollout.examples)).repeat_interleave(cfg.rollout.n)
         advantages = group_advantages(torch.tensor(rewards.scores), group_index,
@@ -270,16 +270,17 @@ class RLTrainer:
         old = rollout.logprobs
         if cfg.algorithm.recompute_old_logprobs:
             with phase(timer, "old_log_prob"):
-                old = self._chunked_logprobs(self.model, rollout, (PrefixKind.ACTOR, PrefixKind.OLD))
+                old = self._chunked_logprobs(self.model, rollout, (PrefixKind.ACTOR, PrefixKind.OLD),
+                                             stream.old if stream else {})
         ref = None
         if self.ref_model is not None:
             with phase(timer, "ref"):
-                ref = self._chunked_logprobs(self.ref_model, rollout, (PrefixKind.REF,))
+                ref = self._chunked_logprobs(self.ref_model, rollout, (PrefixKind.REF,), stream.ref if stream else {})
                 # FSDP2 keeps a root unit gathered from its forward to its backward, which a frozen model never
                 # runs: without this its embedding and head would stay gathered for the rest of the run.
                 self.ref_model.reshard()
         with phase(timer, "update_actor"):
-            actor_metrics = self.update(rollout, advantages.tolist(), old, ref)
+            actor_metrics, first_update_s = self.update(rollout, advantages.tolist(), old, ref)
         metrics = gather_metrics(rollout, rewards, actor_metrics, self.skipped_rows, self.dp_group)
         metrics["timing_s/data"] = data_s
         metrics.update(timer.as_metrics())
@@ -288,6 +289,11 @@ class RLTrainer:
             metrics.update(self.weights.report.as_metrics())
         if prefix is not None:
             metrics.update(prefix_metrics(prefix))
+            # The finished groups' work left after decode: what streaming them (schedule.stream_groups) could hide.
+            report = stream.report if stream else StreamReport()
+            report.exposed = sum(metrics.get(f"timing_s/{p}", 0.0) for p in ("reward", "old_log_prob", "ref")) + \
+                first_update_s
+            metrics.update(report.as_metrics())
         metrics.update(speed_metrics(rollout, time.perf_counter() - start, metrics["perf/actor_flops"],
                                      metrics["timing_s/update_actor"], self.world, self.device, self.dp_group))
         return metrics
@@ -321,10 +327,29 @@ class RLTrainer:
                 prefix = self.prefix_planner.scheduler(self._prefix_work(prompts, vision),
                                                        self.sampler.pool_bytes(requests))
             overlap = prefix is not None and self.cfg.schedule.kind == "overlap"
-            outputs = self.sampler.generate(requests, between_steps=prefix.between_steps if overlap else None)
+            stream = self._group_stream(examples, prefix) if overlap and self.cfg.schedule.stream_groups else None
+            outputs = self.sampler.generate(requests, between_steps=self._decode_window(prefix, stream) if overlap
+                                            else None, on_finished=stream.on_finished if stream else None)
             if overlap:
                 prefix.drain()  # what the decode window did not hide, while the weights are still gathered
-        return Rollout.of(examples, outputs, self.tokenizer, prefix)
+            if stream is not None:
+                stream.join()
+        return Rollout.of(examples, outputs, self.tokenizer, prefix, stream)
+
+    def _group_stream(self, examples: list, prefix: PrefixScheduler) -> GroupStream:
+        """The step's finished-group work in the decode window (rollplex.rl.stream)."""
+        plan = StreamPlan.of(self.cfg, self.dims.dp_shard, prefix, self.memory.streamed_update_bytes())
+        return GroupStream(self.cfg, examples, self.tokenizer, self.reward_scorer, self.actor, self.ref_model, prefix,
+                           plan)
+
+    @staticmethod
+    def _decode_window(prefix: PrefixScheduler, stream: GroupStream | None) -> Callable[[int], None]:
+        """What runs between decode steps: the prompt work's slices, then the finished groups' passes."""
+        def between_steps(running: int) -> None:
+            prefix.between_steps(running)
+            if stream is not None:
+                stream.between_steps(running)
+        return between_steps
 
     @torch.no_grad()
     def _encode(self, prompt: Prompt) -> VisionEmbeds | None:
@@ -337,30 +362,55 @@ class RLTrainer:
         """The step's prompt work (the items the memory plan counts), with the plan's estimates."""
         return self.prefix_planner.work(prompts, vision)
 
-    def _chunked_logprobs(self, model, rollout: Rollout, kinds: tuple[PrefixKind, ...]) -> list[torch.Tensor]:
-        """Logprobs of every response, chunk by chunk: suffix-only passes where a
-        prefix item of one of `kinds` kept the chunk's prompts, full passes otherwise."""
+    def _rewards(self, rollout: Rollout) -> RewardScores:
+        """Every sample's reward, in group order: the decode window's for the groups it scored, the
+        others' now (in one call when there was no window's)."""
+        done, groups = rollout.stream.scores if rollout.stream else {}, range(len(rollout.groups))
+
+        def score(gs) -> RewardScores:
+            texts = [t for g in gs for t in rollout.texts[rollout.responses_of(slice(g, g + 1))]]
+            return score_groups(self.reward_scorer, [rollout.examples[g] for g in gs], [rollout.groups[g] for g in gs],
+                                texts, warn=False)
+
+        rewards = RewardScores.concat([done.get(g) or score([g]) for g in groups]) if done else score(groups)
+        self.reward_scorer.warn_failures(rewards)
+        return rewards
+
+    def _chunked_logprobs(self, model, rollout: Rollout, kinds: tuple[PrefixKind, ...],
+                          done: dict[int, list[torch.Tensor]]) -> list[torch.Tensor]:
+        """Logprobs of every response, chunk by chunk: those of the groups in `done` (the decode
+        window's), the others' by suffix-only passes where a prefix item of one of `kinds` kept
+        the chunk's prompts, by full passes otherwise."""
         out = []
         for c, chunk in enumerate(update_chunks(len(rollout.groups), self.cfg.algorithm.updates_per_batch)):
             kept = None
             if rollout.prefix is not None:
                 kept = next((k for k in (rollout.prefix.result(kind, c) for kind in kinds) if k is not None), None)
-            out += self.actor.logprobs(model, rollout.groups[chunk], kept)
+            indices = range(chunk.start, chunk.stop)
+            computed = self.actor.logprobs(model, rollout.groups[chunk], kept,
+                                           skip=frozenset(p for p, g in enumerate(indices) if g in done))
+            streamed = iter([lp for g in indices if g in done for lp in done[g]])  # the skipped ones', in order
+            out += [lp if lp is not None else next(streamed) for lp in computed]
         return out
 
     def update(self, rollout: Rollout, advantages: list[float], old: list[torch.Tensor],
-               ref: list[torch.Tensor] | None) -> dict[str, float]:
+               ref: list[torch.Tensor] | None) -> tuple[dict[str, float], float]:
         """`updates_per_batch` optimizer steps, each on a chunk of the groups; the
-        first reads the actor's kept prompt forward when prefix work made one, and
-        alone measures the engine/trainer mismatch: it runs on the rollout's weights."""
-        updates = []
+        first reads the actor's kept prompt forward when prefix work made one (and
+        goes on from its passes in the decode window, when finished groups streamed),
+        and alone measures the engine/trainer mismatch: it runs on the rollout's
+        weights. Returns the metrics and the first step's seconds."""
+        updates, first_s = [], 0.0
+        started = rollout.stream.update if rollout.stream else None
         for i, chunk in enumerate(update_chunks(len(rollout.groups), self.cfg.algorithm.updates_per_batch)):
+            start = time.perf_counter()
             at = rollout.responses_of(chunk)
             kept = rollout.prefix.result(PrefixKind.ACTOR, i) if rollout.prefix is not None else None
             updates.append(self.actor.update(PolicyBatch(rollout.groups[chunk], advantages[at], old[at],
                                                          ref[at] if ref else None, rollout.logprobs[at], kept,
-                                                         rollout_weights=i == 0)))
-        return combine_updates(updates)
+                                                         rollout_weights=i == 0), started if i == 0 else None))
+            first_s = first_s or time.perf_counter() - start
+        return combine_updates(updates), first_s
 
     # ------------------------------------------------------------------ evaluation, checkpoints
 

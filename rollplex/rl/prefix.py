@@ -124,6 +124,7 @@ class PrefixScheduler:
         self.admitted = [item for item, ok in zip(items, fits) if ok]
         self.deferred = [item for item, ok in zip(items, fits) if not ok]
         self.planned_bytes = sum(item.estimate for item in self.admitted)
+        self.budget_left = None if budget_bytes is None else budget_bytes - self.planned_bytes
         for item in self.admitted:
             item.prepare()
         self.queue = list(self.admitted)
@@ -145,6 +146,10 @@ class PrefixScheduler:
 
     def result(self, kind: PrefixKind, chunk: int) -> KeptPrefix | None:
         return next((w.result for w in self.admitted if w.kind == kind and w.chunk == chunk), None)
+
+    def pending(self, kind: PrefixKind, chunk: int) -> bool:
+        """The item is admitted and not finished yet: its result is still to come."""
+        return any(w.kind == kind and w.chunk == chunk for w in self.queue)
 
     def between_steps(self, running: int) -> None:
         """Called by the engine after each step: a slice at full decode batch, up
@@ -258,8 +263,10 @@ class PrefixPlanner:
             patches = sum(t.shape[0] for p in ps for t in (p.pixel_values, p.pixel_values_videos) if t is not None)
             estimate = prefix_state(self.actor.args, spec, len(ps), sum(len(p.input_ids) for p in ps), patches,
                                     options, tp).total
-            # Collectives in the forward: TP all-reduces, or the sharded reference model's FSDP gathers.
-            alone = tp == 1 and not (spec.kind == PrefixKind.REF and self.dp_shard > 1)
+            # Collectives in its passes: TP all-reduces; with dp_shard > 1, the sharded reference model's FSDP
+            # gathers in its forward, and the actor item's in the prompt's backward after rollout (a rank
+            # without the item would not run it).
+            alone = tp == 1 and (self.dp_shard == 1 or spec.kind == PrefixKind.OLD)
             model = self.ref if spec.kind == PrefixKind.REF else self.actor
             items.append(PrefixWork(spec.kind, spec.chunk, model, ps,
                                     VisionEmbeds.concat(vision[chunk]) if spec.reuses_vision else None,

@@ -24,6 +24,7 @@ from rollplex.engine.sampler import mix_seed
 from rollplex.models.inputs import Group, Sample, VisionEmbeds
 from rollplex.models.qwen2_5_vl import Qwen2_5_VL
 from rollplex.rl.prefix import PrefixScheduler
+from rollplex.rl.stream import GroupStream
 from rollplex.rl.weights import SharedWeights
 
 
@@ -35,12 +36,14 @@ class Rollout:
     groups: list[Group]
     texts: list[str]  # each sample's decoded response, group by group (what the reward reads)
     prefix: PrefixScheduler | None = None  # the step's prompt work (all schedules but serial without share_prefix)
+    stream: GroupStream | None = None  # the finished groups' work done in the decode window (schedule.stream_groups)
 
     @classmethod
-    def of(cls, examples: list, groups: list[Group], tokenizer, prefix: PrefixScheduler | None = None) -> Rollout:
+    def of(cls, examples: list, groups: list[Group], tokenizer, prefix: PrefixScheduler | None = None,
+           stream: GroupStream | None = None) -> Rollout:
         """The rollout of `examples` from their groups (the engine's, or a disagg rollout rank's)."""
         texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for g in groups for s in g.samples]
-        return cls(examples, groups, texts, prefix)
+        return cls(examples, groups, texts, prefix, stream)
 
     # The per-sample views are built once: the groups do not change after `of`.
     @cached_property
@@ -137,17 +140,24 @@ class RolloutSampler:
         return self.engine.cache.pool_bytes(self.engine.blocks_for(requests, self.sampling))
 
     def generate(self, requests: list[Request], params: SamplingParams | None = None,
-                 between_steps: Callable[[int], None] | None = None) -> list[Group]:
+                 between_steps: Callable[[int], None] | None = None,
+                 on_finished: Callable[[int, Group], None] | None = None) -> list[Group]:
         """Generate on this rank's engine (`params`: the rollout's sampling by default),
         with the TP group's requests when it has one; each rank keeps its own outputs
-        (seeds come from the prompts, so the samples do not depend on the grouping)."""
+        (seeds come from the prompts, so the samples do not depend on the grouping),
+        and hears of its own finished groups (`Engine.generate`)."""
         params = params or self.sampling
         if self.tp_group is None:
-            return self.engine.generate(requests, params, between_steps)
+            return self.engine.generate(requests, params, between_steps, on_finished)
         # Vision features are left out: a peer's engine encodes its own (they are device tensors).
         everyone = all_gather_objects([replace(q, vision=None) for q in requests], self.tp_group)
-        outputs = self.engine.generate([q for qs in everyone for q in qs], params, between_steps)
         first = sum(len(qs) for qs in everyone[:dist.get_rank(self.tp_group)])
+        mine = None
+        if on_finished is not None:
+            def mine(index: int, group: Group) -> None:
+                if first <= index < first + len(requests):
+                    on_finished(index - first, group)
+        outputs = self.engine.generate([q for qs in everyone for q in qs], params, between_steps, mine)
         return outputs[first:first + len(requests)]
 
     def greedy(self, examples: list) -> list[Sample]:

@@ -136,9 +136,11 @@ class SharedWeights:
     def _gather(self) -> None:
         for unit in self.units:
             unit.unshard()
-            # The vision encode and the prompt work go through the FSDP hooks while the engine reads the
-            # gathered tensors: no unit may reshard before the rollout ends.
+            # The vision encode, the prompt work and the streamed finished groups' passes (forward and backward)
+            # go through the FSDP hooks while the engine reads the gathered tensors: no unit may reshard before
+            # the rollout ends.
             unit.set_reshard_after_forward(False, recurse=False)
+            unit.set_reshard_after_backward(False, recurse=False)
 
     def _release(self) -> None:
         for b in self.bindings:
@@ -148,6 +150,7 @@ class SharedWeights:
             unit.reshard()
             # Each unit's own setting: the root stays gathered from forward to backward, the others do not.
             unit.set_reshard_after_forward(reshard_after_forward(unit), recurse=False)
+            unit.set_reshard_after_backward(True, recurse=False)  # FSDP's default, which parallelize keeps
 
     # ------------------------------------------------------------------ engine side
 

@@ -116,6 +116,89 @@ class _Unit:
         return prompts * len(self.group.prompt.input_ids) + sum(len(r) for r in self.group.responses)
 
 
+@dataclass
+class LossNorm:
+    """An optimizer step's global loss normalisers (rollplex.train.loss.agg_loss)."""
+
+    global_tokens: float
+    global_seqs: float
+    max_response_len: int
+
+    def loss_divisor(self, agg: str) -> float:
+        """What the loss aggregated with unit normalisers must be divided by to equal it normalised."""
+        return self.global_tokens if agg == "token-mean" else self.global_seqs
+
+
+class PolicyUpdate:
+    """One optimizer step's forward and backward passes, micro-batch by micro-batch,
+    with the metric sums, FLOPs and non-finite count they add up to.
+
+    With `norm` None (a step started in the decode window, before its batch's
+    response tokens are all known) each micro-batch's loss is aggregated with unit
+    normalisers; `apply_norm` later divides the sums, and `grad_scale` the gradients,
+    once: the loss is linear in 1 / normaliser (rollplex.train.loss.agg_loss). The
+    same gradients up to the rounding of that one division."""
+
+    def __init__(self, actor: Actor, kept: KeptPrefix | None, norm: LossNorm | None, measures_diff: bool):
+        self.actor, self.kept, self.norm, self.measures_diff = actor, kept, norm, measures_diff
+        self.sums = {k: 0.0 for k in ("pg_loss", "kl_loss", "entropy", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}
+        self.probs_diff_sum, self.probs_diff_max, self.flops = 0.0, 0.0, 0.0
+        # Kept on the device until the step, which waits on it anyway.
+        self.nonfinite = torch.zeros((), dtype=torch.long, device=actor.model.device)
+        self.grad_scale = 1.0
+        self.trained: set[int] = set()  # positions of the groups whose passes are in
+
+    def add(self, units: list[_Unit], batch: PolicyBatch, weight: float) -> None:
+        """Forward and backward over one micro-batch of `batch` (weight 0: a repeat that keeps
+        the dp ranks' micro-batch counts equal)."""
+        actor, cfg = self.actor, self.actor.config
+        ids = _response_ids(units)
+        lp, entropy, lens, pass_flops = actor._pass(actor.model, units, self.kept, cfg.entropy_coef > 0)
+        self.flops += 3 * pass_flops  # forward + backward (2x)
+        if weight:  # not the zero-weight repeat
+            self.nonfinite += lp.detach().isfinite().logical_not().sum()
+        norm = self.norm or LossNorm(1.0, 1.0, cfg.max_response_len)
+        norms = dict(global_tokens=norm.global_tokens, global_seqs=norm.global_seqs,
+                     max_response_len=norm.max_response_len)
+        mask = _padded_mask(lens, lp.device)
+        pad = lambda xs: _pad([xs[i] for i in ids], mask)  # noqa: E731
+        lp2d = _pad(list(lp.split(lens)), mask)
+        adv = torch.tensor([batch.advantages[i] for i in ids], device=lp.device)
+        loss, m = policy_loss(lp2d, pad(batch.old_logprobs), adv, mask, cfg.clip_low, cfg.clip_high, cfg.clip_c,
+                              cfg.loss_agg_mode, **norms,
+                              rollout_logprobs=pad(batch.rollout_logprobs) if batch.rollout_logprobs else None,
+                              tis_cap=cfg.tis_cap)
+        self.sums["pg_loss"] += m.pg_loss.item() * weight
+        if cfg.kl_coef > 0:
+            kl = agg_loss(kl_penalty(lp2d, pad(batch.ref_logprobs), cfg.kl_kind), mask, cfg.loss_agg_mode, **norms)
+            loss = loss + cfg.kl_coef * kl
+            self.sums["kl_loss"] += kl.item() * weight
+        if entropy is not None:
+            ent = agg_loss(_pad(list(entropy.split(lens)), mask), mask, cfg.loss_agg_mode, **norms)
+            loss = loss - cfg.entropy_coef * ent
+            self.sums["entropy"] += ent.item() * weight
+        share = mask.sum().item() / norm.global_tokens * weight
+        for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+            self.sums[k] += getattr(m, k).item() * share
+        if self.measures_diff and weight:
+            diff = (lp2d.detach().exp() - pad(batch.rollout_logprobs).exp()).abs()[mask]
+            self.probs_diff_sum += diff.sum().item() / norm.global_tokens
+            self.probs_diff_max = max(self.probs_diff_max, diff.max().item())
+        # FSDP averages gradients over dp ranks; the losses are already globally normalised sums.
+        (loss * weight * actor.dp_size).backward()
+
+    def apply_norm(self, norm: LossNorm) -> None:
+        """Normalise a step aggregated with unit normalisers: its sums now, its gradients
+        (`grad_scale`) once they are all in."""
+        divisor = norm.loss_divisor(self.actor.config.loss_agg_mode)
+        for k in ("pg_loss", "kl_loss", "entropy"):
+            self.sums[k] /= divisor
+        for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+            self.sums[k] /= norm.global_tokens
+        self.probs_diff_sum /= norm.global_tokens
+        self.norm, self.grad_scale = norm, 1.0 / divisor
+
+
 class Actor:
     def __init__(self, model: Qwen2_5_VL, config: ActorConfig, dp_group: dist.ProcessGroup | None = None,
                  lr_lambda=None):
@@ -133,11 +216,17 @@ class Actor:
 
     # ------------------------------------------------------------------ micro-batches
 
-    def micro_batches(self, groups: list[Group]) -> list[list[_Unit]]:
+    def micro_batches(self, groups: list[Group], positions: list[int] | None = None, skip: frozenset[int] = frozenset(),
+                      agree: bool = True) -> list[list[_Unit]]:
+        """The groups' units packed into micro-batches of at most the token budget. `positions`: each
+        group's index in its kept prefix (default: its index in `groups`); groups at the positions in
+        `skip` are left out (trained already, in the decode window). With `agree`, every dp rank gets as
+        many micro-batches as the rank with the most (each is a round of FSDP collectives)."""
         budget = self.config.max_tokens_per_micro_batch
         units, first = [], 0
-        for index, g in enumerate(groups):
-            units += self._split_group(g, first, index, budget)
+        for g, position in zip(groups, positions or range(len(groups))):
+            if position not in skip:
+                units += self._split_group(g, first, position, budget)
             first += len(g.responses)
         batches: list[list[_Unit]] = []
         tokens = budget + 1
@@ -147,7 +236,7 @@ class Actor:
                 tokens = 0
             batches[-1].append(u)
             tokens += u.tokens
-        return self._same_count_on_all_ranks(batches)
+        return self._same_count_on_all_ranks(batches) if agree else batches
 
     def _split_group(self, g: Group, first: int, index: int, budget: int) -> list[_Unit]:
         prompt = len(g.prompt.input_ids)
@@ -175,7 +264,7 @@ class Actor:
         # Split the largest micro-batches until the count matches; repeat one (at zero weight) if units run out.
         while len(batches) < count:
             batches.sort(key=lambda b: -sum(u.tokens for u in b))
-            if len(batches[0]) > 1:
+            if batches and len(batches[0]) > 1:
                 big = batches.pop(0)
                 half = len(big) // 2
                 batches += [big[:half], big[half:]]
@@ -186,18 +275,23 @@ class Actor:
     # ------------------------------------------------------------------ passes
 
     @torch.no_grad()
-    def logprobs(self, model: Qwen2_5_VL, groups: list[Group],
-                 kept: KeptPrefix | None = None) -> list[torch.Tensor]:
-        """Per-response logprobs under `model` (the actor, or the reference model);
-        suffix-only passes when the groups' prompts were kept by `model`."""
+    def logprobs(self, model: Qwen2_5_VL, groups: list[Group], kept: KeptPrefix | None = None,
+                 positions: list[int] | None = None, skip: frozenset[int] = frozenset(), agree: bool = True,
+                 to_host: bool = True) -> list[torch.Tensor | None]:
+        """Per-response logprobs under `model` (the actor, or the reference model), None
+        for the responses of groups at the positions in `skip`; suffix-only passes when the
+        groups' prompts were kept by `model` (`positions`: their indices there, as
+        `micro_batches` takes them). Without `agree` the passes issue no collective of
+        their own (the decode window's: the model is whole on this rank then); without
+        `to_host` the logprobs stay on the device, so that the host never waits for them."""
         out: list[torch.Tensor | None] = [None] * sum(len(g.responses) for g in groups)
-        for mb in self.micro_batches(groups):
+        for mb in self.micro_batches(groups, positions, skip, agree):
             units = mb or self._fallback_units(groups)
             lp, _, lens, _ = self._pass(model, units, kept, with_entropy=False)
             if not mb:
                 continue
             for i, piece in zip(_response_ids(units), lp.split(lens)):
-                out[i] = piece.float().cpu()
+                out[i] = piece.float().cpu() if to_host else piece.float()
         return out
 
     def _pass(self, model: Qwen2_5_VL, units: list[_Unit], kept: KeptPrefix | None,
@@ -216,8 +310,10 @@ class Actor:
         return (*response_logprobs(model, batch, with_entropy=with_entropy, temperature=self.config.temperature),
                 lens, forward_flops(model.args, batch))
 
-    def update(self, batch: PolicyBatch) -> dict[str, float]:
-        """One optimizer step on the batch; returns verl-named metrics.
+    def update(self, batch: PolicyBatch, started: PolicyUpdate | None = None) -> dict[str, float]:
+        """One optimizer step on the batch; returns verl-named metrics. `started`: the
+        step's passes over the groups that finished first, run in the decode window
+        (`start_update`); the rest of the batch's groups are added here.
 
         The step is skipped (counted in skipped_steps) on every rank when any rank
         sees a non-finite loss or gradient, or a non-finite logprob in the batch's
@@ -229,52 +325,26 @@ class Actor:
         global already, and rollout_probs_diff_max is this rank's maximum. The
         rollout_probs_diff metrics come only with rollout logprobs and the rollout's
         weights (PolicyBatch.rollout_weights)."""
-        cfg = self.config
-        measures_diff = batch.rollout_logprobs is not None and batch.rollout_weights
         self.model.train()
-        local = [sum(len(r) for g in batch.groups for r in g.responses), len(batch.advantages)]
-        global_tokens, global_seqs = local if self.dp_size == 1 else all_reduce_values(local, group=self.dp_group)
-        norm = dict(global_tokens=global_tokens, global_seqs=global_seqs, max_response_len=cfg.max_response_len)
-        sums = {k: 0.0 for k in ("pg_loss", "kl_loss", "entropy", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}
-        probs_diff_sum, probs_diff_max, flops = 0.0, 0.0, 0.0
-        # Kept on the device until the step, which waits on it anyway.
-        nonfinite = torch.tensor(count_nonfinite(batch.old_logprobs) + count_nonfinite(batch.ref_logprobs),
-                                 device=self.model.device)
-        for mb in self.micro_batches(batch.groups):
-            units = mb or self._fallback_units(batch.groups)
-            weight = 1.0 if mb else 0.0
-            ids = _response_ids(units)
-            lp, entropy, lens, pass_flops = self._pass(self.model, units, batch.kept, cfg.entropy_coef > 0)
-            flops += 3 * pass_flops  # forward + backward (2x)
-            if mb:  # not the zero-weight repeat
-                nonfinite += lp.detach().isfinite().logical_not().sum()
-            mask = _padded_mask(lens, lp.device)
-            pad = lambda xs: _pad([xs[i] for i in ids], mask)  # noqa: E731
-            lp2d = _pad(list(lp.split(lens)), mask)
-            adv = torch.tensor([batch.advantages[i] for i in ids], device=lp.device)
-            loss, m = policy_loss(lp2d, pad(batch.old_logprobs), adv, mask, cfg.clip_low, cfg.clip_high, cfg.clip_c,
-                                  cfg.loss_agg_mode, **norm,
-                                  rollout_logprobs=pad(batch.rollout_logprobs) if batch.rollout_logprobs else None,
-                                  tis_cap=cfg.tis_cap)
-            sums["pg_loss"] += m.pg_loss.item() * weight
-            if cfg.kl_coef > 0:
-                kl = agg_loss(kl_penalty(lp2d, pad(batch.ref_logprobs), cfg.kl_kind), mask, cfg.loss_agg_mode, **norm)
-                loss = loss + cfg.kl_coef * kl
-                sums["kl_loss"] += kl.item() * weight
-            if entropy is not None:
-                ent = agg_loss(_pad(list(entropy.split(lens)), mask), mask, cfg.loss_agg_mode, **norm)
-                loss = loss - cfg.entropy_coef * ent
-                sums["entropy"] += ent.item() * weight
-            share = mask.sum().item() / norm["global_tokens"] * weight
-            for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
-                sums[k] += getattr(m, k).item() * share
-            if measures_diff and weight:
-                diff = (lp2d.detach().exp() - pad(batch.rollout_logprobs).exp()).abs()[mask]
-                probs_diff_sum += diff.sum().item() / norm["global_tokens"]
-                probs_diff_max = max(probs_diff_max, diff.max().item())
-            # FSDP averages gradients over dp ranks; the losses are already globally normalised sums.
-            (loss * weight * self.dp_size).backward()
+        step = started or PolicyUpdate(self, batch.kept, self._loss_norm(batch),
+                                       batch.rollout_logprobs is not None and batch.rollout_weights)
+        step.kept = batch.kept
+        batches = self.micro_batches(batch.groups, skip=frozenset(step.trained))
+        if started is not None and not batches:
+            # FSDP prefetches in a backward by the order of the forwards since the last backward, which
+            # the decode window's passes left different on each rank: one more backward (a zero-weight
+            # repeat, on every rank alike) ends that history before the prompt's.
+            batches = [[]]
+        for i, mb in enumerate(batches):
+            if started is not None and batch.kept is None and i == len(batches) - 1:
+                self._sync_gradients()  # no prompt backward to reduce them: this last micro-batch's does
+            step.add(mb or self._fallback_units(batch.groups), batch, weight=1.0 if mb else 0.0)
+        step.nonfinite += count_nonfinite(batch.old_logprobs) + count_nonfinite(batch.ref_logprobs)
+        if step.norm is None:  # the streamed step: its normaliser is known now that every group is in
+            step.apply_norm(self._loss_norm(batch))
+        flops = step.flops
         if batch.kept is not None:
+            self._sync_gradients()  # held by a started step until here
             if isinstance(self.model, FSDPModule):
                 # The prompt forward read the root unit's parameters (embedding, final norm, vision merger)
                 # outside its FSDP hooks: gather them for the backward; FSDP's end-of-backward callback
@@ -282,17 +352,49 @@ class Actor:
                 self.model.unshard()
             batch.kept.backward_into_prompt()
             flops += 2 * batch.kept.flops  # the prompt's backward
-        nonfinite = self._global_sum(float(nonfinite.item()))
+        if step.grad_scale != 1.0:  # linear in the loss: the streamed step's normaliser, applied once
+            torch._foreach_mul_([p.grad for p in self.model.parameters() if p.grad is not None], step.grad_scale)
+        nonfinite = self._global_sum(float(step.nonfinite.item()))
         grad_norm = self._clip_and_step(skip=nonfinite > 0)
-        metrics = {f"actor/{k}": v for k, v in sums.items()}
+        metrics = {f"actor/{k}": v for k, v in step.sums.items()}
         metrics["perf/actor_flops"] = flops
-        if measures_diff:
-            metrics["training/rollout_probs_diff_mean"] = probs_diff_sum
-            metrics["training/rollout_probs_diff_max"] = probs_diff_max
+        if step.measures_diff:
+            metrics["training/rollout_probs_diff_mean"] = step.probs_diff_sum
+            metrics["training/rollout_probs_diff_max"] = step.probs_diff_max
         metrics.update({"actor/grad_norm": grad_norm, "actor/lr": self.scheduler.get_last_lr()[0],
                         "actor/skipped_steps_total": float(self.skipped_steps),
                         "training/nonfinite_logprobs": nonfinite})
         return metrics
+
+    def start_update(self) -> PolicyUpdate:
+        """The next optimizer step's passes, started before its whole batch exists: groups join
+        one by one (`add_group`) as they finish decoding, and `update` adds the rest. Gradients
+        stay on this rank until the last backward in `update` (FSDP reduces nothing before): a
+        rank runs as many passes as its groups finish in the window, its peers others. Every dp
+        rank must start the step, or none (the reductions in `update` follow from it)."""
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(False)
+        return PolicyUpdate(self, None, None, measures_diff=True)
+
+    def _sync_gradients(self) -> None:
+        """The next backward reduces the gradients over dp ranks (FSDP's default)."""
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(True)
+
+    def add_group(self, step: PolicyUpdate, group: PolicyBatch, position: int) -> None:
+        """Add one finished group's passes (`group`: its responses' data, with the kept prompt
+        of the step's chunk) to a started step; `position`: its index in the step's batch and
+        kept prefix."""
+        step.kept = group.kept
+        for units in self.micro_batches(group.groups, [position], agree=False):
+            step.add(units, group, weight=1.0)
+        step.trained.add(position)
+
+    def _loss_norm(self, batch: PolicyBatch) -> LossNorm:
+        """The batch's global normalisers: its response tokens and responses over every dp rank."""
+        local = [sum(len(r) for g in batch.groups for r in g.responses), len(batch.advantages)]
+        tokens, seqs = local if self.dp_size == 1 else all_reduce_values(local, group=self.dp_group)
+        return LossNorm(tokens, seqs, self.config.max_response_len)
 
     def _global_sum(self, value: float) -> float:
         return value if self.dp_size == 1 else all_reduce_values([value], group=self.dp_group)[0]

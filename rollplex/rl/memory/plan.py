@@ -102,6 +102,14 @@ class MemoryPlan:
     prefix_budget: int  # the step's, for this batch's KV pool
     model_name: str = ""
 
+    def streamed_update_bytes(self) -> int:
+        """What the first update's passes hold in the decode window when finished groups stream
+        (schedule.stream_groups, rollplex.rl.stream): the gradients, whole on each rank until the
+        prompt's backward reduces them after rollout, and one micro-batch's working memory."""
+        s = _Shapes(self.args, self.layout, self.batch, self.options, self.params)
+        return s.trainable_shard() * self.layout.dp_shard * self.options.grad_dtype.itemsize + \
+            s.pass_bytes(kept=True, grad=True)
+
     @property
     def kv_pool_blocks(self) -> int:
         """The engine's pool capacity in blocks: the plan's bytes less the engine's sink block."""

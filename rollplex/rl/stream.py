@@ -1,0 +1,212 @@
+"""Finished groups' work in the decode tail (schedule.stream_groups).
+
+In a synchronous GRPO step, a group whose n samples have all finished needs
+nothing from the groups still decoding for:
+  reward   - its samples' scores (and so its advantages: normalised within the group);
+  ref, old - its reference and recomputed old logprobs: suffix passes over its
+             chunk's kept prompt (rollplex.rl.prefix) once that prompt item is
+             done, or full passes where the item was not admitted;
+  update   - the actor's forward and backward over it, for the first optimizer
+             step's groups (`Actor.start_update`): gradients accumulate, and the
+             loss normaliser, global over the step's batch, is applied after
+             decode once every group is in (the loss is linear in it).
+The engine reports each group as its last sample finishes (`on_finished`).
+`between_steps` then scores it at once (host work) and queues its model passes,
+which run after the step's prefix slices, one per step at a full decode batch
+and more as the batch empties, as the prefix slices do. On CUDA they go on the
+prefix side stream. What the window does not finish, the loop's phases run
+after it, through the same functions: the results here say what is done.
+
+No streamed pass may issue a collective: each dp rank finishes its groups in its
+own order, so collectives would not line up. A pass streams only where its model
+is whole on this rank during rollout: the actor's when parallel.tp is 1 (every
+FSDP unit is gathered for the engine and stays so through backward,
+rollplex.rl.weights), the reference model's when it is not sharded either (one
+dp rank). The streamed update keeps FSDP from reducing gradients until the
+prompt's backward after rollout, which reduces them all at once. It is admitted
+when its gradients and one micro-batch fit the prefix budget left after the
+prompt items (`MemoryPlan.streamed_update_bytes`), the same on every rank, since
+the update's collectives after rollout depend on it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from rollplex.config import Config
+from rollplex.data.reward_scoring import RewardScorer, RewardScores
+from rollplex.models.inputs import Group
+from rollplex.models.qwen2_5_vl import Qwen2_5_VL
+from rollplex.rl.memory import PrefixKind
+from rollplex.rl.prefix import PrefixScheduler, update_chunks
+from rollplex.train.actor import Actor, PolicyBatch, PolicyUpdate
+from rollplex.train.loss import group_advantages
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """Which of a step's finished-group passes may stream on this rank's layout."""
+
+    ref: bool  # the reference model's logprobs (kl_coef > 0, the model whole on this rank)
+    old: bool  # recomputed old logprobs (the actor whole on this rank)
+    update: bool  # the first optimizer step's forward and backward (and it fits the budget)
+
+    @classmethod
+    def of(cls, cfg: Config, dp_shard: int, prefix: PrefixScheduler, update_bytes: int) -> StreamPlan:
+        a, whole = cfg.algorithm, cfg.parallel.tp == 1
+        ref = a.kl_coef > 0 and whole and dp_shard == 1
+        kept_actor = any(w.kind == PrefixKind.ACTOR for w in prefix.admitted)
+        fits = prefix.budget_left is None or update_bytes <= prefix.budget_left
+        # The update's loss reads the group's reference logprobs (kl_coef > 0): they must stream too.
+        return cls(ref=ref, old=a.recompute_old_logprobs and whole,
+                   update=whole and kept_actor and fits and (ref or a.kl_coef == 0))
+
+
+@dataclass
+class StreamReport:
+    hidden: float = 0.0  # seconds of finished groups' work done in the decode window (on CUDA: issuing it)
+    exposed: float = 0.0  # seconds of the same kinds of work after it (set by the loop)
+    # What the window did: groups scored, and passes run per kind (ref, old, update: one per group)
+    done: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("scored", "ref", "old", "update"), 0))
+
+    def as_metrics(self) -> dict[str, float]:
+        return {"timing_s/stream_hidden": self.hidden, "timing_s/stream_exposed": self.exposed,
+                **{f"stream/{kind}_groups": float(count) for kind, count in self.done.items()}}
+
+
+@dataclass
+class GroupStream:
+    """A step's finished groups and the work done on them in the decode window."""
+
+    cfg: Config
+    examples: list  # this rank's, one per group
+    tokenizer: object
+    scorer: RewardScorer
+    actor: Actor
+    ref_model: Qwen2_5_VL | None
+    prefix: PrefixScheduler
+    plan: StreamPlan
+    max_passes_per_step: int = 8
+    # What is done, by group index (this rank's): the loop's phases do the rest.
+    scores: dict[int, RewardScores] = field(default_factory=dict)
+    ref: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    old: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    update: PolicyUpdate | None = None  # the first optimizer step, started on the groups it has
+    report: StreamReport = field(default_factory=StreamReport)
+    finished: dict[int, Group] = field(default_factory=dict)
+    _new: list[int] = field(default_factory=list)
+    _passes: list[tuple[str, int]] = field(default_factory=list)  # (kind, group) waiting
+    _peak_running: int = 0
+    _waited: bool = False
+    # Host-side timeline (time.perf_counter), as PrefixScheduler.spans: each piece of work as (kind, start, end).
+    spans: list[tuple[str, float, float]] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.chunks = update_chunks(len(self.examples), self.cfg.algorithm.updates_per_batch)
+        self.stream = self.prefix.stream  # None on CPU: the passes run inline
+        if self.plan.update:  # on every dp rank alike, whether or not its groups finish in the window
+            self.update = self.actor.start_update()
+
+    def on_finished(self, index: int, group: Group) -> None:
+        """The engine's report: every sample of group `index` has finished."""
+        self.finished[index] = group
+        self._new.append(index)
+
+    def between_steps(self, running: int) -> None:
+        """Score the groups that finished in the last step, then run queued passes."""
+        start = time.perf_counter()
+        for g in self._new:
+            scoring_start, group = time.perf_counter(), self.finished[g]
+            texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in group.samples]
+            self.scores[g] = score_groups(self.scorer, [self.examples[g]], [group], texts, warn=False)
+            self.report.done["scored"] += 1
+            self.spans.append(("group reward", scoring_start, time.perf_counter()))
+            self._passes += [(kind, g) for kind, wanted in (("ref", self.plan.ref), ("old", self.plan.old),
+                                                            ("update", self.plan.update and g < self.chunks[0].stop))
+                             if wanted]
+        self._new = []
+        self._peak_running = max(self._peak_running, running)
+        free = 1.0 - running / self._peak_running if self._peak_running else 1.0
+        budget = 1 + int((self.max_passes_per_step - 1) * free)
+        while budget and (job := next((j for j in self._passes if self._ready(*j)), None)):
+            self._passes.remove(job)
+            budget -= 1
+            job_start = time.perf_counter()
+            if self.stream is None:
+                self._run(*job)
+            else:
+                if not self._waited:  # once: the caller's stream made the inputs (gathered weights, cached vision)
+                    self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+                    self._waited = True
+                with torch.cuda.stream(self.stream):
+                    self._run(*job)
+            self.report.done[job[0]] += 1
+            self.spans.append((f"group {job[0]}", job_start, time.perf_counter()))
+        self.report.hidden += time.perf_counter() - start
+
+    def join(self) -> None:
+        """After decode: the caller's stream waits for the streamed passes, and their
+        logprobs come to the host."""
+        if self.stream is not None:
+            main = torch.cuda.current_stream(self.stream.device)
+            main.wait_stream(self.stream)
+            # Made on the side stream, used and freed on the caller's from here on.
+            for p in self.actor.model.parameters():
+                if p.grad is not None:
+                    p.grad.record_stream(main)
+        for done in (self.ref, self.old):
+            for g, logprobs in done.items():
+                done[g] = [lp.cpu() for lp in logprobs]
+
+    # ------------------------------------------------------------------ the passes
+
+    def _chunk(self, g: int) -> int:
+        return next(c for c, s in enumerate(self.chunks) if s.start <= g < s.stop)
+
+    def _ready(self, kind: str, g: int) -> bool:
+        c, p = self._chunk(g), self.prefix
+        if kind == "ref":
+            return not p.pending(PrefixKind.REF, c)
+        if kind == "old":
+            return not (p.pending(PrefixKind.ACTOR, c) or p.pending(PrefixKind.OLD, c))
+        return ((not self.plan.ref or g in self.ref) and (not self.plan.old or g in self.old)
+                and not p.pending(PrefixKind.ACTOR, 0) and p.result(PrefixKind.ACTOR, 0) is not None)
+
+    def _run(self, kind: str, g: int) -> None:
+        c = self._chunk(g)
+        position = g - self.chunks[c].start
+        if kind == "update":
+            self._add_to_update(g, position)
+            return
+        model, kinds = (self.ref_model, (PrefixKind.REF,)) if kind == "ref" else \
+            (self.actor.model, (PrefixKind.ACTOR, PrefixKind.OLD))
+        kept = next((k for k in (self.prefix.result(k, c) for k in kinds) if k is not None), None)
+        logprobs = self.actor.logprobs(model, [self.finished[g]], kept, positions=[position], agree=False,
+                                       to_host=False)
+        (self.ref if kind == "ref" else self.old)[g] = logprobs
+
+    def _add_to_update(self, g: int, position: int) -> None:
+        kept = self.prefix.result(PrefixKind.ACTOR, 0)
+        group = self.finished[g]
+        rollout_logprobs = [torch.tensor(s.logprobs) for s in group.samples]
+        advantages = group_advantages(torch.tensor(self.scores[g].scores), torch.zeros(len(group.samples)),
+                                      norm_by_std=norm_by_std(self.cfg)).tolist()
+        self.actor.add_group(self.update, PolicyBatch([group], advantages, self.old.get(g, rollout_logprobs),
+                                                      self.ref.get(g), rollout_logprobs, kept), position)
+
+
+def norm_by_std(cfg: Config) -> bool:
+    """Whether advantages are divided by the group's standard deviation (GRPO) or only centred (Dr.GRPO)."""
+    return cfg.algorithm.adv_estimator == "grpo" and cfg.algorithm.norm_adv_by_std
+
+
+def score_groups(scorer: RewardScorer, examples: list, groups: list[Group], texts: list[str],
+                 warn: bool = True) -> RewardScores:
+    """The rewards of every sample of `groups` (one example each; `texts`: the samples' decoded
+    responses), in group order."""
+    per_sample = [e for e, g in zip(examples, groups) for _ in g.samples]
+    return scorer.score(texts, [e.answer for e in per_sample], [s.token_ids for g in groups for s in g.samples],
+                        [e.columns for e in per_sample], warn=warn)

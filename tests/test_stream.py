@@ -1,0 +1,131 @@
+"""Streaming finished groups (schedule.stream_groups): a group's reward, reference
+and old logprobs and first-update passes run in the decode tail as soon as all its
+samples have finished, and train as serial-prefix does.
+
+The order differs from serial-prefix's: the streamed groups' micro-batches come
+first, in the order the groups finished, each a micro-batch of its own, with the
+loss summed unnormalised and the gradients divided by the global normaliser once
+at the end; then the other groups' micro-batches in batch order. So the samples
+are the same at every step, the first step's gradients agree to rounding
+(1e-6 relative), and the parameters after 3 AdamW steps to 2e-5 (AdamW
+normalises each gradient element: one at rounding level can move by up to lr,
+as tests/test_schedules.py says of serial-naive)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from rollplex.metrics import read_metrics
+from rollplex.rl.stream import GroupStream
+from rollplex.train.actor import Actor
+from test_schedules import FAST, max_difference, train
+
+# Each prompt draws its own response limit (1..16 tokens), so groups finish at different decode steps.
+UNEVEN = ["--rollout.min_tokens", "1", "--rollout.max_tokens", "16"]
+STREAM = ["--schedule.kind", "overlap", "--schedule.stream_groups", "true"]
+
+
+def record_gradients(monkeypatch) -> list[dict[str, torch.Tensor]]:
+    """Every optimizer step's gradients, by parameter, as the step sees them."""
+    seen = []
+    clip_and_step = Actor._clip_and_step
+
+    def recording(self, skip):
+        # Copies: the step clips the gradients in place (full_tensor on a mesh of one is no copy).
+        seen.append({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                     for n, p in self.model.named_parameters() if p.grad is not None})
+        return clip_and_step(self, skip)
+
+    monkeypatch.setattr(Actor, "_clip_and_step", recording)
+    return seen
+
+
+def check_same_training(out: Path, prefix: dict, streamed: dict) -> list[dict]:
+    """Same samples at every step, parameters within 2e-5; returns the streamed run's metrics."""
+    rows = {name: read_metrics(out / name / "metrics.jsonl") for name in ("prefix", "stream")}
+    for key in ("critic/score/mean", "response_length/mean"):
+        assert [r[key] for r in rows["stream"]] == [r[key] for r in rows["prefix"]], key
+    assert max_difference(streamed, prefix) <= 2e-5
+    return rows["stream"]
+
+
+def test_streamed_groups_train_like_serial_prefix(tmp_path, monkeypatch):
+    gradients = record_gradients(monkeypatch)
+    _, prefix = train(tmp_path / "prefix", *UNEVEN)
+    first_prefix = gradients[0]
+    gradients.clear()
+    _, streamed = train(tmp_path / "stream", *UNEVEN, *STREAM)
+    first_stream = gradients[0]
+    assert first_stream.keys() == first_prefix.keys()
+    largest = max(g.abs().max().item() for g in first_prefix.values())
+    assert max_difference(first_stream, first_prefix) <= 1e-6 * largest
+    rows = check_same_training(tmp_path, prefix, streamed)
+    # Every kind of work ran in the window at some step; the finished groups' work left after it is measured.
+    for kind in ("scored", "ref", "old", "update"):
+        assert sum(r[f"stream/{kind}_groups"] for r in rows) > 0, kind
+    assert all(r["timing_s/stream_hidden"] > 0 and r["timing_s/stream_exposed"] > 0 for r in rows)
+
+
+def streamed_on_two_ranks(rank: int, world: int, out: str) -> None:
+    torch.set_num_threads(1)
+    # Without the KL term: the reference model is sharded over the 2 dp ranks, so its passes cannot
+    # stream, and the update's loss would need them.
+    for name, extra in {"prefix": [], "stream": STREAM}.items():
+        _, params = train(Path(out) / name, *UNEVEN, "--algorithm.kl_coef", "0", *extra)
+        if rank == 0:
+            torch.save(params, Path(out) / f"{name}.pt")
+
+
+def test_streamed_groups_train_like_serial_prefix_on_two_ranks(tmp_path):
+    """Each rank streams its own groups, FSDP holding the gradients until the prompt's backward."""
+    run_distributed(streamed_on_two_ranks, 2, str(tmp_path))
+    rows = check_same_training(tmp_path, torch.load(tmp_path / "prefix.pt"), torch.load(tmp_path / "stream.pt"))
+    assert sum(r["stream/update_groups"] for r in rows) > 0
+    assert all(r["stream/ref_groups"] == 0 for r in rows)
+
+
+def test_no_work_runs_before_its_group_has_finished(tmp_path, monkeypatch):
+    """A group is reported once its longest sample is done (a sample of L tokens needs
+    the prefill and L - 1 decode steps), and its passes run only after that."""
+    from rollplex.engine import Engine
+
+    reported, passes = {}, []
+    generate, run = Engine.generate, GroupStream._run
+
+    def recording_generate(self, requests, params=None, between_steps=None, on_finished=None):
+        def heard(index, group):
+            reported[index] = (self.stats["steps"], max(len(s.token_ids) for s in group.samples))
+            on_finished(index, group)
+        return generate(self, requests, params, between_steps, heard if on_finished else None)
+
+    def recording_run(self, kind, g):
+        assert g in reported, f"a {kind} pass ran on group {g} before it finished"
+        passes.append(kind)
+        run(self, kind, g)
+
+    monkeypatch.setattr(Engine, "generate", recording_generate)
+    monkeypatch.setattr(GroupStream, "_run", recording_run)
+    train(tmp_path, *UNEVEN, *STREAM, "--trainer.total_steps", "1")
+    assert reported and all(step >= longest for step, longest in reported.values())
+    assert {"ref", "old", "update"} <= set(passes)
+
+
+@pytest.mark.parametrize("room", ["none", "enough"])
+def test_streamed_update_only_within_the_memory_budget(tmp_path, room):
+    """The update streams only when its gradients and a micro-batch fit the budget the
+    prompt items leave (MemoryPlan.streamed_update_bytes); else it runs after decode."""
+    from rollplex.config import load_config
+    from rollplex.rl.loop import RLTrainer
+
+    trainer = RLTrainer(load_config(FAST + UNEVEN + ["--trainer.output_dir", str(tmp_path / "sizes")]))
+    prompts = [e.prompt for e in next(trainer._batches(0))]
+    items = sum(i.estimate for i in trainer._prefix_work(prompts, [None] * len(prompts)))
+    update = trainer.memory.streamed_update_bytes()
+    budget = items + (update if room == "enough" else update // 2)
+    train(tmp_path / room, *UNEVEN, *STREAM, "--schedule.prefix_memory_budget", str(budget))
+    rows = read_metrics(tmp_path / room / "metrics.jsonl")
+    assert all(r["prefix/deferred_items"] == 0 for r in rows)
+    streamed = sum(r["stream/update_groups"] for r in rows)
+    assert streamed > 0 if room == "enough" else streamed == 0
