@@ -337,7 +337,7 @@ def print_memory(results: dict, cuda: bool) -> None:
     for name, res in results.items():
         m = res["mean"]
         planned = phase_values(m, "perf/planned_memory_gb/")
-        line = f"  {name:<14}planned " + ("  ".join(f"{p} {planned[p]:.3g}" for p in PLANNED_PHASES if p in planned)
+        line = f"  {name:<15}planned " + ("  ".join(f"{p} {planned[p]:.3g}" for p in PLANNED_PHASES if p in planned)
                                           or "-")
         if cuda:
             measured = phase_values(m, "perf/max_memory_allocated_gb/")
