@@ -152,12 +152,12 @@ class RolloutSampler:
         # Vision features are left out: a peer's engine encodes its own (they are device tensors).
         everyone = all_gather_objects([replace(q, vision=None) for q in requests], self.tp_group)
         first = sum(len(qs) for qs in everyone[:dist.get_rank(self.tp_group)])
-        mine = None
-        if on_finished is not None:
-            def mine(index: int, group: Group) -> None:
-                if first <= index < first + len(requests):
-                    on_finished(index - first, group)
-        outputs = self.engine.generate([q for qs in everyone for q in qs], params, between_steps, mine)
+        def mine(index: int, group: Group) -> None:  # this rank's groups, by their index in `requests`
+            if first <= index < first + len(requests):
+                on_finished(index - first, group)
+
+        outputs = self.engine.generate([q for qs in everyone for q in qs], params, between_steps,
+                                       mine if on_finished is not None else None)
         return outputs[first:first + len(requests)]
 
     def greedy(self, examples: list) -> list[Sample]:

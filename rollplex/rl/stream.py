@@ -67,7 +67,8 @@ class StreamPlan:
 
 @dataclass
 class StreamReport:
-    hidden: float = 0.0  # seconds of finished groups' work done in the decode window (on CUDA: issuing it)
+    hidden: float = 0.0  # seconds of finished groups' work in the decode window: scoring, and the passes (on CUDA
+    # the side stream's time for them, from events)
     exposed: float = 0.0  # seconds of the same kinds of work after it (set by the loop)
     # What the window did: groups scored, and passes run per kind (ref, old, update: one per group)
     done: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("scored", "ref", "old", "update"), 0))
@@ -101,6 +102,7 @@ class GroupStream:
     _passes: list[tuple[str, int]] = field(default_factory=list)  # (kind, group) waiting
     _peak_running: int = 0
     _waited: bool = False
+    _pass_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
     # Host-side timeline (time.perf_counter), as PrefixScheduler.spans: each piece of work as (kind, start, end).
     spans: list[tuple[str, float, float]] = field(default_factory=list)
 
@@ -117,13 +119,13 @@ class GroupStream:
 
     def between_steps(self, running: int) -> None:
         """Score the groups that finished in the last step, then run queued passes."""
-        start = time.perf_counter()
         for g in self._new:
             scoring_start, group = time.perf_counter(), self.finished[g]
             texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in group.samples]
             self.scores[g] = score_groups(self.scorer, [self.examples[g]], [group], texts, warn=False)
             self.report.done["scored"] += 1
             self.spans.append(("group reward", scoring_start, time.perf_counter()))
+            self.report.hidden += time.perf_counter() - scoring_start
             self._passes += [(kind, g) for kind, wanted in (("ref", self.plan.ref), ("old", self.plan.old),
                                                             ("update", self.plan.update and g < self.chunks[0].stop))
                              if wanted]
@@ -137,15 +139,19 @@ class GroupStream:
             job_start = time.perf_counter()
             if self.stream is None:
                 self._run(*job)
+                self.report.hidden += time.perf_counter() - job_start
             else:
                 if not self._waited:  # once: the caller's stream made the inputs (gathered weights, cached vision)
                     self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
                     self._waited = True
+                events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 with torch.cuda.stream(self.stream):
+                    events[0].record()
                     self._run(*job)
+                    events[1].record()
+                self._pass_events.append(events)
             self.report.done[job[0]] += 1
             self.spans.append((f"group {job[0]}", job_start, time.perf_counter()))
-        self.report.hidden += time.perf_counter() - start
 
     def join(self) -> None:
         """After decode: the caller's stream waits for the streamed passes, and their
@@ -153,6 +159,8 @@ class GroupStream:
         if self.stream is not None:
             main = torch.cuda.current_stream(self.stream.device)
             main.wait_stream(self.stream)
+            self.stream.synchronize()  # done already: the prefix drain waited for this stream
+            self.report.hidden += sum(a.elapsed_time(b) for a, b in self._pass_events) / 1e3
             # Made on the side stream, used and freed on the caller's from here on.
             for p in self.actor.model.parameters():
                 if p.grad is not None:
