@@ -42,13 +42,13 @@ def record_gradients(monkeypatch) -> list[dict[str, torch.Tensor]]:
     return seen
 
 
-def check_same_training(out: Path, prefix: dict, streamed: dict) -> list[dict]:
-    """Same samples at every step, parameters within 2e-5; returns the streamed run's metrics."""
-    rows = {name: read_metrics(out / name / "metrics.jsonl") for name in ("prefix", "stream")}
+def check_same_training(out: Path, prefix: dict, streamed: dict, name: str = "stream") -> list[dict]:
+    """Same samples at every step as <out>/prefix, parameters within 2e-5; returns run `name`'s metrics."""
+    rows, reference = read_metrics(out / name / "metrics.jsonl"), read_metrics(out / "prefix" / "metrics.jsonl")
     for key in ("critic/score/mean", "response_length/mean"):
-        assert [r[key] for r in rows["stream"]] == [r[key] for r in rows["prefix"]], key
+        assert [r[key] for r in rows] == [r[key] for r in reference], key
     assert max_difference(streamed, prefix) <= 2e-5
-    return rows["stream"]
+    return rows
 
 
 def test_streamed_groups_train_like_serial_prefix(tmp_path, monkeypatch):
@@ -72,7 +72,9 @@ def streamed_on_two_ranks(rank: int, world: int, out: str) -> None:
     torch.set_num_threads(1)
     # Without the KL term: the reference model is sharded over the 2 dp ranks, so its passes cannot
     # stream, and the update's loss would need them.
-    for name, extra in {"prefix": [], "stream": STREAM}.items():
+    # stream-engine-tp: one engine over both ranks (rollout.tp 2), which reports every rank's groups: each
+    # rank streams its own.
+    for name, extra in {"prefix": [], "stream": STREAM, "stream-engine-tp": STREAM + ["--rollout.tp", "2"]}.items():
         _, params = train(Path(out) / name, *UNEVEN, "--algorithm.kl_coef", "0", *extra)
         if rank == 0:
             torch.save(params, Path(out) / f"{name}.pt")
@@ -81,9 +83,11 @@ def streamed_on_two_ranks(rank: int, world: int, out: str) -> None:
 def test_streamed_groups_train_like_serial_prefix_on_two_ranks(tmp_path):
     """Each rank streams its own groups, FSDP holding the gradients until the prompt's backward."""
     run_distributed(streamed_on_two_ranks, 2, str(tmp_path))
-    rows = check_same_training(tmp_path, torch.load(tmp_path / "prefix.pt"), torch.load(tmp_path / "stream.pt"))
-    assert sum(r["stream/update_groups"] for r in rows) > 0
-    assert all(r["stream/ref_groups"] == 0 for r in rows)
+    for name in ("stream", "stream-engine-tp"):
+        rows = check_same_training(tmp_path, torch.load(tmp_path / "prefix.pt"), torch.load(tmp_path / f"{name}.pt"),
+                                   name)
+        assert sum(r["stream/update_groups"] for r in rows) > 0, name
+        assert all(r["stream/ref_groups"] == 0 for r in rows), name
 
 
 def test_no_work_runs_before_its_group_has_finished(tmp_path, monkeypatch):
