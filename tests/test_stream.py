@@ -90,9 +90,12 @@ def test_streamed_groups_train_like_serial_prefix_on_two_ranks(tmp_path):
         assert all(r["stream/ref_groups"] == 0 for r in rows), name
 
 
-def test_no_work_runs_before_its_group_has_finished(tmp_path, monkeypatch):
+@pytest.mark.parametrize("reward_workers", ["0", "1"])
+def test_no_work_runs_before_its_group_has_finished(tmp_path, monkeypatch, reward_workers):
     """A group is reported once its longest sample is done (a sample of L tokens needs
-    the prefill and L - 1 decode steps), and its passes run only after that."""
+    the prefill and L - 1 decode steps), and its passes run only after that, and after
+    its scores are in: scored inline (an in-process reward) or by a worker process
+    that a thread waits for, the decode loop going on meanwhile."""
     from rollplex.engine import Engine
 
     reported, passes = {}, []
@@ -106,12 +109,13 @@ def test_no_work_runs_before_its_group_has_finished(tmp_path, monkeypatch):
 
     def recording_run(self, kind, g):
         assert g in reported, f"a {kind} pass ran on group {g} before it finished"
+        assert g in self.scores, f"a {kind} pass ran on group {g} before its scores were in"
         passes.append(kind)
         run(self, kind, g)
 
     monkeypatch.setattr(Engine, "generate", recording_generate)
     monkeypatch.setattr(GroupStream, "_run", recording_run)
-    train(tmp_path, *UNEVEN, *STREAM, "--trainer.total_steps", "1")
+    train(tmp_path, *UNEVEN, *STREAM, "--trainer.total_steps", "1", "--data.reward_workers", reward_workers)
     assert reported and all(step >= longest for step, longest in reported.values())
     assert {"ref", "old", "update"} <= set(passes)
 

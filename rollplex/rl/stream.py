@@ -11,9 +11,11 @@ nothing from the groups still decoding for:
              loss normaliser, global over the step's batch, is applied after
              decode once every group is in (the loss is linear in it).
 The engine reports each group as its last sample finishes (`on_finished`).
-`between_steps` then scores it at once (host work) and queues its model passes,
-which run after the step's prefix slices, one per step at a full decode batch
-and more as the batch empties, as the prefix slices do. On CUDA they go on the
+`between_steps` then scores it: at once with an in-process reward, or in the
+reward's worker processes, which a thread of ours waits for while decode goes
+on. Once its scores are in, its model passes are queued; they run after the
+step's prefix slices, one per step at a full decode batch and more as the batch
+empties, as the prefix slices do. On CUDA they go on the
 prefix side stream. What the window does not finish, the loop's phases run
 after it, through the same functions: the results here say what is done.
 
@@ -32,6 +34,7 @@ the update's collectives after rollout depend on it.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -105,12 +108,17 @@ class GroupStream:
     _pass_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
     # Host-side timeline (time.perf_counter), as PrefixScheduler.spans: each piece of work as (kind, start, end).
     spans: list[tuple[str, float, float]] = field(default_factory=list)
+    _scoring: dict[int, Future] = field(default_factory=dict)  # groups whose scores the reward workers compute
 
     def __post_init__(self):
         self.chunks = update_chunks(len(self.examples), self.cfg.algorithm.updates_per_batch)
         self.stream = self.prefix.stream  # None on CPU: the passes run inline
         if self.plan.update:  # on every dp rank alike, whether or not its groups finish in the window
             self.update = self.actor.start_update()
+        # Rewards in worker processes are waited for in a thread of ours, so that the decode loop never
+        # waits for them; an in-process reward runs inline (it would hold the interpreter anyway, and
+        # math-verify's time limit needs the main thread).
+        self._scorer_thread = ThreadPoolExecutor(1, "rollplex-reward") if self.scorer.workers else None
 
     def on_finished(self, index: int, group: Group) -> None:
         """The engine's report: every sample of group `index` has finished."""
@@ -118,18 +126,17 @@ class GroupStream:
         self._new.append(index)
 
     def between_steps(self, running: int) -> None:
-        """Score the groups that finished in the last step, then run queued passes."""
+        """Score the groups that finished in the last step (or have them scored), take the
+        scores that are in, then run queued passes."""
         for g in self._new:
-            scoring_start, group = time.perf_counter(), self.finished[g]
-            texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in group.samples]
-            self.scores[g] = score_groups(self.scorer, [self.examples[g]], [group], texts, warn=False)
-            self.report.done["scored"] += 1
-            self.spans.append(("group reward", scoring_start, time.perf_counter()))
-            self.report.hidden += time.perf_counter() - scoring_start
-            self._passes += [(kind, g) for kind, wanted in (("ref", self.plan.ref), ("old", self.plan.old),
-                                                            ("update", self.plan.update and g < self.chunks[0].stop))
-                             if wanted]
+            if self._scorer_thread is None:
+                self._take_scores(g, *self._score(g))
+            else:
+                self._scoring[g] = self._scorer_thread.submit(self._score, g)
         self._new = []
+        for g, scoring in list(self._scoring.items()):
+            if scoring.done():
+                self._take_scores(g, *self._scoring.pop(g).result())
         self._peak_running = max(self._peak_running, running)
         free = 1.0 - running / self._peak_running if self._peak_running else 1.0
         budget = 1 + int((self.max_passes_per_step - 1) * free)
@@ -154,8 +161,13 @@ class GroupStream:
             self.spans.append((f"group {job[0]}", job_start, time.perf_counter()))
 
     def join(self) -> None:
-        """After decode: the caller's stream waits for the streamed passes, and their
-        logprobs come to the host."""
+        """After decode: the scores still being computed are taken, the caller's stream
+        waits for the streamed passes, and their logprobs come to the host."""
+        for g, scoring in self._scoring.items():
+            self._take_scores(g, *scoring.result(), queue_passes=False)  # the loop runs the passes now
+        self._scoring.clear()
+        if self._scorer_thread is not None:
+            self._scorer_thread.shutdown()
         if self.stream is not None:
             main = torch.cuda.current_stream(self.stream.device)
             main.wait_stream(self.stream)
@@ -168,6 +180,22 @@ class GroupStream:
         for done in (self.ref, self.old):
             for g, logprobs in done.items():
                 done[g] = [lp.cpu() for lp in logprobs]
+
+    def _score(self, g: int) -> tuple[RewardScores, float, float]:
+        """Group `g`'s scores, and when scoring started and ended (time.perf_counter)."""
+        start, group = time.perf_counter(), self.finished[g]
+        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in group.samples]
+        return score_groups(self.scorer, [self.examples[g]], [group], texts, warn=False), start, time.perf_counter()
+
+    def _take_scores(self, g: int, scores: RewardScores, start: float, end: float, queue_passes: bool = True) -> None:
+        self.scores[g] = scores
+        self.report.done["scored"] += 1
+        self.report.hidden += end - start
+        self.spans.append(("group reward", start, end))
+        if queue_passes:
+            self._passes += [(kind, g) for kind, wanted in (("ref", self.plan.ref), ("old", self.plan.old),
+                                                            ("update", self.plan.update and g < self.chunks[0].stop))
+                             if wanted]
 
     # ------------------------------------------------------------------ the passes
 
