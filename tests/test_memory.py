@@ -39,23 +39,27 @@ CAPPED = ["--data.batch_size", "2", "--rollout.n", "2", "--rollout.max_tokens", 
           "--trainer.device_memory", str(CAP)]
 
 
-def test_memory_does_not_grow_over_50_steps(tmp_path):
-    """The overlap schedule keeps the most state (KV pool, kept prompts and their
-    graphs, vision features): after step 3 nothing of it may accumulate."""
+def test_memory_does_not_grow_over_25_steps(tmp_path):
+    """The overlap schedule streaming finished groups keeps the most state (KV pool,
+    kept prompts and their graphs, vision features, the streamed groups' logprobs and
+    the update they started; response limits drawn per prompt, so groups finish
+    apart): after step 3 nothing of it may accumulate."""
     trainer = RLTrainer(load_config(FAST + ["--trainer.output_dir", str(tmp_path), "--schedule.kind", "overlap",
-                                            "--trainer.total_steps", "50"]))
+                                            "--schedule.stream_groups", "true", "--rollout.min_tokens", "1",
+                                            "--rollout.max_tokens", "8", "--trainer.total_steps", "25"]))
     batches = trainer._batches(0)
-    sizes = []
-    for step in range(1, 51):
+    sizes, streamed = [], 0.0
+    for step in range(1, 26):
         trainer.step = step
-        trainer.train_step(next(batches))
+        streamed += trainer.train_step(next(batches))["stream/update_groups"]
         sizes.append(live_tensor_bytes())
+    assert streamed > 0
     assert max(sizes[3:]) <= sizes[2], f"live tensor bytes after step 3: {sizes[2]}, later up to {max(sizes[3:])}"
     assert trainer.engine.cache.nbytes == 0  # the KV pool is gone between rollouts
 
 
 def test_the_plan_sizes_a_capped_run_and_predicts_each_phase(tmp_path):
-    """8 overlap steps within the cap (test_memory_does_not_grow_over_50_steps runs longer): every size is the plan's, every phase's
+    """8 overlap steps within the cap (test_memory_does_not_grow_over_25_steps runs longer): every size is the plan's, every phase's
     measured peak of live tensor bytes (trainer.device_memory on CPU turns the
     measuring on) stays under the cap, and from step 2 the plan is within 10% of
     each phase's peak. Step 1 holds no AdamW moments before its update: its gen
