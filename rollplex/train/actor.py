@@ -10,6 +10,7 @@ collectives; a rank with too little work runs a zero-weight repeat.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -141,9 +142,11 @@ class PolicyUpdate:
 
     def __init__(self, actor: Actor, kept: KeptPrefix | None, norm: LossNorm | None, measures_diff: bool):
         self.actor, self.kept, self.norm, self.measures_diff = actor, kept, norm, measures_diff
-        self.sums = {k: 0.0 for k in ("pg_loss", "kl_loss", "entropy", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}
-        self.probs_diff_sum, self.probs_diff_max, self.flops = 0.0, 0.0, 0.0
-        # Kept on the device until the step, which waits on it anyway.
+        # The sums stay on the device (float64, as Python floats were) until the step, which waits on them
+        # anyway: a pass never reads a value back, so one streamed in the decode window never holds the host.
+        zero = functools.partial(torch.zeros, (), dtype=torch.float64, device=actor.model.device)
+        self.sums = {k: zero() for k in ("pg_loss", "kl_loss", "entropy", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}
+        self.probs_diff_sum, self.probs_diff_max, self.flops = zero(), zero(), 0.0
         self.nonfinite = torch.zeros((), dtype=torch.long, device=actor.model.device)
         self.grad_scale = 1.0
         self.trained: set[int] = set()  # positions of the groups whose passes are in
@@ -168,22 +171,22 @@ class PolicyUpdate:
                               cfg.loss_agg_mode, **norms,
                               rollout_logprobs=pad(batch.rollout_logprobs) if batch.rollout_logprobs else None,
                               tis_cap=cfg.tis_cap)
-        self.sums["pg_loss"] += m.pg_loss.item() * weight
+        self.sums["pg_loss"] += m.pg_loss.detach().double() * weight
         if cfg.kl_coef > 0:
             kl = agg_loss(kl_penalty(lp2d, pad(batch.ref_logprobs), cfg.kl_kind), mask, cfg.loss_agg_mode, **norms)
             loss = loss + cfg.kl_coef * kl
-            self.sums["kl_loss"] += kl.item() * weight
+            self.sums["kl_loss"] += kl.detach().double() * weight
         if entropy is not None:
             ent = agg_loss(_pad(list(entropy.split(lens)), mask), mask, cfg.loss_agg_mode, **norms)
             loss = loss - cfg.entropy_coef * ent
-            self.sums["entropy"] += ent.item() * weight
-        share = mask.sum().item() / norm.global_tokens * weight
+            self.sums["entropy"] += ent.detach().double() * weight
+        share = mask.sum().double() / norm.global_tokens * weight
         for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
-            self.sums[k] += getattr(m, k).item() * share
+            self.sums[k] += getattr(m, k).detach().double() * share
         if self.measures_diff and weight:
-            diff = (lp2d.detach().exp() - pad(batch.rollout_logprobs).exp()).abs()[mask]
-            self.probs_diff_sum += diff.sum().item() / norm.global_tokens
-            self.probs_diff_max = max(self.probs_diff_max, diff.max().item())
+            diff = torch.where(mask, (lp2d.detach().exp() - pad(batch.rollout_logprobs).exp()).abs(), 0.0)
+            self.probs_diff_sum += diff.sum().double() / norm.global_tokens
+            self.probs_diff_max = torch.maximum(self.probs_diff_max, diff.max().double())
         # FSDP averages gradients over dp ranks; the losses are already globally normalised sums.
         (loss * weight * actor.dp_size).backward()
 
@@ -356,11 +359,11 @@ class Actor:
             torch._foreach_mul_([p.grad for p in self.model.parameters() if p.grad is not None], step.grad_scale)
         nonfinite = self._global_sum(float(step.nonfinite.item()))
         grad_norm = self._clip_and_step(skip=nonfinite > 0)
-        metrics = {f"actor/{k}": v for k, v in step.sums.items()}
+        metrics = {f"actor/{k}": v.item() for k, v in step.sums.items()}
         metrics["perf/actor_flops"] = flops
         if step.measures_diff:
-            metrics["training/rollout_probs_diff_mean"] = step.probs_diff_sum
-            metrics["training/rollout_probs_diff_max"] = step.probs_diff_max
+            metrics["training/rollout_probs_diff_mean"] = step.probs_diff_sum.item()
+            metrics["training/rollout_probs_diff_max"] = step.probs_diff_max.item()
         metrics.update({"actor/grad_norm": grad_norm, "actor/lr": self.scheduler.get_last_lr()[0],
                         "actor/skipped_steps_total": float(self.skipped_steps),
                         "training/nonfinite_logprobs": nonfinite})
@@ -500,9 +503,9 @@ def _padded_mask(lens: list[int], device) -> torch.Tensor:
 
 
 def _pad(rows: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    out[mask] = torch.cat([r.to(mask.device, torch.float32) for r in rows])
-    return out
+    """The rows, float32, as the rows of a (len(rows), longest) matrix zero-padded past each one's
+    length (`mask`'s layout: no boolean-mask indexing, which would read the mask back on CUDA)."""
+    return torch.nn.utils.rnn.pad_sequence([r.to(mask.device, torch.float32) for r in rows], batch_first=True)
 
 
 def _to(batch: TrainBatch, device: torch.device) -> TrainBatch:
