@@ -1,10 +1,18 @@
-"""Device memory as the engine and the memory plan see it."""
+"""Device memory as the engine and the memory plan see it, and host data onto the device."""
 
 from __future__ import annotations
 
 import os
 
 import torch
+
+
+def to_device(data, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`data` (a host tensor or a list of numbers) as a tensor on `device`, copied without making the
+    host wait for the device: torch's default host-to-device copy synchronizes the stream after it,
+    so every small index tensor a pass builds would wait for the stream's earlier work. Without
+    blocking, CUDA stages pageable host memory before the call returns, so the source may go at once."""
+    return torch.as_tensor(data, dtype=dtype).to(device, non_blocking=True)
 
 
 def free_memory(device: torch.device) -> int:

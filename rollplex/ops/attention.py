@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from rollplex.device import to_device
 from rollplex.ops.cascade_decode_triton import cascade_decode_attention_triton
 from rollplex.ops.paged_decode_triton import paged_decode_attention_triton, triton_available
 
@@ -147,7 +148,7 @@ def _attend_segment_groups(q, k, v, groups: list[tuple[int, int, torch.Tensor, t
 
 def _segment_index(starts: list[int], length: int, device: torch.device) -> torch.Tensor:
     """(segments, length) token indices of equal-length segments starting at `starts`."""
-    return torch.tensor(starts, device=device)[:, None] + torch.arange(length, device=device)[None, :]
+    return to_device(starts, device)[:, None] + torch.arange(length, device=device)[None, :]
 
 
 def paged_decode_attention(
@@ -420,7 +421,7 @@ class PrefixedSegments:
         self.backend = backend
         if backend == "flash":
             key_lens = [s.prefix_len + s.length for s in segments]
-            self.key_index = torch.tensor([r for s in segments for r in s.key_rows()], device=device)
+            self.key_index = to_device([r for s in segments for r in s.key_rows()], device)
             self.cu_seqlens_q = _cumulative([s.length for s in segments], device)
             self.cu_seqlens_k = _cumulative(key_lens, device)
             self.max_seqlen_q = max(s.length for s in segments)
@@ -444,11 +445,11 @@ def _prefixed_segment_groups(segments: list[QuerySegment],
     for s in segments:
         groups.setdefault((s.length, s.prefix_len), []).append(s)
     return [(lq, lq + lp, _segment_index([s.start for s in segs], lq, device),
-             torch.tensor([s.key_rows() for s in segs], device=device)) for (lq, lp), segs in groups.items()]
+             to_device([s.key_rows() for s in segs], device)) for (lq, lp), segs in groups.items()]
 
 
 def _cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+    return to_device([0, *itertools.accumulate(lengths)], device, torch.int32)
 
 
 class PackedSegments:
@@ -462,7 +463,7 @@ class PackedSegments:
     def __init__(self, cu_seqlens: list[int], causal: bool, backend: str, device: torch.device):
         self.causal, self.backend = causal, backend
         if backend == "flash":
-            self.cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
+            self.cu_seqlens = to_device(cu_seqlens, device, torch.int32)
             self.max_seqlen = max(b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]))
         else:
             self.groups = _segment_groups(cu_seqlens, cu_seqlens, device)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from rollplex.device import to_device
 from rollplex.dist import all_reduce_values, full_tensor, local_tensor
 from rollplex.models.inputs import Group, VisionEmbeds
 from rollplex.models.packing import TrainBatch, pack_groups
@@ -166,7 +167,7 @@ class PolicyUpdate:
         mask = _padded_mask(lens, lp.device)
         pad = lambda xs: _pad([xs[i] for i in ids], mask)  # noqa: E731
         lp2d = _pad(list(lp.split(lens)), mask)
-        adv = torch.tensor([batch.advantages[i] for i in ids], device=lp.device)
+        adv = to_device([batch.advantages[i] for i in ids], lp.device)
         loss, m = policy_loss(lp2d, pad(batch.old_logprobs), adv, mask, cfg.clip_low, cfg.clip_high, cfg.clip_c,
                               cfg.loss_agg_mode, **norms,
                               rollout_logprobs=pad(batch.rollout_logprobs) if batch.rollout_logprobs else None,
@@ -305,7 +306,7 @@ class Actor:
         lens = [len(r) for u in units for r in u.group.responses]
         if kept is not None:
             hidden = suffix_hidden(model, kept, [SuffixUnit(u.index, u.group) for u in units])
-            targets = torch.tensor([t for u in units for r in u.group.responses for t in r], device=model.device)
+            targets = to_device([t for u in units for r in u.group.responses for t in r], model.device)
             flops = suffix_flops(model.args, [(kept.prompt_lens[u.index], [len(r) for r in u.group.responses])
                                               for u in units])
             return *token_logprobs(model, hidden, targets, with_entropy, self.config.temperature), lens, flops
@@ -499,13 +500,13 @@ def _response_ids(units: list[_Unit]) -> list[int]:
 
 
 def _padded_mask(lens: list[int], device) -> torch.Tensor:
-    return torch.arange(max(lens), device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
+    return torch.arange(max(lens), device=device)[None, :] < to_device(lens, device)[:, None]
 
 
 def _pad(rows: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
     """The rows, float32, as the rows of a (len(rows), longest) matrix zero-padded past each one's
     length (`mask`'s layout: no boolean-mask indexing, which would read the mask back on CUDA)."""
-    return torch.nn.utils.rnn.pad_sequence([r.to(mask.device, torch.float32) for r in rows], batch_first=True)
+    return torch.nn.utils.rnn.pad_sequence([to_device(r, mask.device, torch.float32) for r in rows], batch_first=True)
 
 
 def _to(batch: TrainBatch, device: torch.device) -> TrainBatch:

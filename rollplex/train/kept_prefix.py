@@ -30,6 +30,7 @@ from typing import Iterator
 
 import torch
 
+from rollplex.device import to_device
 from rollplex.models.inputs import Group, Prompt, VisionEmbeds
 from rollplex.models.packing import pack_sequences
 from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionInputs, VisionSlots
@@ -179,7 +180,7 @@ def suffix_hidden(model: Qwen2_5_VL, kept: KeptPrefix, units: list[SuffixUnit]) 
             positions.append(generated_positions(n_prompt, n_prompt + len(r), delta))
             rows.append((u.prompt, offset, len(r)))
             offset += len(r)
-    hidden = model.forward_generated(torch.cat(ids).to(device), torch.cat(positions, dim=1).to(device),
+    hidden = model.forward_generated(to_device(torch.cat(ids), device), to_device(torch.cat(positions, dim=1), device),
                                      KeptPrefixAttention(kept.keys, kept.values, groups,
                                                          model.attn_backend))
     return torch.cat([piece for prompt, start, n in rows
