@@ -47,7 +47,7 @@ from rollplex.rl.memory import GiB, PrefixKind
 from rollplex.rl.prefix import PrefixPlanner, PrefixScheduler, PrefixWork, update_chunks
 from rollplex.rl.reports import startup_summary, training_records, validation_records
 from rollplex.rl.rollout import Rollout, RolloutSampler, balanced_share, build_engine
-from rollplex.rl.stream import GroupStream, StreamPlan, StreamReport, score_groups
+from rollplex.rl.stream import GroupStream, StreamPlan, StreamReport, norm_by_std, score_groups
 from rollplex.rl.setup import PromptSource, load_run_processor, model_path, plan_run_memory, resume_point
 from rollplex.rl.step_metrics import (PhaseMeter, combine_updates, gather_metrics, memory_metrics, prefix_metrics,
                                       speed_metrics, stop_if_every_reward_failed)
@@ -262,8 +262,7 @@ class RLTrainer:
             stop_if_every_reward_failed(rewards, cfg.data.reward, self.dp_group)
         group_index = torch.arange(len(rollout.examples)).repeat_interleave(cfg.rollout.n)
         advantages = group_advantages(torch.tensor(rewards.scores), group_index,
-                                      norm_by_std=cfg.algorithm.adv_estimator == "grpo"
-                                      and cfg.algorithm.norm_adv_by_std)
+                                      norm_by_std=norm_by_std(cfg))
         if cfg.trainer.log_samples_every and self.step % cfg.trainer.log_samples_every == 0:
             self.logger.log_samples(self.step, training_records(rollout, rewards, advantages.tolist(),
                                                                 cfg.trainer.log_samples))

@@ -41,8 +41,11 @@ class Rollout:
     @classmethod
     def of(cls, examples: list, groups: list[Group], tokenizer, prefix: PrefixScheduler | None = None,
            stream: GroupStream | None = None) -> Rollout:
-        """The rollout of `examples` from their groups (the engine's, or a disagg rollout rank's)."""
-        texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for g in groups for s in g.samples]
+        """The rollout of `examples` from their groups (the engine's, or a disagg rollout rank's); the
+        responses the decode window scored are decoded already (`stream`)."""
+        known = stream.texts if stream is not None else {}
+        texts = [t for i, g in enumerate(groups)
+                 for t in known.get(i) or [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in g.samples]]
         return cls(examples, groups, texts, prefix, stream)
 
     # The per-sample views are built once: the groups do not change after `of`.

@@ -96,6 +96,7 @@ class GroupStream:
     max_passes_per_step: int = 8
     # What is done, by group index (this rank's): the loop's phases do the rest.
     scores: dict[int, RewardScores] = field(default_factory=dict)
+    texts: dict[int, list[str]] = field(default_factory=dict)  # the scored groups' decoded responses
     ref: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     old: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     update: PolicyUpdate | None = None  # the first optimizer step, started on the groups it has
@@ -184,7 +185,7 @@ class GroupStream:
     def _score(self, g: int) -> tuple[RewardScores, float, float]:
         """Group `g`'s scores, and when scoring started and ended (time.perf_counter)."""
         start, group = time.perf_counter(), self.finished[g]
-        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in group.samples]
+        texts = self.texts[g] = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in group.samples]
         return score_groups(self.scorer, [self.examples[g]], [group], texts, warn=False), start, time.perf_counter()
 
     def _take_scores(self, g: int, scores: RewardScores, start: float, end: float, queue_passes: bool = True) -> None:
