@@ -2,6 +2,7 @@
 when a sequence joins, a token per step, the stop checks, and the write-back of what
 a sequence sampled when it leaves (finished, or preempted to be recomputed)."""
 
+import numpy as np
 import torch
 
 from rollplex.engine.decode_batch import DecodeBatch
@@ -19,7 +20,8 @@ def group(n: int, max_length: int) -> PromptState:
 
 
 def step(batch: DecodeBatch, tokens: list[int], logprobs: list[float], start: int = 0) -> list[int]:
-    return batch.append(torch.tensor(tokens), torch.tensor(tokens), torch.tensor(logprobs), start)
+    """Issue a step's tokens and record them at once (no step ahead)."""
+    return batch.record(batch.advance(torch.tensor(tokens), start), np.array(tokens), np.array(logprobs, np.float32))
 
 
 def test_a_sequence_from_join_to_leave():
@@ -96,3 +98,30 @@ def test_rows_needing_blocks_are_those_starting_a_block_or_just_joined():
     assert batch.join([Sequence(p, 0, list(PROMPT))]) == 3
     step(batch, [50], [0.0], start=3)
     assert batch.rows_needing_blocks(block_size=4) == ([0, 1, 2, 3], [9, 9, 9, 6])  # token 8 starts block 2
+
+
+def test_a_step_issued_ahead_drops_the_token_of_a_sequence_that_finished_before_it():
+    """The engine issues the next step before it records this one's tokens: a sequence
+    that stops at the first runs the second too, and its token there is dropped; `rewind`
+    takes a step back to run it again."""
+    p = group(n=2, max_length=20)
+    batch = DecodeBatch([p], num_rows=2, max_blocks=8, sink_block=SINK, stop_ids={STOP}, device=torch.device("cpu"))
+    a, b = (Sequence(p, j, list(PROMPT), block_table=[0, 1]) for j in range(2))
+    batch.join([a, b])
+    first = batch.advance(torch.tensor([STOP, 40]))
+    assert batch.last_tokens[[a.decode_row, b.decode_row]].tolist() == [STOP, 40]  # the next step's input
+    assert batch.step_inputs(block_size=4).lengths.tolist() == [6, 6] and not batch.settled()
+    second = batch.advance(torch.tensor([50, 41]))  # issued before the first is recorded
+
+    assert batch.record(first, np.array([STOP, 40]), np.array([-0.5, -1.5], np.float32)) == [0]
+    assert batch.leave([0]) == [a]
+    assert a.token_ids == PROMPT + [STOP]  # not its token of the second step
+    assert batch.live(second).tolist() == [False, True]
+    assert batch.record(second, np.array([50, 41]), np.array([-0.1, -2.5], np.float32)) == []
+    assert batch.settled() and batch.step_inputs(block_size=4).lengths.tolist() == [7]
+
+    third = batch.advance(torch.tensor([42]))
+    batch.rewind(third)  # back to the third step's inputs: b's length and the token it fed
+    assert batch.step_inputs(block_size=4).lengths.tolist() == [7] and batch.last_tokens[b.decode_row] == 41
+    batch.leave([0])
+    assert (b.token_ids, b.logprobs) == (PROMPT + [40, 41], [-1.5, -2.5])

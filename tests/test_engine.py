@@ -2,6 +2,8 @@
 against full recomputation, prefix sharing, preemption, sampling, bad input, and
 group-shared decode attention (rollout.shared_prefix_decode) against plain decode."""
 
+import itertools
+
 import pytest
 import torch
 from transformers import Qwen2_5_VLForConditionalGeneration
@@ -9,6 +11,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 from rollplex.config import RolloutConfig
 from rollplex.engine import Engine, EngineConfig, Request, SamplingParams
 from rollplex.engine.block_manager import BlockManager
+from rollplex.engine.scheduler import Scheduler
 from rollplex.models import Prompt, build_model, save_pretrained
 from rollplex.models.rope import mrope_positions
 from rollplex.ops.attention import CascadeDecodeAttention, PrefixGroups
@@ -141,18 +144,22 @@ def test_only_sequences_needing_a_block_reach_the_block_manager(model, monkeypat
     """A decode step asks the block manager only for the sequences whose next token
     starts a block, or that just joined (a private copy of the group's partial last
     prompt block); every other sequence's KV slot comes from its block-table row."""
-    calls_per_step = [0]
-    append_slot = BlockManager.append_slot
+    calls_per_step = []
+    append_slot, schedule = BlockManager.append_slot, Scheduler.schedule
 
     def counted(self, block_table, num_tokens):
         calls_per_step[-1] += 1
         return append_slot(self, block_table, num_tokens)
 
+    def scheduled(self):
+        calls_per_step.append(0)
+        return schedule(self)
+
     monkeypatch.setattr(BlockManager, "append_slot", counted)
+    monkeypatch.setattr(Scheduler, "schedule", scheduled)
     r = Request(Prompt(torch.tensor([1, 5, 9, 13, 2, 7])), n=8)  # 6 tokens: a full block of 4 and a partial one
     out = Engine(model, EngineConfig(block_size=4, num_blocks=64)).generate(
-        [r], SamplingParams(temperature=1.0, max_tokens=9, seed=0, ignore_eos=True),
-        between_steps=lambda running: calls_per_step.append(0))
+        [r], SamplingParams(temperature=1.0, max_tokens=9, seed=0, ignore_eos=True))
     # The prefill, then 8 decode steps writing tokens 6 to 13: copy-on-write at 6, new blocks at 8 and 12.
     assert calls_per_step == [0, 8, 0, 8, 0, 0, 0, 8, 0]
     assert all(len(s.token_ids) == 9 for s in out[0].samples)
@@ -275,10 +282,47 @@ STOPS = SamplingParams(temperature=1.0, max_tokens=12, seed=5, stop_token_ids=[0
 FULL_LENGTH = SamplingParams(temperature=1.0, max_tokens=12, seed=5, ignore_eos=True)
 
 
-def generate_mixed(model, num_blocks: int, params: SamplingParams, shared_prefix_decode: bool):
-    config = EngineConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, shared_prefix_decode=shared_prefix_decode)
-    engine = Engine(model, config)
+def generate_mixed(model, num_blocks: int, params: SamplingParams, **config):
+    engine = Engine(model, EngineConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, **config))
     return engine, engine.generate(mixed_requests(n=3), params)
+
+
+def assert_same_samples(a: list, b: list) -> None:
+    """The same tokens and finish reasons, and logprobs within 1e-5 (the batches around them may differ)."""
+    for x_group, y_group in zip(a, b, strict=True):
+        for x, y in zip(x_group.samples, y_group.samples, strict=True):
+            assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
+            assert (torch.tensor(x.logprobs) - torch.tensor(y.logprobs)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("num_blocks, max_num_seqs, params, preempts",
+                         [(256, 256, STOPS, False), (256, 4, STOPS, False), (22, 256, STOPS, True),
+                          (14, 256, FULL_LENGTH, True)],
+                         ids=["finishing", "waiting-for-rows", "finishing-preempting", "preempting"])
+def test_running_ahead_samples_what_finishing_each_step_first_samples(model, monkeypatch, num_blocks, max_num_seqs,
+                                                                       params, preempts):
+    """With run-ahead the host issues decode step N+1 before it reads step N's tokens
+    back: the same samples as reading each step back before the next, the tokens that a
+    finished sequence sampled ahead dropped, through stops, preemptions and prompts that
+    wait for rows or blocks (which make the engine finish the step in flight first)."""
+    events = []
+    issue, finish = Engine._issue, Engine._finish
+    monkeypatch.setattr(Engine, "_issue", lambda self, step, *a: events.append("issue") or issue(self, step, *a))
+    monkeypatch.setattr(Engine, "_finish", lambda self, *a: events.append("finish") or finish(self, *a))
+    settled_engine, settled = generate_mixed(model, num_blocks, params, max_num_seqs=max_num_seqs, run_ahead=False)
+    assert events == ["issue", "finish"] * (len(events) // 2)
+    events.clear()
+    ahead_engine, ahead = generate_mixed(model, num_blocks, params, max_num_seqs=max_num_seqs)
+    assert_same_samples(settled, ahead)
+    unfinished = list(itertools.accumulate(1 if e == "issue" else -1 for e in events))
+    assert max(unfinished) == 2  # never more than one step ahead
+    # Most steps were issued with the one before still in flight.
+    assert sum(u == 2 for u in unfinished) > len(events) // 4
+    for engine in (settled_engine, ahead_engine):
+        assert (engine.stats["preemptions"] > 0) == preempts
+    assert settled_engine.stats["decode_tokens"] == ahead_engine.stats["decode_tokens"]
+    assert settled_engine.stats["dropped_tokens"] == 0
+    assert ahead_engine.stats["dropped_tokens"] > 0 or params is FULL_LENGTH  # a stop is known a step late
 
 
 def check_groups_share_their_prefix(groups: PrefixGroups, block_tables: torch.Tensor) -> int:
@@ -312,10 +356,7 @@ def test_engine_samples_the_same_with_shared_prefix_decode(model, monkeypatch, n
     # Steps ran cascaded, and groups lost rows as their samples finished or were preempted.
     assert any(before > after for before, after in zip(rows_in_groups, rows_in_groups[1:]))
     assert (engine.stats["preemptions"] > 0) == preempts
-    for a, b in zip(plain, shared):
-        for x, y in zip(a.samples, b.samples):
-            assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
-            assert (torch.tensor(x.logprobs) - torch.tensor(y.logprobs)).abs().max() <= 1e-5
+    assert_same_samples(plain, shared)
 
 
 def test_greedy_with_shared_prefix_decode_equals_transformers(model, hf):

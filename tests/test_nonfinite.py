@@ -34,24 +34,21 @@ def model():
 
 
 class Poison:
-    """A forward hook writing `value` into a module's output at `index` while armed,
-    in the engine's rerun of the step too, as a bad weight would. `between_steps`
-    arms it for engine step `step` only (prefill is step 0)."""
+    """A forward hook writing `value` into a module's output at `index` from the
+    engine's step `step` on (prefill is step 0), in the engine's rerun of the step
+    too, as a bad weight would. `engine`: whose steps count (None: every forward)."""
 
     def __init__(self, module: torch.nn.Module, index, value: float = NAN, step: int = 0):
         self.index, self.value, self.step = index, value, step
-        self.armed, self.steps_done = step == 0, 0
+        self.engine: Engine | None = None
         self.handle = module.register_forward_hook(self.hook)
 
     def hook(self, module, args, output):
-        if self.armed:
+        # The engine counts a step before running it.
+        if self.engine is None or self.engine.stats["steps"] > self.step:
             output = output.clone()
             output[self.index] = self.value
             return output
-
-    def between_steps(self, running: int) -> None:
-        self.steps_done += 1
-        self.armed = self.steps_done == self.step
 
 
 def engine(model, graphs: bool = False) -> Engine:
@@ -61,9 +58,10 @@ def engine(model, graphs: bool = False) -> Engine:
 
 
 def generate_poisoned(e: Engine, poison: Poison) -> NonFiniteLogitsError:
+    poison.engine = e
     try:
         with pytest.raises(NonFiniteLogitsError) as caught:
-            e.generate(REQUESTS, PARAMS, poison.between_steps)
+            e.generate(REQUESTS, PARAMS)
     finally:
         poison.handle.remove()
     return caught.value
@@ -108,13 +106,15 @@ def test_nan_from_a_decoder_layer_in_decode_names_the_step_sample_and_layer(mode
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_weight_gone_bad_under_a_decode_graph_is_caught_and_located(device):
     """A weight turned NaN in place between two steps: a captured CUDA graph reads it
-    as it is (on CPU, the runner's stand-in does); the eager rerun finds its layer."""
+    as it is (on CPU, the runner's stand-in does); the eager rerun finds its layer.
+    `between_steps` after step 1 runs with step 2 already issued (the engine runs one
+    step ahead), so step 3 is the first to read the bad weight."""
     model = build_model(tiny_args(), device=device, seed=3, init_std=None).eval()
     e = engine(model, graphs=True)
     weight = model.language_model.layers[1].mlp.down_proj.weight
 
     def between_steps(running: int) -> None:
-        if e.stats["steps"] == 2:
+        if e.stats["steps"] == 3:
             with torch.no_grad():
                 weight[0, 0] = NAN
 
@@ -122,7 +122,7 @@ def test_a_weight_gone_bad_under_a_decode_graph_is_caught_and_located(device):
         e.generate(REQUESTS, PARAMS, between_steps)
     error = caught.value
     assert (error.step_kind, error.step_index, error.samples, error.where) == (
-        "decode", 2, [(0, 0), (0, 1), (1, 0)], "decoder layer 1")
+        "decode", 3, [(0, 0), (0, 1), (1, 0)], "decoder layer 1")
 
 
 def test_nan_in_prefill_names_each_sample_of_the_request_and_the_first_layer(model):

@@ -457,9 +457,12 @@ def _relative_differences(a: dict, b: dict, keys: tuple[str, ...]) -> list[float
 
 
 def check_engine_throughput(device: str) -> dict:
-    """Decode throughput of a 3B-shaped model (random weights) at batch 64, graphs vs
-    eager. Warm-up runs the timed requests once, so capture stays out of the timed
-    window; the captures it did run are counted."""
+    """Decode throughput of a 3B-shaped model (random weights) at batch 64: eager, CUDA
+    graphs, and CUDA graphs with the host finishing each step before it issues the next
+    (run_ahead off), side by side. Warm-up runs the timed requests once, so capture stays
+    out of the timed window; the captures it did run are counted. On CUDA also the host
+    syncs per decode step that torch's sync debug mode reports (a run-ahead decode step
+    should make none: the host waits only on the event of the step before)."""
     from rollplex.engine import Engine, EngineConfig, Request, SamplingParams
 
     cuda = _cuda(device)
@@ -470,31 +473,52 @@ def check_engine_throughput(device: str) -> dict:
     requests = [Request(_text_prompt(100, 100 + prompt)) for _ in range(batch)]
     result = {"attn_backend": model.attn_backend, "batch": batch, "prompt_tokens": prompt,
               "note": "random weights; timing only"}
-    for eager in (True, False):
+    for key, eager, run_ahead in (("eager", True, True), ("cuda_graphs", False, True),
+                                  ("cuda_graphs_settled", False, False)):
         engine = Engine(model, EngineConfig(enforce_eager=eager, max_num_seqs=batch, max_model_len=1024,
-                                            progress=False))
+                                            progress=False, run_ahead=run_ahead))
         engine.runner.use_cuda_graphs = not eager  # on CPU: the stand-in (the dry run)
-        timings = {}
+        timings, syncs = {}, {}
         for max_tokens in (1, steps + 1):
             params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=0)
             engine.generate(requests, params)  # warm-up: same pool, so any capture happens here
             captures = engine.runner.captures
             _sync(device)
-            t0 = time.perf_counter()
-            engine.generate(requests, params)
-            _sync(device)
-            timings[max_tokens] = time.perf_counter() - t0
+            with _counting_host_syncs(cuda) as counted:
+                t0 = time.perf_counter()
+                engine.generate(requests, params)
+                _sync(device)
+                timings[max_tokens] = time.perf_counter() - t0
+            syncs[max_tokens] = sum("synchroniz" in str(w.message) for w in counted)
             result.setdefault("captures_in_timed_window", 0)
             result["captures_in_timed_window"] += engine.runner.captures - captures
         step = (timings[steps + 1] - timings[1]) / steps
-        key = "eager" if eager else "cuda_graphs"
         result[f"{key}_decode_step_ms"] = step * 1e3
         result[f"{key}_decode_tokens_per_s"] = batch / step
-        if not eager:
+        if cuda:
+            result[f"{key}_host_syncs_per_decode_step"] = (syncs[steps + 1] - syncs[1]) / steps
+        if key == "cuda_graphs":
             result.update(captures=engine.runner.captures, capture_seconds=engine.runner.capture_seconds)
+    result["run_ahead_speedup"] = result["cuda_graphs_settled_decode_step_ms"] / result["cuda_graphs_decode_step_ms"]
     result["ok"] = result["captures_in_timed_window"] == 0
     result["criterion"] = "no graph capture inside a timed window"
     return result
+
+
+@contextlib.contextmanager
+def _counting_host_syncs(cuda: bool):
+    """The host syncs inside the block, as the warnings of torch's CUDA sync debug mode (none on CPU)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield caught
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
 
 
 def check_forward_timing(device: str) -> dict:

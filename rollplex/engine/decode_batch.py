@@ -24,6 +24,15 @@ Where each array lives:
   the host (from a copy of the block tables there) and copied over in one
   transfer per step.
 
+A step's tokens are recorded in two parts, so that the host can schedule the
+next step before it reads this one's tokens back (the engine runs one step
+ahead): `advance` when the step is issued, with the tokens still on the device
+(each row's length grows by one and the tokens become the next step's input),
+and `record` once they are on the host (the tokens and logprobs stored, the stop
+checks). A row that finished at one step has run the next one before the host
+knows: `record` drops that token. Rows join, and are preempted, only when every
+issued token is recorded (`settled`).
+
 `seqs` and `rows` are the running sequences and their rows in running order,
 oldest first: the scheduler preempts from the end.
 """
@@ -35,6 +44,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from rollplex.device import to_device
 from rollplex.engine.sampler import uniforms
 from rollplex.engine.sequence import PromptState, Sequence
 from rollplex.ops.attention import PrefixGroups
@@ -51,6 +61,13 @@ class StepInputs(NamedTuple):
     longest: int
 
 
+class Advanced(NamedTuple):
+    """A step's sampled tokens, issued (`DecodeBatch.advance`) and waiting to be recorded."""
+
+    rows: np.ndarray  # the rows that sampled, in running order at the step
+    positions: np.ndarray  # the index each row's token takes in its sequence
+
+
 class DecodeBatch:
     def __init__(self, prompts: list[PromptState], num_rows: int, max_blocks: int, sink_block: int,
                  stop_ids: set[int], device: torch.device):
@@ -59,6 +76,8 @@ class DecodeBatch:
         self.free_rows = list(range(num_rows - 1, -1, -1))  # pop() hands out the lowest row first
         # Host.
         self.lengths = np.zeros(num_rows, np.int64)  # tokens so far; the last one's KV is not stored yet
+        self.recorded = np.zeros(num_rows, np.int64)  # of those, the ones on the host: all but the step in flight
+        self.running_index = np.full(num_rows, -1, np.int64)  # each row's index in running order; -1: free
         self.max_lengths = np.zeros(num_rows, np.int64)  # done at this length
         self.just_joined = np.zeros(num_rows, bool)  # no decode step scheduled since it joined
         self.rope_deltas = np.zeros(num_rows, np.int64)
@@ -84,7 +103,9 @@ class DecodeBatch:
         return len(self.seqs)
 
     def _set_rows(self, rows: np.ndarray) -> None:
-        self.rows, self.device_rows = rows, torch.from_numpy(rows).to(self.device)
+        self.rows, self.device_rows = rows, to_device(rows, self.device)
+        self.running_index[:] = -1
+        self.running_index[rows] = np.arange(len(rows))
         self._step_inputs: StepInputs | None = None  # made when first asked for, until a length or row changes
         # The rows that share prompt blocks and, per row, how many (host), for a group width: found when first
         # asked for, until a row joins or leaves (a group shrinks as its samples finish or are preempted).
@@ -93,11 +114,12 @@ class DecodeBatch:
     def join(self, seqs: list[Sequence]) -> int:
         """Start decoding `seqs` (whose next token is still to be sampled) after the
         running ones; returns the running index of the first."""
+        assert self.settled(), "a sequence joins only when every issued token is recorded"
         first = len(self.seqs)
         for s in seqs:
             s.decode_row = self.free_rows.pop()
         rows = np.array([s.decode_row for s in seqs], np.int64)
-        self.lengths[rows] = [len(s) for s in seqs]
+        self.lengths[rows] = self.recorded[rows] = [len(s) for s in seqs]
         self.max_lengths[rows] = [s.prompt.max_length for s in seqs]
         self.just_joined[rows] = True
         self.joined_since_step = True
@@ -107,8 +129,7 @@ class DecodeBatch:
         width = max(len(s.block_table) for s in seqs)
         tables = [s.block_table + [self.sink_block] * (width - len(s.block_table)) for s in seqs]
         self.host_block_tables[rows, :width] = tables
-        self.block_tables[torch.from_numpy(rows).to(self.device), :width] = torch.tensor(
-            tables, dtype=torch.int32, device=self.device)
+        self.block_tables[to_device(rows, self.device), :width] = to_device(tables, self.device, torch.int32)
         self.seqs += seqs
         self._set_rows(np.concatenate([self.rows, rows]))
         return first
@@ -148,8 +169,8 @@ class DecodeBatch:
         blocks = [s.block_table[-1] for s in seqs]
         self.host_block_tables[rows, columns] = blocks
         self._step_inputs = None
-        self.block_tables[torch.tensor(rows, device=self.device), torch.tensor(columns, device=self.device)] = \
-            torch.tensor(blocks, dtype=torch.int32, device=self.device)
+        self.block_tables[to_device(rows, self.device), to_device(columns, self.device)] = \
+            to_device(blocks, self.device, torch.int32)
 
     def step_inputs(self, block_size: int) -> StepInputs:
         """The running sequences' decode step inputs: made on the host, where the lengths
@@ -161,7 +182,8 @@ class DecodeBatch:
             lengths = self.lengths[rows]
             fed = lengths - 1  # the index of the fed token
             slots = self.host_block_tables[rows, fed // block_size] * block_size + fed % block_size
-            u = self.token_uniforms[rows, lengths]
+            # A row at its maximum length samples a token that `record` drops (it ran ahead): any U will do.
+            u = self.token_uniforms[rows, np.minimum(lengths, self.token_uniforms.shape[1] - 1)]
             # The position is rope.generated_positions' rule, index + rope delta, on the numpy rows here:
             # all four inputs go to the device in one copy.
             host = torch.from_numpy(np.stack([lengths, fed + self.rope_deltas[rows], slots, u.view(np.int64)]))
@@ -199,8 +221,10 @@ class DecodeBatch:
         if not groups:
             return None, np.zeros(0, np.int64)
         tables = [self.seqs[rows[0]].block_table[:self.seqs[rows[0]].num_prompt // block_size] for rows in groups]
-        found = PrefixGroups.build(groups, tables, len(self.seqs), self.sink_block, block_size, self.device)
-        return found, found.shared_blocks.cpu().numpy()  # read back only when a row joins or leaves
+        shared_blocks = np.zeros(len(self.seqs), np.int64)
+        for rows, table in zip(groups, tables):
+            shared_blocks[rows] = len(table)
+        return PrefixGroups.build(groups, tables, len(self.seqs), self.sink_block, block_size, self.device), shared_blocks
 
     def uniforms(self, start: int = 0) -> torch.Tensor:
         """The sampler's U, on the device, of the running sequences from index `start` on:
@@ -208,24 +232,59 @@ class DecodeBatch:
         if self._step_inputs is not None:
             return self._step_inputs.uniforms[start:]
         rows = self.rows[start:]
-        return torch.from_numpy(self.token_uniforms[rows, self.lengths[rows]]).to(self.device)
+        return to_device(self.token_uniforms[rows, self.lengths[rows]], self.device)
 
-    def append(self, tokens: torch.Tensor, host_tokens: torch.Tensor, host_logprobs: torch.Tensor,
-               start: int = 0) -> list[int]:
-        """Record the token sampled for each running sequence from index `start` on (`tokens`
-        on the device, for the next step's input; the same and their logprobs on the host);
-        returns the running indices of those now done (a stop token, or their maximum length)."""
+    def advance(self, tokens: torch.Tensor, start: int = 0) -> Advanced:
+        """Issue the token sampled for each running sequence from index `start` on, still on
+        the device: it is the next step's input, and each row's length grows by one."""
         self.last_tokens[self.device_rows[start:]] = tokens
         rows = self.rows[start:]
-        tokens, logprobs = host_tokens.numpy(), host_logprobs.numpy()
         positions = self.lengths[rows]
-        self.sampled_tokens[rows, positions] = tokens
-        self.sampled_logprobs[rows, positions] = logprobs
-        lengths = positions + 1
-        self.lengths[rows] = lengths
+        self.lengths[rows] = positions + 1
         self._step_inputs = None
-        done = (lengths >= self.max_lengths[rows]) | self.is_stop.take(tokens, mode="clip")
-        return (np.flatnonzero(done) + start).tolist()
+        return Advanced(rows, positions)
+
+    def record(self, advanced: Advanced, tokens: np.ndarray, logprobs: np.ndarray) -> list[int]:
+        """Record the tokens `advance` issued and their logprobs, read back to the host (one
+        per row of the step), for the rows still running; returns the running indices,
+        ascending, of those now done (a stop token, or their maximum length)."""
+        index = self.running_index[advanced.rows]
+        live = index >= 0
+        rows, positions = advanced.rows[live], advanced.positions[live]
+        tokens = tokens[live]
+        self.sampled_tokens[rows, positions] = tokens
+        self.sampled_logprobs[rows, positions] = logprobs[live]
+        self.recorded[rows] = positions + 1
+        done = (positions + 1 >= self.max_lengths[rows]) | self.is_stop.take(tokens, mode="clip")
+        return index[live][done].tolist()  # rows keep their order: ascending
+
+    def live(self, advanced: Advanced) -> np.ndarray:
+        """Which rows of an advanced step still run (the others finished at the step before)."""
+        return self.running_index[advanced.rows] >= 0
+
+    def settled(self) -> bool:
+        """Whether the host has recorded every token issued."""
+        return bool((self.recorded[self.rows] == self.lengths[self.rows]).all())
+
+    def runs_on(self) -> bool:
+        """Whether some running sequence goes on past the tokens issued (none has reached its maximum length)."""
+        return bool((self.lengths[self.rows] < self.max_lengths[self.rows]).any())
+
+    def blocks_needed(self, block_size: int) -> int:
+        """At most how many new blocks the next decode step takes: one per row starting
+        a block, or just joined (a copy-on-write of its shared last block)."""
+        lengths = self.lengths[self.rows]
+        return int((((lengths - 1) % block_size == 0) | self.just_joined[self.rows]).sum())
+
+    def rewind(self, advanced: Advanced) -> None:
+        """Undo `advance` for the rows still running, so that their step runs again from the
+        same inputs (to locate non-finite logits): their lengths, and the tokens they fed,
+        which the host holds."""
+        live = self.live(advanced)
+        rows, positions = advanced.rows[live], advanced.positions[live]
+        self.lengths[rows] = positions
+        self.last_tokens[to_device(rows, self.device)] = to_device(self.sampled_tokens[rows, positions - 1], self.device)
+        self._step_inputs = None
 
     def leave(self, indices: list[int]) -> list[Sequence]:
         """Take the running sequences at these indices (ascending) out of the batch,
@@ -234,12 +293,12 @@ class DecodeBatch:
             return []
         seqs = [self.seqs[i] for i in indices]
         for s in seqs:
-            sampled = slice(len(s), int(self.lengths[s.decode_row]))
+            sampled = slice(len(s), int(self.recorded[s.decode_row]))
             s.token_ids += self.sampled_tokens[s.decode_row, sampled].tolist()
             s.logprobs += self.sampled_logprobs[s.decode_row, sampled].tolist()
         rows = [s.decode_row for s in seqs]
         self.host_block_tables[rows] = self.sink_block
-        self.block_tables[torch.tensor(rows, device=self.device)] = self.sink_block
+        self.block_tables[to_device(rows, self.device)] = self.sink_block
         self._set_rows(np.delete(self.rows, indices))
         for i in reversed(indices):
             del self.seqs[i]

@@ -1,15 +1,26 @@
 """The decode engine: generate(requests) -> sampled tokens with their logprobs.
 
 The loop, readable in one sitting: schedule a step (prefill or decode), run
-the model for it, sample, then postprocess (append the sampled tokens; finished
+the model for it, sample, then finish it (record the sampled tokens; finished
 sequences record their samples and free their blocks), then hand the caller its
 `between_steps`. The scheduler owns the sequences' lifecycle (rollplex.engine.scheduler).
+
+The host runs one decode step ahead (`EngineConfig.run_ahead`): it schedules
+and issues step N+1, whose inputs are step N's tokens still on the device,
+before it reads step N's tokens back and finishes it. On a GPU the host's work
+for a step (scheduling, inputs, stop checks, the caller's `between_steps`) then
+overlaps the device's, instead of leaving the device idle in between. A sequence
+that finishes at step N has run step N+1 too, whose token is dropped. The
+scheduler does not run ahead where step N's tokens could change the next step
+(a prefill, a preemption: `Scheduler.can_run_ahead`); on CPU, where the device
+is the host, the same logic runs with nothing to overlap.
 
 The running sequences' state lives in a `DecodeBatch`, persistent tensors
 updated in place: a decode step's inputs, its sampled tokens and its stop
 checks are a few tensor operations for the whole batch, and Python touches a
-sequence only when it needs a block, finishes or is preempted. The step waits
-on the device once, to read the sampled tokens back for the stop checks.
+sequence only when it needs a block, finishes or is preempted. The host waits
+on the device once per step, to read the sampled tokens back for the stop checks,
+and with run-ahead the next step is already queued then.
 
 The engine runs on the model it is given and never copies its weights: in the
 RL loop those weights belong to the trainer.
@@ -34,13 +45,14 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, NoReturn
 
+import numpy as np
 import torch
 
 from rollplex.engine.block_manager import BlockManager
-from rollplex.engine.decode_batch import DecodeBatch
+from rollplex.engine.decode_batch import Advanced, DecodeBatch
 from rollplex.engine.kv_cache import KVCache
 from rollplex.engine.nonfinite import NonFiniteLogitsError, first_nonfinite_stage
-from rollplex.device import free_memory
+from rollplex.device import free_memory, to_device
 from rollplex.engine.progress import Progress
 from rollplex.engine.runner import ModelRunner
 from rollplex.engine.sampler import SamplingParams, mix_seed, sample
@@ -65,6 +77,7 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs
     progress: bool = True  # progress line on stderr for long generations (rank 0)
     shared_prefix_decode: bool = False  # each group's shared prompt blocks read once per decode step (cascade)
+    run_ahead: bool = True  # issue decode step N+1 before reading step N's tokens back (module docstring)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -134,12 +147,9 @@ class Engine:
         prompts = [self._prepare(i, r, params) for i, r in enumerate(requests)]
         scheduler = self._start(requests, prompts, params)
         progress = Progress(sum(r.n for r in requests), enabled=self.config.progress)
-        while scheduler.has_work():
-            step = scheduler.schedule()
-            with self._stream_for(step):
-                logits = self._run(step, scheduler.batch)
-                tokens, host_tokens, host_logprobs = self._sample(logits, step, scheduler.batch, params)
-                finished = scheduler.postprocess(tokens, host_tokens, host_logprobs, step.first)
+
+        def finish(issued: _Issued) -> None:
+            finished = self._finish(issued, scheduler)
             progress.update(len(finished), self.stats["decode_tokens"])
             if on_finished is not None:
                 for p in {s.prompt.index: s.prompt for s in finished}.values():
@@ -147,6 +157,22 @@ class Engine:
                         on_finished(p.index, _group(p))
             if between_steps is not None and scheduler.has_work():
                 between_steps(len(scheduler.running))
+
+        in_flight: _Issued | None = None  # a decode step issued, its tokens not yet read back
+        while scheduler.has_work():
+            if in_flight is not None and not scheduler.can_run_ahead():
+                finish(in_flight)
+                in_flight = None
+                continue
+            issued = self._issue(scheduler.schedule(), scheduler.batch, params)
+            if in_flight is not None:
+                finish(in_flight)
+            in_flight = issued
+            if issued.step.is_prefill or not self.config.run_ahead:
+                finish(issued)
+                in_flight = None
+        if in_flight is not None:
+            finish(in_flight)
         progress.close()
         self._end(scheduler)
         return [_group(p) for p in prompts]
@@ -164,7 +190,8 @@ class Engine:
         scheduler = Scheduler(blocks, batch, self.config.max_num_seqs, self.config.max_num_batched_tokens, stop_ids)
         for p in prompts:
             scheduler.add(p)
-        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
+        # dropped_tokens: sampled by sequences that had finished at the step before (run-ahead).
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "dropped_tokens": 0, "steps": 0}
         return scheduler
 
     def _end(self, scheduler: Scheduler) -> None:
@@ -173,9 +200,36 @@ class Engine:
         self.stats["graph_captures"], self.stats["graph_capture_s"] = self.runner.captures_since_start()
         assert scheduler.blocks.num_free == self.cache.num_blocks, "KV blocks leaked"
 
-    def _stream_for(self, step: Step) -> contextlib.AbstractContextManager:
-        """Decode steps run, sample and postprocess on the decode stream; prefill on the caller's."""
-        return contextlib.nullcontext() if step.is_prefill else self.runner.on_decode_stream()
+    def _issue(self, step: Step, batch: DecodeBatch, params: SamplingParams) -> _Issued:
+        """Run the step and sample, and issue its tokens to the batch (the next step's
+        input); the tokens and their logprobs start on their way to the host. Decode
+        steps run on the decode stream, prefill on the caller's."""
+        index = self.stats["steps"]
+        with contextlib.nullcontext() if step.is_prefill else self.runner.on_decode_stream():
+            logits = self._run(step, batch)
+            tokens, logprobs = self._sample(logits, step, batch, params)
+            advanced = batch.advance(tokens, step.first)
+            # float64 holds every token id and float32 logprob exactly: one copy for both.
+            host, ready = _to_host(torch.stack([tokens.double(), logprobs.double()]))
+        return _Issued(step, index, advanced, host, ready)
+
+    def _finish(self, issued: _Issued, scheduler: Scheduler) -> list[Sequence]:
+        """Wait for an issued step's tokens on the host and record them; returns the
+        sequences that finished. A non-finite logprob of a running sequence means NaN
+        or inf in its logits (rollplex.engine.nonfinite): the step then raises, naming
+        where they first appear."""
+        if issued.ready is not None:
+            issued.ready.synchronize()
+        tokens, logprobs = issued.host.numpy()
+        live = scheduler.batch.live(issued.advanced)
+        failing = np.flatnonzero(live & ~np.isfinite(logprobs))
+        if len(failing):
+            self._raise_nonfinite(issued, scheduler.batch, failing.tolist())
+        if not issued.step.is_prefill:
+            kept = int(live.sum())
+            self.stats["decode_tokens"] += kept
+            self.stats["dropped_tokens"] += len(live) - kept
+        return scheduler.finish(issued.advanced, tokens.astype(np.int64), logprobs.astype(np.float32))
 
     def _run(self, step: Step, batch: DecodeBatch) -> torch.Tensor:
         """The model's float32 logits for the step: one row per prefilled sequence, or per running one."""
@@ -183,7 +237,6 @@ class Engine:
         if step.is_prefill:
             self.stats["prefill_tokens"] += sum(len(s) for s in step.seqs)
             return self.runner.prefill(step.seqs, step.slots)
-        self.stats["decode_tokens"] += len(step.seqs)
         return self.runner.decode(batch, step.copies)
 
     def blocks_for(self, requests: list[Request], params: SamplingParams) -> int:
@@ -227,31 +280,25 @@ class Engine:
                            samples=[None] * r.n)
 
     def _sample(self, logits: torch.Tensor, step: Step, batch: DecodeBatch,
-                params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The step's sampled tokens on the device, and the tokens and their logprobs on the
-        host, read back in one copy: the step's one wait on the device. A non-finite logprob
-        means NaN or inf in its logits (rollplex.engine.nonfinite): the step then raises,
-        naming where they first appear."""
+                params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's sampled tokens and their logprobs, on the device."""
         if step.logit_rows is not None:
-            logits = logits[torch.tensor(step.logit_rows, device=logits.device)]
+            logits = logits[to_device(step.logit_rows, logits.device)]
         # One value per parameter for every row: the sampler skips what they make needless.
-        tokens, logprobs = sample(logits, params.temperature, params.top_p, params.top_k, batch.uniforms(step.first),
-                                  truncate=params.top_p < 1 or params.top_k > 0)
-        # float64 holds every token id and float32 logprob exactly.
-        host_tokens, host_logprobs = torch.stack([tokens.double(), logprobs.double()]).cpu()
-        if not torch.isfinite(host_logprobs).all():
-            self._raise_nonfinite(step, batch, (~torch.isfinite(host_logprobs)).nonzero().flatten().tolist())
-        return tokens, host_tokens.long(), host_logprobs.float()
+        return sample(logits, params.temperature, params.top_p, params.top_k, batch.uniforms(step.first),
+                      truncate=params.top_p < 1 or params.top_k > 0)
 
-    def _raise_nonfinite(self, step: Step, batch: DecodeBatch, rows: list[int]) -> NoReturn:
-        """Raise for the non-finite logits of `rows` (indices into step.sampling)."""
+    def _raise_nonfinite(self, issued: _Issued, batch: DecodeBatch, rows: list[int]) -> NoReturn:
+        """Raise for the non-finite logits of `rows` (indices into the issued step's sampling)."""
+        step = issued.step
         if step.is_prefill:
             where = self._locate_in_prefill(step.seqs, step.slots, sorted({step.logit_rows[r] for r in rows}))
         else:
-            where = self._locate_in_decode(batch, rows)
+            batch.rewind(issued.advanced)
+            where = self._locate_in_decode(batch, batch.running_index[issued.advanced.rows[rows]].tolist())
         # The pool may hold non-finite K/V now, which a later generation would read through its masked slots.
         self.release_kv()
-        raise NonFiniteLogitsError("prefill" if step.is_prefill else "decode", self.stats["steps"] - 1,
+        raise NonFiniteLogitsError("prefill" if step.is_prefill else "decode", issued.index,
                                    [(step.sampling[r].prompt.index, step.sampling[r].sample_index) for r in rows],
                                    where)
 
@@ -273,6 +320,29 @@ class Engine:
             return first_nonfinite_stage(self.model, lambda: self.runner.decode(batch, []), rows, rows)
         finally:
             self.runner.use_cuda_graphs = graphs
+
+
+@dataclass
+class _Issued:
+    """A step run and sampled, its tokens issued to the decode batch, on their way to the host."""
+
+    step: Step
+    index: int  # the generation's step count before it
+    advanced: Advanced
+    host: torch.Tensor  # (2, rows) float64: the tokens and their logprobs, on the host once `ready`
+    ready: torch.cuda.Event | None  # None: already there (CPU)
+
+
+def _to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """`t` copied to the host without waiting: into pinned memory, with the event that
+    marks the copy done. On CPU, `t` itself."""
+    if t.device.type != "cuda":
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
 def _group(p: PromptState) -> Group:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rollplex.device import to_device
 from rollplex.ops.attention import CascadeDecodeAttention, paged_decode_attention, varlen_attention
 
 
@@ -82,8 +83,8 @@ class KVCache:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate the KV of each src block into dst, in every layer."""
         if copies:
-            src = torch.tensor([s for s, _ in copies], device=self.device)
-            dst = torch.tensor([d for _, d in copies], device=self.device)
+            src = to_device([s for s, _ in copies], self.device)
+            dst = to_device([d for _, d in copies], self.device)
             self.data[:, :, dst] = self.data[:, :, src]
 
 

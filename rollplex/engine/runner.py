@@ -133,9 +133,11 @@ class ModelRunner:
         decode batch) and the caller's later work starts after it. The step's own
         temporaries are allocated, used and freed on the decode stream only (no
         record_stream needed); what lives longer (the pool, the weights, the decode
-        batch's tensors) is used on both streams, each use ordered by these waits,
-        and the batch replaces a tensor only after the host has waited for the step's
-        tokens. A no-op on CPU."""
+        batch's tensors) is used on both streams, each use ordered by these waits. So
+        the batch may write or replace one on the caller's stream while a step issued
+        ahead still runs (the engine's run-ahead): the caller's stream runs that work
+        after the step, and the allocator hands a freed tensor's memory to that stream
+        only. A no-op on CPU."""
         if self.decode_stream is None:
             yield
             return

@@ -21,8 +21,13 @@ The scheduler owns each sequence's life: a request's prompt is admitted as one
 waiting sequence; when it is scheduled for prefill its n children fork off it
 (sharing its blocks, copy-on-write on the last partial one) and join the running
 batch, to sample their first tokens from its logits; each step's sampled tokens
-are appended (`postprocess`), and a sequence that finishes records its sample
-and frees its blocks.
+are issued to the batch when the step runs and recorded when the host has them
+(`finish`), and a sequence that finishes records its sample and frees its blocks.
+
+The engine schedules a decode step before the host has read the previous one's
+tokens (`can_run_ahead`) unless the step may need what only those tokens tell:
+a prefill (a sequence that finishes makes room for it), or a preemption (the
+preempted sequence takes its tokens along).
 """
 
 from __future__ import annotations
@@ -30,10 +35,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from rollplex.engine.block_manager import BlockManager, NoFreeBlocks
-from rollplex.engine.decode_batch import DecodeBatch
+from rollplex.engine.decode_batch import Advanced, DecodeBatch
 from rollplex.engine.sequence import PromptState, Sequence
 from rollplex.models.inputs import Sample
 
@@ -73,6 +78,15 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def can_run_ahead(self) -> bool:
+        """Whether the next step may be scheduled while the host has not yet recorded the
+        step in flight: it is a decode step (no waiting sequence could be prefilled now),
+        it takes no more blocks than are free (no preemption), and some running sequence
+        goes on past the step in flight (else it would only be wasted)."""
+        if self.waiting and self._fits(self.waiting[0], len(self.running), bool(self.running)):
+            return False
+        return self.batch.runs_on() and self.batch.blocks_needed(self.blocks.block_size) <= self.blocks.num_free
+
     def schedule(self) -> Step:
         prefill = self._schedule_prefill()
         if prefill:
@@ -103,20 +117,22 @@ class Scheduler:
         seqs_after = len(self.running)
         while self.waiting:
             seq = self.waiting[0]
-            group = seq.prompt.request.n if seq.is_group_prompt else 1
-            if seqs_after + group > self.max_num_seqs and (batch or self.running):
-                break
             # A prompt longer than the token budget still runs, alone.
-            if batch and tokens + len(seq) > self.max_num_batched_tokens:
-                break
-            if not self.blocks.can_allocate(len(seq)):
+            if not self._fits(seq, seqs_after, bool(batch or self.running)) or (
+                    batch and tokens + len(seq) > self.max_num_batched_tokens):
                 break
             seq.block_table = self.blocks.allocate(len(seq))
             self.waiting.popleft()
             batch.append(seq)
             tokens += len(seq)
-            seqs_after += group
+            seqs_after += seq.prompt.request.n if seq.is_group_prompt else 1
         return batch
+
+    def _fits(self, seq: Sequence, seqs_after: int, accompanied: bool) -> bool:
+        """Whether waiting `seq` may be prefilled with `seqs_after` sequences decoding: its
+        group stays within max_num_seqs (or runs alone), and its prompt's blocks are free."""
+        group = seq.prompt.request.n if seq.is_group_prompt else 1
+        return (seqs_after + group <= self.max_num_seqs or not accompanied) and self.blocks.can_allocate(len(seq))
 
     def _schedule_decode(self) -> Step:
         """Room for every running sequence's next token. Where the pool is short, the
@@ -151,17 +167,17 @@ class Scheduler:
                     return None
 
     def _preempt_youngest(self) -> None:
+        assert self.batch.settled(), "preemption needs every issued token on the host: the engine ran ahead too far"
         (seq,) = self.batch.leave([len(self.running) - 1])
         self.blocks.free(seq.block_table)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, tokens: torch.Tensor, host_tokens: torch.Tensor, host_logprobs: torch.Tensor,
-                    start: int = 0) -> list[Sequence]:
-        """Append the sampled token of each running sequence from index `start` on (`tokens`
-        on the device, the same and their logprobs on the host); returns the sequences
-        that finished, their samples recorded and blocks freed."""
-        finished = self.batch.leave(self.batch.append(tokens, host_tokens, host_logprobs, start))
+    def finish(self, advanced: Advanced, tokens: np.ndarray, logprobs: np.ndarray) -> list[Sequence]:
+        """Record an issued step's tokens and their logprobs, read back to the host
+        (`DecodeBatch.record`); returns the sequences that finished, their samples
+        recorded and blocks freed."""
+        finished = self.batch.leave(self.batch.record(advanced, tokens, logprobs))
         for seq in finished:
             reason = "stop" if seq.token_ids[-1] in self.stop_ids else "length"
             seq.prompt.samples[seq.sample_index] = Sample(seq.token_ids[seq.num_prompt:], seq.logprobs, reason)

@@ -216,7 +216,7 @@ class PrefixGroups:
                 shared[row] = len(table)
 
         def int64(values: list, *shape: int) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device).view(*shape)
+            return to_device(values, device, torch.int64).view(*shape)
 
         return cls(
             int64([m + [batch] * (most_members - len(m)) for m in members], len(members), most_members),
