@@ -46,7 +46,11 @@ timed on its own (the engine's `between_steps` callback), and each step's time
 is its minimum over the repeats, so that other load on a shared machine, which
 only adds time, drops out. On CPU the decoder layers are also timed within the
 same steps, and the tool reports each model's step time minus its layers' time:
-the depth-independent time measured directly, not fitted.
+the depth-independent time measured directly, not fitted; and splits it into the
+model's time outside its layers (embedding, final norm, output head), the
+sampler's, and the rest, the engine's own host work (scheduling, inputs, stop
+checks), which on a GPU is what the host must do each step while the device
+runs the model and the sampler.
 
 `--shared-prefix` measures only the engine: its decode step time on `--prompts`
 groups of `--n` samples with `shared_prefix_decode` on and off, and on
@@ -159,6 +163,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     r.add_argument("--shared-prefix", action="store_true",
                    help="instead of the comparison: the decode step of the groups with and without shared-prefix "
                         "decode, against as many distinct prompts")
+    r.add_argument("--no-run-ahead", action="store_true",
+                   help="the engine reads each decode step's tokens back before it issues the next (EngineConfig.run_ahead)")
     r.add_argument("--json", type=Path, default=None, help="also write the report here")
     a = p.parse_args(argv)
     for name in ("prompts", "prompt_len", "output_len", "n", "batch_size", "repeats", "image_patches"):
@@ -295,7 +301,7 @@ def make_engine(model: Qwen2_5_VL, requests: list[Request], wl: Workload, a: arg
     per_seq = -(-longest // a.block_size)
     config = EngineConfig(block_size=a.block_size, num_blocks=len(requests) * wl.n * per_seq,
                           max_num_seqs=wl.batch_size * wl.n, enforce_eager=enforce_eager, progress=False,
-                          shared_prefix_decode=shared_prefix_decode)
+                          shared_prefix_decode=shared_prefix_decode, run_ahead=not a.no_run_ahead)
     if a.max_model_len == "workload":
         config.max_model_len = longest
     elif a.max_model_len != "engine":
@@ -433,49 +439,79 @@ def decode_step_report(model: Qwen2_5_VL, requests: list[Request], wl: Workload,
 
 
 class StepClock:
-    """Times each step of a generate() through its `between_steps` callback, which the
-    engine calls after every step but the last; with `time_layers`, also the time spent
-    inside the decoder layers during each step (forward hooks on the first and last
-    layer: CPU only, where the host runs the layers itself)."""
+    """Times each decode step of a generate() through its `between_steps` callback, which
+    the engine calls after it reads a step's tokens back, with the next step already
+    issued (run-ahead): each interval holds one step's model run and another's stop
+    checks. The first decode interval holds two model runs (the first step is issued
+    with none in flight) and the last step has none, so neither is timed. With
+    `time_parts` (CPU only, where the host runs the model itself), also each step's time
+    in the decoder layers (hooks on the first and last), in the whole model (its
+    forward_generated and logits) and in the sampler: the rest is the engine's host work."""
 
-    def __init__(self, engine: Engine, time_layers: bool):
+    PARTS = ("layers", "model", "sampler")
+
+    def __init__(self, engine: Engine, time_parts: bool):
         self.engine = engine
-        self.layers_start, self.layers_s = 0.0, 0.0
-        self.hooks = []
-        if time_layers:
+        self.layers_start = 0.0
+        self.parts = dict.fromkeys(self.PARTS, 0.0)
+        self.hooks, self.wrapped = [], []
+        if time_parts:
             layers = engine.model.language_model.layers
             self.hooks = [layers[0].register_forward_pre_hook(self._layers_start),
                           layers[-1].register_forward_hook(self._layers_end)]
+            self._time(engine.model, "forward_generated", "model")
+            self._time(engine.model, "logits", "model")
+            self._time(engine, "_sample", "sampler")
 
     def _layers_start(self, *_) -> None:
         self.layers_start = time.perf_counter()
 
     def _layers_end(self, *_) -> None:
-        self.layers_s += time.perf_counter() - self.layers_start
+        self.parts["layers"] += time.perf_counter() - self.layers_start
+
+    def _time(self, owner: object, name: str, part: str) -> None:
+        """Add each call of owner.name to `part` (an instance attribute over the method, until `close`)."""
+        method = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.parts[part] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+        self.wrapped.append((owner, name))
 
     def generate(self, requests: list[Request], max_tokens: int) -> dict[str, list[float]]:
-        """One generate(); per decode step it timed (every one but the last): its wall
-        time, the layers' time within it (0 when not timed) and its batch."""
-        steps: dict[str, list[float]] = {"step_s": [], "layers_s": [], "batch": []}
-        decode_tokens, self.layers_s = 0, 0.0
+        """One generate(); per decode step it timed: its wall time, its parts' times
+        (0 when not timed) and its batch."""
+        steps: dict[str, list[float]] = {"step_s": [], "batch": [], **{f"{p}_s": [] for p in self.PARTS}}
+        decode_tokens, first = 0, True
 
         def between_steps(_running: int) -> None:
-            nonlocal decode_tokens, last
+            nonlocal decode_tokens, last, first
             now = time.perf_counter()
             batch = self.engine.stats["decode_tokens"] - decode_tokens
-            if batch:  # a decode step (a prefill step adds no decode tokens)
+            if batch and not first:  # a decode step (a prefill step adds no decode tokens), not the first
                 steps["step_s"].append(now - last)
-                steps["layers_s"].append(self.layers_s)
                 steps["batch"].append(batch)
-            decode_tokens, self.layers_s, last = self.engine.stats["decode_tokens"], 0.0, time.perf_counter()
+                for part, seconds in self.parts.items():
+                    steps[f"{part}_s"].append(seconds)
+            first = first and not batch
+            decode_tokens, last = self.engine.stats["decode_tokens"], time.perf_counter()
+            self.parts = dict.fromkeys(self.PARTS, 0.0)
 
         last = time.perf_counter()
+        self.parts = dict.fromkeys(self.PARTS, 0.0)
         rollplex_generate(self.engine, requests, max_tokens, between_steps=between_steps)
         return steps
 
     def close(self) -> None:
         for hook in self.hooks:
             hook.remove()
+        for owner, name in self.wrapped:
+            delattr(owner, name)
 
 
 def per_step_minimum_ms(runs: list[list[float]]) -> float:
@@ -487,7 +523,7 @@ def per_step_minimum_ms(runs: list[list[float]]) -> float:
 
 
 def decode_step_times(engines: list[Engine], requests: list[list[Request]], output_len: int, repeats: int,
-                      device: torch.device, time_layers: bool = False) -> list[dict]:
+                      device: torch.device, time_parts: bool = False) -> list[dict]:
     """Each engine's decode step time on its requests, a whole engine step (scheduling, input building,
     the forward, sampling, the host sync that reads the tokens back), timed step by step
     in generate(max_tokens=L) after a warm-up (and graph capture). The timed runs
@@ -495,9 +531,11 @@ def decode_step_times(engines: list[Engine], requests: list[list[Request]], outp
 
     Per engine: `decode_step_ms`, the per-step minimum over repeats (see
     `per_step_minimum_ms`); `all_step_ms`, each repeat's mean step (the spread); with
-    `time_layers`, `layers_ms` (the layers' own time, the same statistic) and
-    `outside_layers_ms`, the same statistic of each step's time minus its layers' time."""
-    clocks = [StepClock(engine, time_layers) for engine in engines]
+    `time_parts` (`StepClock`), the same statistic of: `layers_ms`, the decoder layers'
+    time; `outside_layers_ms`, each step's time minus its layers'; `model_outside_layers_ms`,
+    the model's time outside the layers (embedding, final norm, output head);
+    `sampler_ms`; and `host_ms`, each step's time outside the model and the sampler."""
+    clocks = [StepClock(engine, time_parts) for engine in engines]
     for engine, engine_requests in zip(engines, requests):
         rollplex_generate(engine, engine_requests, output_len)
     runs: list[list[dict[str, list[float]]]] = [[] for _ in engines]
@@ -510,19 +548,24 @@ def decode_step_times(engines: list[Engine], requests: list[list[Request]], outp
         clock.close()
         step_s = [r["step_s"] for r in engine_runs]
         if not step_s[0]:
-            raise ValueError("no decode step was timed: the last step of a generate() is not (use a longer output)")
+            raise ValueError("no decode step was timed: the first and last steps of a generate() are not "
+                             "(use a longer output)")
         if len({len(s) for s in step_s}) != 1:
             raise RuntimeError("the repeats ran different numbers of decode steps; the workload must be fixed-length")
         result = {"decode_step_ms": per_step_minimum_ms(step_s),
                   "all_step_ms": [float(np.mean(s) * 1e3) for s in step_s],
                   "timed_steps": len(step_s[0]),
-                  "decode_steps": len(step_s[0]) + 1,  # and the last one
+                  "decode_steps": len(step_s[0]) + 2,  # and the first and last ones
                   "mean_decode_batch": float(np.mean(engine_runs[0]["batch"]))}
-        if time_layers:
-            layers_s = [r["layers_s"] for r in engine_runs]
-            result["layers_ms"] = per_step_minimum_ms(layers_s)
-            result["outside_layers_ms"] = per_step_minimum_ms(
-                [[s - layers for s, layers in zip(steps, run_layers)] for steps, run_layers in zip(step_s, layers_s)])
+        if time_parts:
+            def part(of) -> float:
+                return per_step_minimum_ms([[of(*values) for values in zip(
+                    r["step_s"], r["layers_s"], r["model_s"], r["sampler_s"])] for r in engine_runs])
+            result.update(layers_ms=part(lambda step, layers, model, sampler: layers),
+                          outside_layers_ms=part(lambda step, layers, model, sampler: step - layers),
+                          model_outside_layers_ms=part(lambda step, layers, model, sampler: model - layers),
+                          sampler_ms=part(lambda step, layers, model, sampler: sampler),
+                          host_ms=part(lambda step, layers, model, sampler: step - model - sampler))
         results.append(result)
     return results
 
@@ -543,16 +586,17 @@ def host_overhead_report(a: argparse.Namespace, wl: Workload, device: torch.devi
             # The requests depend on the vision config and token ids only, the same at every depth.
             requests = requests or build_requests(path, model, wl)
             engines.append(make_engine(model, requests, wl, a))
-    time_layers = device.type == "cpu"
-    steps = decode_step_times(engines, [requests] * len(engines), wl.output_len, a.repeats, device, time_layers)
+    time_parts = device.type == "cpu"
+    steps = decode_step_times(engines, [requests] * len(engines), wl.output_len, a.repeats, device, time_parts)
     slope, intercept = np.polyfit(layers, [s["decode_step_ms"] for s in steps], 1)
     per_repeat = [np.polyfit(layers, [s["all_step_ms"][i] for s in steps], 1) for i in range(a.repeats)]
     report = {"layers": layers, "models": [model_summary(e.model) for e in engines], "steps": steps,
               "slope_ms_per_layer": float(slope), "intercept_ms": float(intercept),
               "all_slope_ms_per_layer": [float(f[0]) for f in per_repeat],
               "all_intercept_ms": [float(f[1]) for f in per_repeat]}
-    if time_layers:
-        report["outside_layers_ms"] = statistics.median(s["outside_layers_ms"] for s in steps)
+    if time_parts:
+        for key in ("outside_layers_ms", "model_outside_layers_ms", "sampler_ms", "host_ms"):
+            report[key] = statistics.median(s[key] for s in steps)
     return report
 
 
@@ -633,11 +677,13 @@ def format_host_overhead(report: dict) -> str:
     lines = [
         f"NOTE: {report['note']}",
         f"models: {'; '.join(m['summary'] for m in h['models'])}",
-        f"{report['device']} {report['dtype']}, {report['threads']} threads",
+        f"{report['device']} {report['dtype']}, {report['threads']} threads, "
+        f"run-ahead {'on' if report['run_ahead'] else 'off'}",
         f"workload: {wl['prompts']} prompts x n={wl['n']} ({wl['prompt_source']}), {wl['output_len']} new tokens each, "
         f"batch {wl['batch_size']}, {report['repeats']} repeats after warm-up",
         f"step: a whole engine decode step, timed one by one ({steps['timed_steps']} of each generate's "
-        f"{steps['decode_steps']}: not the last); each step's minimum over the repeats, averaged over the steps",
+        f"{steps['decode_steps']}: not the first or the last); each step's minimum over the repeats, averaged over "
+        "the steps",
         "",
         f"{'layers':>6}{'step ms':>10}" + (f"{'layers ms':>11}{'outside ms':>12}" if timed else "")
         + f"{'mean batch':>12}  per repeat mean step ms",
@@ -654,7 +700,10 @@ def format_host_overhead(report: dict) -> str:
         lines += [f"outside the decoder layers (step minus the layers' own time in the same step, "
                   f"timed by hooks), median over the models: {h['outside_layers_ms']:.3f} ms per step",
                   "  (the intercept also carries any noise in the deeper models' layer time, "
-                  "amplified by the extrapolation to 0 layers; this does not)"]
+                  "amplified by the extrapolation to 0 layers; this does not)",
+                  f"  of which: the model outside the layers (embedding, final norm, output head) "
+                  f"{h['model_outside_layers_ms']:.3f} ms, the sampler {h['sampler_ms']:.3f} ms, "
+                  f"and the engine's host work (step minus model and sampler) {h['host_ms']:.3f} ms (medians)"]
     return "\n".join(lines)
 
 
@@ -738,7 +787,7 @@ def main(argv: list[str] | None = None) -> dict:
     report: dict[str, Any] = {
         "note": RANDOM_WEIGHTS_NOTE,
         "device": str(device), "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-        "workload": asdict(wl), "stop_token_ids": wl.stop_ids, "repeats": a.repeats,
+        "run_ahead": not a.no_run_ahead, "workload": asdict(wl), "stop_token_ids": wl.stop_ids, "repeats": a.repeats,
     }
     if a.host_overhead:
         report["host_overhead"] = host_overhead_report(a, wl, device, dtype)
