@@ -16,6 +16,7 @@ from rollplex.models import Prompt, build_model, save_pretrained
 from rollplex.models.rope import mrope_positions
 from rollplex.ops.attention import CascadeDecodeAttention, PrefixGroups
 from test_model import IMG, VEND, VID, VSTART, image, tiny_args
+from test_prefix_sync import HostSyncGuard
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
@@ -271,6 +272,40 @@ def test_the_rl_loop_builds_engine_and_sampling_configs_from_its_rollout_section
         block_size=8, num_blocks=12, max_num_seqs=5, enforce_eager=True, progress=False, shared_prefix_decode=True)
     assert SamplingParams.from_config(rollout) == SamplingParams(temperature=0.5, top_p=0.9, top_k=4, max_tokens=7,
                                                                  ignore_eos=True)
+
+
+@pytest.mark.parametrize("shared_prefix_decode", [False, True])
+def test_a_decode_step_makes_the_host_wait_only_for_its_own_tokens(model, monkeypatch, shared_prefix_decode):
+    """Between reading two steps' tokens back, the host schedules the next decode step and
+    replays its graph (on CPU the stand-in) without waiting for the device: nothing read
+    back and host data copied over without blocking (HostSyncGuard: on CPU it records what
+    would wait on a GPU). Finishing a step reads its tokens, from pinned memory once its
+    copy's event is done, and nothing else."""
+    found = {"schedule": [], "issue": [], "finish": []}
+
+    def guarded(name, method):
+        def call(self, *args):
+            with HostSyncGuard(copies=True) as guard:
+                result = method(self, *args)
+            found[name].append(guard.calls)
+            return result
+        return call
+
+    issue, finish = Engine._issue, Engine._finish
+    monkeypatch.setattr(Scheduler, "_schedule_decode", guarded("schedule", Scheduler._schedule_decode))
+    monkeypatch.setattr(Engine, "_issue", lambda self, step, *a: (guarded("issue", issue) if not step.is_prefill
+                                                                  else issue)(self, step, *a))
+    monkeypatch.setattr(Engine, "_finish", lambda self, issued, *a: (guarded("finish", finish)
+                                                                     if not issued.step.is_prefill
+                                                                     else finish)(self, issued, *a))
+    engine = Engine(model, EngineConfig(block_size=BLOCK_SIZE, num_blocks=256,
+                                        shared_prefix_decode=shared_prefix_decode))
+    engine.runner.use_cuda_graphs = True  # the stand-in replays the graph's static buffers as CUDA would
+    engine.generate(mixed_requests(n=3), STOPS)
+    assert engine.stats["dropped_tokens"] > 0  # steps ran ahead, rows left mid-flight
+    assert len(found["issue"]) > 5
+    assert found["schedule"] == [[]] * len(found["schedule"]) and found["issue"] == [[]] * len(found["issue"])
+    assert found["finish"] == [["Tensor.numpy"]] * len(found["finish"])
 
 
 # ----------------------------------------------------------------------------- group-shared decode attention

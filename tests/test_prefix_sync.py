@@ -20,8 +20,9 @@ torch.cuda.set_sync_debug_mode("error") around `between_steps` covers that.
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+import rollplex.ops.attention
 from rollplex.models import build_model
 from rollplex.models.packing import pack_sequences
 from rollplex.models.inputs import VisionEmbeds
@@ -35,12 +36,13 @@ _SYNCING_OPS = {"_local_scalar_dense", "equal", "nonzero", "masked_select", "_un
 _BOOL_INDEXED_OPS = {"index", "index_put", "index_put_"}  # a boolean mask index runs nonzero
 _HOST_READS = {"tolist", "numpy"}  # Python-level reads that dispatch nothing on CPU
 _MOVES = {"to", "cuda", "cpu", "pin_memory"}
+_FACTORIES = {"tensor", "as_tensor"}  # from host data
 
 
 class _SyncingOps(TorchDispatchMode):
-    def __init__(self, found: list[str]):
+    def __init__(self, found: list[str], copies: bool):
         super().__init__()
-        self.found = found
+        self.found, self.copies = found, copies
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -48,21 +50,25 @@ class _SyncingOps(TorchDispatchMode):
         bool_index = name in _BOOL_INDEXED_OPS and any(
             isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
         unsized_repeat = name == "repeat_interleave" and kwargs.get("output_size") is None
-        if name in _SYNCING_OPS or bool_index or unsized_repeat:
+        if (name in _SYNCING_OPS and not (self.copies and name == "lift_fresh")) or bool_index or unsized_repeat:
             self.found.append(f"aten.{name}")
         return func(*args, **kwargs)
 
 
 class _HostCalls(TorchFunctionMode):
-    def __init__(self, found: list[str]):
+    def __init__(self, found: list[str], copies: bool):
         super().__init__()
-        self.found = found
+        self.found, self.copies = found, copies
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         moves = name in _MOVES and (name != "to" or "device" in kwargs or any(
             isinstance(a, (torch.device, str, torch.Tensor)) for a in args[1:]))
+        if self.copies:
+            # Host data becomes a tensor on the host (no wait), and reaches the device without blocking; a
+            # factory given both host data and a device copies it with torch's blocking copy.
+            moves = (moves and not kwargs.get("non_blocking")) or (name in _FACTORIES and "device" in kwargs)
         if name in _HOST_READS or moves:
             self.found.append(f"Tensor.{name}")
         return func(*args, **kwargs)
@@ -70,11 +76,21 @@ class _HostCalls(TorchFunctionMode):
 
 class HostSyncGuard:
     """Within the block, `calls` lists each call that would copy host data to a
-    CUDA device or make the host wait for it."""
+    CUDA device or make the host wait for it; with `copies=True`, each that would make
+    the host wait: a copy of host data to the device without blocking is allowed.
+
+    torch cannot make a tensor subclass under a dispatch mode, so the attention's
+    bottom-right causal mask (a CausalBias, made per call from two lengths on the
+    host) is made outside the guard's modes; attention with it runs inside them."""
+
+    def __init__(self, copies: bool = False):
+        self.copies = copies
 
     def __enter__(self) -> "HostSyncGuard":
         self.calls: list[str] = []
-        self._modes = [_SyncingOps(self.calls), _HostCalls(self.calls)]
+        self._modes = [_SyncingOps(self.calls, self.copies), _HostCalls(self.calls, self.copies)]
+        self._mask = rollplex.ops.attention.causal_lower_right
+        rollplex.ops.attention.causal_lower_right = _outside_modes(self._mask)
         for mode in self._modes:
             mode.__enter__()
         return self
@@ -82,6 +98,14 @@ class HostSyncGuard:
     def __exit__(self, *exc) -> None:
         for mode in reversed(self._modes):
             mode.__exit__(*exc)
+        rollplex.ops.attention.causal_lower_right = self._mask
+
+
+def _outside_modes(make):
+    def made(*args):
+        with _disable_current_modes():
+            return make(*args)
+    return made
 
 
 def test_the_guard_sees_each_kind_of_host_sync():
@@ -96,6 +120,12 @@ def test_the_guard_sees_each_kind_of_host_sync():
         t.to(torch.float32)[torch.arange(2)]  # a dtype change and a gather by an index tensor: no sync
     assert guard.calls == ["aten.lift_fresh", "aten._local_scalar_dense", "Tensor.tolist", "Tensor.to",
                            "aten.index", "aten.repeat_interleave"]
+    with HostSyncGuard(copies=True) as guard:
+        torch.as_tensor([1, 2]).to("cpu", non_blocking=True)  # rollplex.device.to_device: no wait
+        torch.tensor([1, 2], device="cpu")  # torch's blocking copy on CUDA
+        t.to("cpu")
+        t.tolist()
+    assert guard.calls == ["Tensor.tensor", "Tensor.to", "Tensor.tolist"]
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from distributed import run_distributed
 from rollplex.metrics import read_metrics
 from rollplex.rl.stream import GroupStream
 from rollplex.train.actor import Actor
+from test_prefix_sync import HostSyncGuard
 from test_schedules import FAST, max_difference, train
 
 # Each prompt draws its own response limit (1..16 tokens), so groups finish at different decode steps.
@@ -118,6 +119,24 @@ def test_no_work_runs_before_its_group_has_finished(tmp_path, monkeypatch, rewar
     train(tmp_path, *UNEVEN, *STREAM, "--trainer.total_steps", "1", "--data.reward_workers", reward_workers)
     assert reported and all(step >= longest for step, longest in reported.values())
     assert {"ref", "old", "update"} <= set(passes)
+
+
+def test_streamed_passes_never_make_the_host_wait(tmp_path, monkeypatch):
+    """A streamed pass runs between two decode steps: a host wait in it (a device value
+    read back, a blocking copy to the device) would hold the next step back. Each pass
+    only launches device work and copies its inputs over without blocking; the host-side
+    work (the group's advantages) is done when its scores arrive (HostSyncGuard: on CPU
+    it records what would wait on a GPU)."""
+    found, run = {}, GroupStream._run
+
+    def guarded(self, kind, g):
+        with HostSyncGuard(copies=True) as guard:
+            run(self, kind, g)
+        found.setdefault(kind, []).extend(guard.calls)
+
+    monkeypatch.setattr(GroupStream, "_run", guarded)
+    train(tmp_path, *UNEVEN, *STREAM, "--trainer.total_steps", "1")
+    assert found == {"ref": [], "old": [], "update": []}
 
 
 @pytest.mark.parametrize("room", ["none", "enough"])

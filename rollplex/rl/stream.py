@@ -97,6 +97,7 @@ class GroupStream:
     # What is done, by group index (this rank's): the loop's phases do the rest.
     scores: dict[int, RewardScores] = field(default_factory=dict)
     texts: dict[int, list[str]] = field(default_factory=dict)  # the scored groups' decoded responses
+    advantages: dict[int, list[float]] = field(default_factory=dict)  # of the groups whose update streams
     ref: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     old: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     update: PolicyUpdate | None = None  # the first optimizer step, started on the groups it has
@@ -193,10 +194,14 @@ class GroupStream:
         self.report.done["scored"] += 1
         self.report.hidden += end - start
         self.spans.append(("group reward", start, end))
-        if queue_passes:
-            self._passes += [(kind, g) for kind, wanted in (("ref", self.plan.ref), ("old", self.plan.old),
-                                                            ("update", self.plan.update and g < self.chunks[0].stop))
-                             if wanted]
+        if not queue_passes:
+            return
+        update = self.plan.update and g < self.chunks[0].stop
+        self._passes += [(kind, g) for kind, wanted in (("ref", self.plan.ref), ("old", self.plan.old),
+                                                        ("update", update)) if wanted]
+        if update:  # on the host, here: the pass itself only launches device work
+            self.advantages[g] = group_advantages(torch.tensor(scores.scores), torch.zeros(len(scores.scores)),
+                                                  norm_by_std=norm_by_std(self.cfg)).tolist()
 
     # ------------------------------------------------------------------ the passes
 
@@ -229,9 +234,7 @@ class GroupStream:
         kept = self.prefix.result(PrefixKind.ACTOR, 0)
         group = self.finished[g]
         rollout_logprobs = [torch.tensor(s.logprobs) for s in group.samples]
-        advantages = group_advantages(torch.tensor(self.scores[g].scores), torch.zeros(len(group.samples)),
-                                      norm_by_std=norm_by_std(self.cfg)).tolist()
-        self.actor.add_group(self.update, PolicyBatch([group], advantages, self.old.get(g, rollout_logprobs),
+        self.actor.add_group(self.update, PolicyBatch([group], self.advantages[g], self.old.get(g, rollout_logprobs),
                                                       self.ref.get(g), rollout_logprobs, kept), position)
 
 
