@@ -18,7 +18,7 @@ import torch
 
 from distributed import run_distributed
 from rollplex.metrics import read_metrics
-from rollplex.rl.stream import GroupStream
+from rollplex.rl.stream import GroupStream, StreamPlan
 from rollplex.train.actor import Actor
 from test_prefix_sync import HostSyncGuard
 from test_schedules import FAST, max_difference, train
@@ -43,9 +43,10 @@ def record_gradients(monkeypatch) -> list[dict[str, torch.Tensor]]:
     return seen
 
 
-def check_same_training(out: Path, prefix: dict, streamed: dict, name: str = "stream") -> list[dict]:
-    """Same samples at every step as <out>/prefix, parameters within 2e-5; returns run `name`'s metrics."""
-    rows, reference = read_metrics(out / name / "metrics.jsonl"), read_metrics(out / "prefix" / "metrics.jsonl")
+def check_same_training(out: Path, prefix: dict, streamed: dict, name: str = "stream",
+                        reference_name: str = "prefix") -> list[dict]:
+    """Same samples at every step as <out>/<reference_name>, parameters within 2e-5; returns run `name`'s metrics."""
+    rows, reference = read_metrics(out / name / "metrics.jsonl"), read_metrics(out / reference_name / "metrics.jsonl")
     for key in ("critic/score/mean", "response_length/mean"):
         assert [r[key] for r in rows] == [r[key] for r in reference], key
     assert max_difference(streamed, prefix) <= 2e-5
@@ -69,26 +70,32 @@ def test_streamed_groups_train_like_serial_prefix(tmp_path, monkeypatch):
     assert all(r["timing_s/stream_hidden"] > 0 and r["timing_s/stream_exposed"] > 0 for r in rows)
 
 
+NO_KL = ["--algorithm.kl_coef", "0"]
+TWO_RANK_RUNS = {"prefix": NO_KL, "stream": NO_KL + STREAM, "stream-engine-tp": NO_KL + STREAM + ["--rollout.tp", "2"],
+                 "prefix-kl": [], "stream-kl": STREAM}
+
+
 def streamed_on_two_ranks(rank: int, world: int, out: str) -> None:
     torch.set_num_threads(1)
-    # Without the KL term: the reference model is sharded over the 2 dp ranks, so its passes cannot
-    # stream, and the update's loss would need them.
-    # stream-engine-tp: one engine over both ranks (rollout.tp 2), which reports every rank's groups: each
-    # rank streams its own.
-    for name, extra in {"prefix": [], "stream": STREAM, "stream-engine-tp": STREAM + ["--rollout.tp", "2"]}.items():
-        _, params = train(Path(out) / name, *UNEVEN, "--algorithm.kl_coef", "0", *extra)
+    for name, extra in TWO_RANK_RUNS.items():
+        _, params = train(Path(out) / name, *UNEVEN, *extra)
         if rank == 0:
             torch.save(params, Path(out) / f"{name}.pt")
 
 
 def test_streamed_groups_train_like_serial_prefix_on_two_ranks(tmp_path):
-    """Each rank streams its own groups, FSDP holding the gradients until the prompt's backward."""
+    """Each rank streams its own groups, FSDP holding the gradients until the prompt's backward.
+    stream-engine-tp: one engine over both ranks (rollout.tp 2), which reports every rank's
+    groups: each rank streams its own. stream-kl: the reference model, sharded over the 2
+    dp ranks, is held gathered through the decode window (StreamPlan.gather_ref), so its
+    passes stream too, and the update, whose loss reads them."""
     run_distributed(streamed_on_two_ranks, 2, str(tmp_path))
-    for name in ("stream", "stream-engine-tp"):
-        rows = check_same_training(tmp_path, torch.load(tmp_path / "prefix.pt"), torch.load(tmp_path / f"{name}.pt"),
-                                   name)
+    for name, reference in (("stream", "prefix"), ("stream-engine-tp", "prefix"), ("stream-kl", "prefix-kl")):
+        rows = check_same_training(tmp_path, torch.load(tmp_path / f"{reference}.pt"),
+                                   torch.load(tmp_path / f"{name}.pt"), name, reference)
         assert sum(r["stream/update_groups"] for r in rows) > 0, name
-        assert all(r["stream/ref_groups"] == 0 for r in rows), name
+        streamed_ref = sum(r["stream/ref_groups"] for r in rows)
+        assert streamed_ref > 0 if name == "stream-kl" else streamed_ref == 0, name
 
 
 @pytest.mark.parametrize("reward_workers", ["0", "1"])
@@ -137,6 +144,26 @@ def test_streamed_passes_never_make_the_host_wait(tmp_path, monkeypatch):
     monkeypatch.setattr(GroupStream, "_run", guarded)
     train(tmp_path, *UNEVEN, *STREAM, "--trainer.total_steps", "1")
     assert found == {"ref": [], "old": [], "update": []}
+
+
+def test_the_reference_model_is_held_gathered_only_within_the_budget():
+    """With dp_shard > 1 the reference passes stream only if holding the model gathered
+    fits the prefix budget the prompt items left; the update then needs room beside it."""
+    from types import SimpleNamespace
+
+    from rollplex.config import load_config
+    from rollplex.rl.memory import PrefixKind
+
+    cfg = load_config(FAST + STREAM)  # kl_coef 0.01: the update reads the reference logprobs
+
+    def plan(dp_shard: int, budget_left: int | None) -> StreamPlan:
+        prefix = SimpleNamespace(budget_left=budget_left, admitted=[SimpleNamespace(kind=PrefixKind.ACTOR)])
+        return StreamPlan.of(cfg, dp_shard, prefix, update_bytes=10, gathered_ref_bytes=100)
+
+    assert plan(2, None) == plan(2, 110) == StreamPlan(ref=True, old=True, update=True, gather_ref=True)
+    assert plan(2, 105) == StreamPlan(ref=True, old=True, update=False, gather_ref=True)
+    assert plan(2, 99) == StreamPlan(ref=False, old=True, update=False, gather_ref=False)
+    assert plan(1, 10) == StreamPlan(ref=True, old=True, update=True, gather_ref=False)  # not sharded: nothing to hold
 
 
 @pytest.mark.parametrize("room", ["none", "enough"])

@@ -337,7 +337,8 @@ class RLTrainer:
 
     def _group_stream(self, examples: list, prefix: PrefixScheduler) -> GroupStream:
         """The step's finished-group work in the decode window (rollplex.rl.stream)."""
-        plan = StreamPlan.of(self.cfg, self.dims.dp_shard, prefix, self.memory.streamed_update_bytes())
+        plan = StreamPlan.of(self.cfg, self.dims.dp_shard, prefix, self.memory.streamed_update_bytes(),
+                             self.memory.gathered_ref_bytes())
         return GroupStream(self.cfg, examples, self.tokenizer, self.reward_scorer, self.actor, self.ref_model, prefix,
                            plan)
 

@@ -23,8 +23,10 @@ No streamed pass may issue a collective: each dp rank finishes its groups in its
 own order, so collectives would not line up. A pass streams only where its model
 is whole on this rank during rollout: the actor's when parallel.tp is 1 (every
 FSDP unit is gathered for the engine and stays so through backward,
-rollplex.rl.weights), the reference model's when it is not sharded either (one
-dp rank). The streamed update keeps FSDP from reducing gradients until the
+rollplex.rl.weights), the reference model's when it is not sharded (one dp
+rank) or when holding it gathered through the window fits the prefix budget
+left after the prompt items (`MemoryPlan.gathered_ref_bytes`; `StreamPlan`
+decides, the same on every rank). The streamed update keeps FSDP from reducing gradients until the
 prompt's backward after rollout, which reduces them all at once. It is admitted
 when its gradients and one micro-batch fit the prefix budget left after the
 prompt items (`MemoryPlan.streamed_update_bytes`), the same on every rank, since
@@ -47,6 +49,7 @@ from rollplex.rl.memory import PrefixKind
 from rollplex.rl.prefix import PrefixScheduler, update_chunks
 from rollplex.train.actor import Actor, PolicyBatch, PolicyUpdate
 from rollplex.train.loss import group_advantages
+from rollplex.train.parallelize import fsdp_units, hold_gathered, release_gathered
 
 
 @dataclass(frozen=True)
@@ -56,16 +59,29 @@ class StreamPlan:
     ref: bool  # the reference model's logprobs (kl_coef > 0, the model whole on this rank)
     old: bool  # recomputed old logprobs (the actor whole on this rank)
     update: bool  # the first optimizer step's forward and backward (and it fits the budget)
+    gather_ref: bool = False  # the reference model held gathered through the window (dp_shard > 1), for `ref`
 
     @classmethod
-    def of(cls, cfg: Config, dp_shard: int, prefix: PrefixScheduler, update_bytes: int) -> StreamPlan:
+    def of(cls, cfg: Config, dp_shard: int, prefix: PrefixScheduler, update_bytes: int,
+           gathered_ref_bytes: int) -> StreamPlan:
+        """What streams, the same on every dp rank (the prefix budget is agreed): the
+        passes that issue no collective. The actor's units are gathered for the engine
+        (at parallel.tp 1); the reference model's are too when it is not sharded, or when
+        holding them gathered fits the budget the prompt items leave. The update streams
+        where its gradients and a micro-batch fit what is left after that."""
         a, whole = cfg.algorithm, cfg.parallel.tp == 1
-        ref = a.kl_coef > 0 and whole and dp_shard == 1
+        left = prefix.budget_left
+
+        def fits(size: int) -> bool:
+            return left is None or size <= left
+
+        gather_ref = a.kl_coef > 0 and whole and dp_shard > 1 and fits(gathered_ref_bytes)
+        ref = a.kl_coef > 0 and whole and (dp_shard == 1 or gather_ref)
         kept_actor = any(w.kind == PrefixKind.ACTOR for w in prefix.admitted)
-        fits = prefix.budget_left is None or update_bytes <= prefix.budget_left
+        update_fits = fits(update_bytes + (gathered_ref_bytes if gather_ref else 0))
         # The update's loss reads the group's reference logprobs (kl_coef > 0): they must stream too.
         return cls(ref=ref, old=a.recompute_old_logprobs and whole,
-                   update=whole and kept_actor and fits and (ref or a.kl_coef == 0))
+                   update=whole and kept_actor and update_fits and (ref or a.kl_coef == 0), gather_ref=gather_ref)
 
 
 @dataclass
@@ -117,6 +133,8 @@ class GroupStream:
         self.stream = self.prefix.stream  # None on CPU: the passes run inline
         if self.plan.update:  # on every dp rank alike, whether or not its groups finish in the window
             self.update = self.actor.start_update()
+        if self.plan.gather_ref:  # a collective, on every dp rank alike
+            hold_gathered(fsdp_units(self.ref_model))
         # Rewards in worker processes are waited for in a thread of ours, so that the decode loop never
         # waits for them; an in-process reward runs inline (it would hold the interpreter anyway, and
         # math-verify's time limit needs the main thread).
@@ -170,6 +188,8 @@ class GroupStream:
         self._scoring.clear()
         if self._scorer_thread is not None:
             self._scorer_thread.shutdown()
+        if self.plan.gather_ref:
+            release_gathered(fsdp_units(self.ref_model))
         if self.stream is not None:
             main = torch.cuda.current_stream(self.stream.device)
             main.wait_stream(self.stream)

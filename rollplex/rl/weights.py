@@ -55,13 +55,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from rollplex.dist import all_reduce_values, full_tensor, local_tensor
 from rollplex.models.qwen2_5_vl import Qwen2_5_VL
-from rollplex.train.parallelize import apply_tp, reshard_after_forward
+from rollplex.train.parallelize import apply_tp, fsdp_units, hold_gathered, release_gathered
 
 
 @dataclass
@@ -92,7 +91,7 @@ class _Binding:
 class SharedWeights:
     def __init__(self, model: Qwen2_5_VL, trainer_tp: int = 1, engine_tp: int = 1):
         self.model = model
-        self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        self.units = fsdp_units(model)
         self.report = SharingReport()
         self.bindings: list[_Binding] = []
         self._engine_model = None
@@ -134,23 +133,16 @@ class SharedWeights:
     # ------------------------------------------------------------------ trainer side
 
     def _gather(self) -> None:
-        for unit in self.units:
-            unit.unshard()
-            # The vision encode, the prompt work and the streamed finished groups' passes (forward and backward)
-            # go through the FSDP hooks while the engine reads the gathered tensors: no unit may reshard before
-            # the rollout ends.
-            unit.set_reshard_after_forward(False, recurse=False)
-            unit.set_reshard_after_backward(False, recurse=False)
+        # The vision encode, the prompt work and the streamed finished groups' passes (forward and backward)
+        # go through the FSDP hooks while the engine reads the gathered tensors: no unit may reshard before
+        # the rollout ends.
+        hold_gathered(self.units, through_backward=True)
 
     def _release(self) -> None:
         for b in self.bindings:
             if b.buffer is not None:
                 b.buffer.untyped_storage().resize_(0)
-        for unit in self.units:
-            unit.reshard()
-            # Each unit's own setting: the root stays gathered from forward to backward, the others do not.
-            unit.set_reshard_after_forward(reshard_after_forward(unit), recurse=False)
-            unit.set_reshard_after_backward(True, recurse=False)  # FSDP's default, which parallelize keeps
+        release_gathered(self.units, through_backward=True)
 
     # ------------------------------------------------------------------ engine side
 

@@ -57,6 +57,32 @@ def reshard_after_forward(unit: FSDPModule) -> bool:
     return _RESHARD_AFTER_FORWARD[unit]
 
 
+def fsdp_units(model: torch.nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def hold_gathered(units: list[FSDPModule], through_backward: bool = False) -> None:
+    """Gather the units' parameters (a collective: every dp rank alike) and keep them
+    gathered until `release_gathered`: no reshard after a forward, nor after a backward
+    with `through_backward`. Passes on them meanwhile run without collectives, so a rank
+    may run them in an order of its own."""
+    for unit in units:
+        unit.unshard()
+        unit.set_reshard_after_forward(False, recurse=False)
+        if through_backward:
+            unit.set_reshard_after_backward(False, recurse=False)
+
+
+def release_gathered(units: list[FSDPModule], through_backward: bool = False) -> None:
+    """Free what `hold_gathered` held and give each unit its own setting back (the root
+    stays gathered from its forward to its backward, the others do not)."""
+    for unit in units:
+        unit.reshard()
+        unit.set_reshard_after_forward(reshard_after_forward(unit), recurse=False)
+        if through_backward:
+            unit.set_reshard_after_backward(True, recurse=False)  # FSDP's default, which apply_fsdp keeps
+
+
 def apply_activation_checkpointing(model: Qwen2_5_VL) -> None:
     """Recompute each decoder layer's and vision block's activations in backward."""
     for blocks in (model.language_model.layers, model.visual.blocks):

@@ -110,6 +110,13 @@ class MemoryPlan:
         return s.trainable_shard() * self.layout.dp_shard * self.options.grad_dtype.itemsize + \
             s.pass_bytes(kept=True, grad=True)
 
+    def gathered_ref_bytes(self) -> int:
+        """What holding the reference model gathered through the decode window adds, so that
+        the streamed finished groups' reference passes need no collective (dp_shard > 1):
+        its whole weights on each rank, beside the shard it keeps."""
+        whole = self.params.per_tp_rank(self.layout.tp)
+        return (whole - math.ceil(whole / self.layout.dp_shard)) * self.options.ref_dtype.itemsize
+
     @property
     def kv_pool_blocks(self) -> int:
         """The engine's pool capacity in blocks: the plan's bytes less the engine's sink block."""
