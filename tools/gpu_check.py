@@ -568,10 +568,10 @@ CHECKS = {
     "cascade_decode_triton": check_cascade_decode_triton,
     "engine_cuda_graphs": check_engine_cuda_graphs,
     "overlap_step": check_overlap_step,
-    "bench_schedules": check_bench_schedules,
     "engine_throughput_3b": check_engine_throughput,
     "forward_timing_3b": check_forward_timing,
     "gpu_tests": check_gpu_tests,
+    "bench_schedules": check_bench_schedules,  # the longest (about 5 minutes on an H200): last
 }
 INTERPRETED_ON_CPU = ("paged_decode_triton", "cascade_decode_triton", "gpu_tests")  # Triton's interpreter on the CPU
 ARTIFACTS = Path(".")  # where checks write files beyond the JSON report (set next to --out)

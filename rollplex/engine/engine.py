@@ -139,7 +139,8 @@ class Engine:
                  between_steps: Callable[[int], None] | None = None,
                  on_finished: Callable[[int, Group], None] | None = None) -> list[Group]:
         """Sample every request's n responses. `between_steps(running)`, when
-        given, is called after each engine step with the number of sequences
+        given, is called after each engine step's tokens are read back (with the
+        next decode step, run ahead, already issued) with the number of sequences
         still decoding: the RL loop's prefix scheduler runs its work there.
         `on_finished(index, group)`, before it, with each request whose samples
         have all finished in that step (the RL loop streams their work)."""
