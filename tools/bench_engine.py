@@ -164,7 +164,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="instead of the comparison: the decode step of the groups with and without shared-prefix "
                         "decode, against as many distinct prompts")
     r.add_argument("--no-run-ahead", action="store_true",
-                   help="the engine reads each decode step's tokens back before it issues the next (EngineConfig.run_ahead)")
+                   help="the engine reads each decode step's tokens back before it issues the next "
+                        "(EngineConfig.run_ahead)")
     r.add_argument("--json", type=Path, default=None, help="also write the report here")
     a = p.parse_args(argv)
     for name in ("prompts", "prompt_len", "output_len", "n", "batch_size", "repeats", "image_patches"):

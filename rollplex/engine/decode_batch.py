@@ -224,7 +224,8 @@ class DecodeBatch:
         shared_blocks = np.zeros(len(self.seqs), np.int64)
         for rows, table in zip(groups, tables):
             shared_blocks[rows] = len(table)
-        return PrefixGroups.build(groups, tables, len(self.seqs), self.sink_block, block_size, self.device), shared_blocks
+        found = PrefixGroups.build(groups, tables, len(self.seqs), self.sink_block, block_size, self.device)
+        return found, shared_blocks
 
     def uniforms(self, start: int = 0) -> torch.Tensor:
         """The sampler's U, on the device, of the running sequences from index `start` on:
@@ -283,7 +284,8 @@ class DecodeBatch:
         live = self.live(advanced)
         rows, positions = advanced.rows[live], advanced.positions[live]
         self.lengths[rows] = positions
-        self.last_tokens[to_device(rows, self.device)] = to_device(self.sampled_tokens[rows, positions - 1], self.device)
+        fed = self.sampled_tokens[rows, positions - 1]
+        self.last_tokens[to_device(rows, self.device)] = to_device(fed, self.device)
         self._step_inputs = None
 
     def leave(self, indices: list[int]) -> list[Sequence]:
