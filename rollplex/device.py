@@ -1,4 +1,4 @@
-"""Device memory as the engine and the memory plan see it, and host data onto the device."""
+"""Device memory as the engine and the memory plan see it, and data between host and device without waits."""
 
 from __future__ import annotations
 
@@ -13,6 +13,18 @@ def to_device(data, device: torch.device, dtype: torch.dtype | None = None) -> t
     so every small index tensor a pass builds would wait for the stream's earlier work. Without
     blocking, CUDA stages pageable host memory before the call returns, so the source may go at once."""
     return torch.as_tensor(data, dtype=dtype).to(device, non_blocking=True)
+
+
+def to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """`t` copied to the host without making the host wait: into pinned memory, with the
+    event that marks the copy done (wait on it before reading). On CPU, `t` itself and None."""
+    if t.device.type != "cuda":
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
 def free_memory(device: torch.device) -> int:

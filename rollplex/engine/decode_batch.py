@@ -150,14 +150,20 @@ class DecodeBatch:
         needs the block manager: it starts a new block, or the sequence joined since
         the last decode step and its last block may be shared with its group
         (copy-on-write). Called once per decode step: the joined ones count as seen afterwards."""
-        lengths = self.lengths[self.rows]
-        needs = (lengths - 1) % block_size == 0
+        lengths, needs = self._needing_blocks(block_size)
         if self.joined_since_step:
-            needs |= self.just_joined[self.rows]
             self.just_joined[:] = False
             self.joined_since_step = False
         indices = np.flatnonzero(needs)
         return indices.tolist(), lengths[indices].tolist()
+
+    def _needing_blocks(self, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """The running rows' lengths, and which of them the next decode step takes to the block manager."""
+        lengths = self.lengths[self.rows]
+        needs = (lengths - 1) % block_size == 0
+        if self.joined_since_step:
+            needs |= self.just_joined[self.rows]
+        return lengths, needs
 
     def last_blocks_changed(self, indices: list[int]) -> None:
         """Copy the last block-table entry of these running sequences to their rows
@@ -274,8 +280,7 @@ class DecodeBatch:
     def blocks_needed(self, block_size: int) -> int:
         """At most how many new blocks the next decode step takes: one per row starting
         a block, or just joined (a copy-on-write of its shared last block)."""
-        lengths = self.lengths[self.rows]
-        return int((((lengths - 1) % block_size == 0) | self.just_joined[self.rows]).sum())
+        return int(self._needing_blocks(block_size)[1].sum())
 
     def rewind(self, advanced: Advanced) -> None:
         """Undo `advance` for the rows still running, so that their step runs again from the

@@ -52,7 +52,7 @@ from rollplex.engine.block_manager import BlockManager
 from rollplex.engine.decode_batch import Advanced, DecodeBatch
 from rollplex.engine.kv_cache import KVCache
 from rollplex.engine.nonfinite import NonFiniteLogitsError, first_nonfinite_stage
-from rollplex.device import free_memory, to_device
+from rollplex.device import free_memory, to_device, to_host
 from rollplex.engine.progress import Progress
 from rollplex.engine.runner import ModelRunner
 from rollplex.engine.sampler import SamplingParams, mix_seed, sample
@@ -211,7 +211,7 @@ class Engine:
             tokens, logprobs = self._sample(logits, step, batch, params)
             advanced = batch.advance(tokens, step.first)
             # float64 holds every token id and float32 logprob exactly: one copy for both.
-            host, ready = _to_host(torch.stack([tokens.double(), logprobs.double()]))
+            host, ready = to_host(torch.stack([tokens.double(), logprobs.double()]))
         return _Issued(step, index, advanced, host, ready)
 
     def _finish(self, issued: _Issued, scheduler: Scheduler) -> list[Sequence]:
@@ -332,18 +332,6 @@ class _Issued:
     advanced: Advanced
     host: torch.Tensor  # (2, rows) float64: the tokens and their logprobs, on the host once `ready`
     ready: torch.cuda.Event | None  # None: already there (CPU)
-
-
-def _to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """`t` copied to the host without waiting: into pinned memory, with the event that
-    marks the copy done. On CPU, `t` itself."""
-    if t.device.type != "cuda":
-        return t, None
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready
 
 
 def _group(p: PromptState) -> Group:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from rollplex.config import Config, config_to_dict, save_config
 from rollplex.data.prefetch import Prefetcher
 from rollplex.data.reward_scoring import RewardScorer, RewardScores
-from rollplex.dist import ParallelDims, all_gather_objects, all_reduce_values, build_mesh, init_distributed
+from rollplex.dist import ParallelDims, all_gather_objects, build_mesh, init_distributed
 from rollplex.metrics import GpuSampler, MetricsLogger, Timer
 from rollplex.models import Prompt, VisionEmbeds, from_pretrained
 from rollplex.rl.disagg import DisaggExchange, DisaggLayout, WeightBroadcast
@@ -50,7 +50,7 @@ from rollplex.rl.rollout import Rollout, RolloutSampler, balanced_share, build_e
 from rollplex.rl.stream import GroupStream, StreamPlan, StreamReport, norm_by_std, score_groups
 from rollplex.rl.setup import PromptSource, load_run_processor, model_path, plan_run_memory, resume_point
 from rollplex.rl.step_metrics import (PhaseMeter, combine_updates, gather_metrics, memory_metrics, prefix_metrics,
-                                      speed_metrics, stop_if_every_reward_failed)
+                                      speed_metrics, stop_if_every_reward_failed, summed_over_ranks)
 from rollplex.rl.weights import SharedWeights
 from rollplex.train.actor import Actor, ActorConfig, PolicyBatch, lr_schedule
 from rollplex.train.checkpoint import export_hf, load_checkpoint, save_checkpoint
@@ -292,16 +292,9 @@ class RLTrainer:
             report = stream.report if stream else StreamReport()
             report.exposed = sum(metrics.get(f"timing_s/{p}", 0.0) for p in ("reward", "old_log_prob", "ref")) + \
                 first_update_s
-            metrics.update(self._dp_summed(report.as_metrics(), "stream/"))
+            metrics.update(summed_over_ranks(report.as_metrics(), "stream/", self.dp_group))
         metrics.update(speed_metrics(rollout, time.perf_counter() - start, metrics["perf/actor_flops"],
                                      metrics["timing_s/update_actor"], self.world, self.device, self.dp_group))
-        return metrics
-
-    def _dp_summed(self, metrics: dict[str, float], prefix: str) -> dict[str, float]:
-        """`metrics`, those whose names start with `prefix` summed over the dp ranks (each counted its own)."""
-        names = [k for k in metrics if k.startswith(prefix)]
-        if self.dp_group is not None and names:
-            metrics.update(zip(names, all_reduce_values([metrics[k] for k in names], group=self.dp_group)))
         return metrics
 
     def _rollout_phase(self, examples: list, timer: Timer) -> tuple[Rollout | None, dict[str, float]]:

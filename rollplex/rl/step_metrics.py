@@ -63,6 +63,13 @@ def gather_metrics(rollout: Rollout, rewards: RewardScores, actor: dict[str, flo
     return metrics
 
 
+def summed_over_ranks(metrics: dict[str, float], prefix: str, group: dist.ProcessGroup | None) -> dict[str, float]:
+    """`metrics`, those whose names start with `prefix` summed over the dp ranks of `group` (counts each
+    rank took of its own)."""
+    names = sorted(k for k in metrics if k.startswith(prefix))
+    return metrics | dict(zip(names, all_reduce_values([metrics[k] for k in names], group=group)))
+
+
 def reward_component_means(components: list[dict[str, float]], group: dist.ProcessGroup | None) -> dict[str, float]:
     """reward/<name>/mean of each entry of a reward's dict results (EasyR1's format and
     accuracy, ...), over the samples of every dp rank that have it (ranks may see different entries)."""

@@ -26,8 +26,9 @@ FSDP unit is gathered for the engine and stays so through backward,
 rollplex.rl.weights), the reference model's when it is not sharded (one dp
 rank) or when holding it gathered through the window fits the prefix budget
 left after the prompt items (`MemoryPlan.gathered_ref_bytes`; `StreamPlan`
-decides, the same on every rank). The streamed update keeps FSDP from reducing gradients until the
-prompt's backward after rollout, which reduces them all at once. It is admitted
+decides, the same on every rank). The streamed update keeps FSDP from
+reducing gradients until the prompt's backward after rollout, which reduces
+them all at once. It is admitted
 when its gradients and one micro-batch fit the prefix budget left after the
 prompt items (`MemoryPlan.streamed_update_bytes`), the same on every rank, since
 the update's collectives after rollout depend on it.
