@@ -11,6 +11,7 @@ are the same at every step, the first step's gradients agree to rounding
 normalises each gradient element: one at rounding level can move by up to lr,
 as tests/test_schedules.py says of serial-naive)."""
 
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ import torch
 
 from distributed import run_distributed
 from rollplex.metrics import read_metrics
-from rollplex.rl.stream import GroupStream, StreamPlan
+from rollplex.rl.stream import GroupStream, SideStreamBacklog, StreamPlan
 from rollplex.train.actor import Actor
 from test_prefix_sync import HostSyncGuard
 from test_schedules import FAST, max_difference, train
@@ -187,3 +188,126 @@ def test_streamed_update_only_within_the_memory_budget(tmp_path, room):
     assert all(r["prefix/deferred_items"] == 0 for r in rows)
     streamed = sum(r["stream/update_groups"] for r in rows)
     assert streamed > 0 if room == "enough" else streamed == 0
+
+
+@pytest.mark.parametrize("lost", ["deferred", "dropped"])
+def test_logprob_passes_stream_only_over_their_kept_prompt(tmp_path, monkeypatch, lost):
+    """Where a chunk's prompt item was not kept - deferred by the budget (here chunk 1's
+    reference and old items) or dropped for memory (here every reference item) - a pass in
+    the window would have to be a full pass, reading values back and copying to the device
+    blocking between two decode steps, outside the budget. So those groups' passes run after
+    decode, and so does the update of a group whose reference logprobs did not stream; the
+    training is serial-prefix's all the same."""
+    from rollplex.config import load_config
+    from rollplex.rl.loop import RLTrainer
+    from rollplex.rl.prefix import PrefixWork
+
+    few = [*UNEVEN, "--trainer.total_steps", "2"]
+    _, prefix = train(tmp_path / "prefix", *few)
+    if lost == "deferred":
+        trainer = RLTrainer(load_config(FAST + few + ["--trainer.output_dir", str(tmp_path / "sizes")]))
+        prompts = [e.prompt for e in next(trainer._batches(0))]
+        chunk_0 = sum(i.estimate for i in trainer._prefix_work(prompts, [None] * len(prompts)) if i.chunk == 0)
+        budget, missing = ["--schedule.prefix_memory_budget", str(chunk_0)], {("ref", 1), ("old", 1)}
+    else:
+        advance = PrefixWork.advance
+
+        def out_of_memory_in_the_references_second_slice(self):
+            if self.kind == "ref" and self._slices is not None:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+            return advance(self)
+
+        monkeypatch.setattr(PrefixWork, "advance", out_of_memory_in_the_references_second_slice)
+        budget, missing = [], {("ref", 0), ("ref", 1)}
+    passes, run = [], GroupStream._run  # (kind, chunk, the host syncs it made)
+
+    def guarded(self, kind, g):
+        with HostSyncGuard(copies=True) as guard:
+            run(self, kind, g)
+        passes.append((kind, self._chunk(g), guard.calls))
+
+    monkeypatch.setattr(GroupStream, "_run", guarded)
+    _, streamed = train(tmp_path / "stream", *few, *STREAM, *budget)
+    rows = check_same_training(tmp_path, prefix, streamed)
+    assert all(r["prefix/deferred_items"] == 2 for r in rows)
+    streamed_passes = {(kind, chunk) for kind, chunk, _ in passes}
+    assert streamed_passes and not streamed_passes & missing
+    assert all(calls == [] for _, _, calls in passes)
+    if lost == "dropped":
+        assert all(r["stream/ref_groups"] == r["stream/update_groups"] == 0 for r in rows)
+        assert ("old", 0) in streamed_passes and ("old", 1) in streamed_passes
+    else:
+        assert {("ref", 0), ("old", 0)} <= streamed_passes
+
+
+class StandInEvent:
+    """What the backlog reads of a CUDA event recorded after a pass: `query()`, whether
+    the side stream has got past it (it does not block)."""
+
+    def __init__(self):
+        self.finished = False
+
+    def query(self) -> bool:
+        return self.finished
+
+
+def test_the_side_stream_backlog_has_room_while_few_passes_are_unfinished():
+    backlog = SideStreamBacklog(limit=2)
+    first, second = StandInEvent(), StandInEvent()
+    assert backlog.has_room()
+    backlog.issued(first)
+    assert backlog.has_room()
+    backlog.issued(second)
+    assert not backlog.has_room()
+    second.finished = True
+    assert backlog.has_room()
+    backlog.issued(StandInEvent())
+    assert not backlog.has_room()
+
+
+def test_streamed_passes_wait_for_the_side_stream_to_get_through_its_backlog(monkeypatch):
+    """On CUDA a pass only issues its work on the side stream; between two decode steps the
+    stream issues passes while fewer than the backlog's limit of them are unfinished, so the
+    decode steps never compete with a long queue of them. Here the side stream is slower
+    than decode: no pass it was given finishes until the test says so."""
+    from types import SimpleNamespace
+
+    from rollplex.config import load_config
+
+    kept_everywhere = SimpleNamespace(stream=None, result=lambda kind, chunk: "kept prompt")
+    stream = GroupStream(load_config(FAST + STREAM), [None] * 4, tokenizer=None, scorer=SimpleNamespace(workers=0),
+                         actor=None, ref_model=None, prefix=kept_everywhere,
+                         plan=StreamPlan(ref=True, old=False, update=False))
+    stream._passes = [("ref", g) for g in range(4)]  # 4 scored groups' reference passes, all ready
+    issued = []
+
+    def issue(self, kind, g):
+        issued.append(StandInEvent())
+        return issued[-1]
+
+    monkeypatch.setattr(GroupStream, "_issue", issue)
+    stream.between_steps(running=0)  # an empty decode batch: room for 8 passes, but the backlog holds 2
+    assert len(issued) == stream.backlog.limit == 2
+    stream.between_steps(running=0)
+    assert len(issued) == 2
+    issued[0].finished = True
+    stream.between_steps(running=0)
+    assert len(issued) == 3
+    assert stream.report.done["ref"] == 3
+
+
+def test_the_decode_slowdown_counts_the_finished_groups_work(tmp_path, monkeypatch):
+    """timing_s/decode_slowdown is the host time the decode loop spent between its steps:
+    in the prompt work's slices and in the finished groups' work, here an in-process
+    reward that takes 50 ms a group, scored in the window."""
+    score = GroupStream._score
+
+    def slow_score(self, g):
+        time.sleep(0.05)
+        return score(self, g)
+
+    monkeypatch.setattr(GroupStream, "_score", slow_score)
+    train(tmp_path, *UNEVEN, *STREAM, "--trainer.total_steps", "2", "--data.reward_workers", "0")
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert all(r["stream/scored_groups"] > 0 for r in rows)
+    assert all(r["timing_s/decode_slowdown"] >= 0.05 * r["stream/scored_groups"] for r in rows)

@@ -290,6 +290,7 @@ class RLTrainer:
             metrics.update(prefix_metrics(prefix))
             # The finished groups' work left after decode: what streaming them (schedule.stream_groups) could hide.
             report = stream.report if stream else StreamReport()
+            metrics["timing_s/decode_slowdown"] += report.decode_delay  # the decode window's host time: both parts
             report.exposed = sum(metrics.get(f"timing_s/{p}", 0.0) for p in ("reward", "old_log_prob", "ref")) + \
                 first_update_s
             metrics.update(summed_over_ranks(report.as_metrics(), "stream/", self.dp_group))

@@ -104,7 +104,9 @@ class PrefixWork:
 class PrefixTiming:
     hidden: float = 0.0  # prefix work done inside the decode window
     exposed: float = 0.0  # prefix work left after decode
-    decode_delay: float = 0.0  # host time the decode loop spent issuing prefix slices
+    # Host time the decode loop spent issuing prefix slices (timing_s/decode_slowdown: the loop adds the
+    # finished groups' work, rollplex.rl.stream.StreamReport.decode_delay).
+    decode_delay: float = 0.0
 
     def as_metrics(self) -> dict[str, float]:
         total = self.hidden + self.exposed
@@ -146,10 +148,6 @@ class PrefixScheduler:
 
     def result(self, kind: PrefixKind, chunk: int) -> KeptPrefix | None:
         return next((w.result for w in self.admitted if w.kind == kind and w.chunk == chunk), None)
-
-    def pending(self, kind: PrefixKind, chunk: int) -> bool:
-        """The item is admitted and not finished yet: its result is still to come."""
-        return any(w.kind == kind and w.chunk == chunk for w in self.queue)
 
     def between_steps(self, running: int) -> None:
         """Called by the engine after each step: a slice at full decode batch, up

@@ -5,7 +5,7 @@ nothing from the groups still decoding for:
   reward   - its samples' scores (and so its advantages: normalised within the group);
   ref, old - its reference and recomputed old logprobs: suffix passes over its
              chunk's kept prompt (rollplex.rl.prefix) once that prompt item is
-             done, or full passes where the item was not admitted;
+             done;
   update   - the actor's forward and backward over it, for the first optimizer
              step's groups (`Actor.start_update`): gradients accumulate, and the
              loss normaliser, global over the step's batch, is applied after
@@ -15,9 +15,18 @@ The engine reports each group as its last sample finishes (`on_finished`).
 reward's worker processes, which a thread of ours waits for while decode goes
 on. Once its scores are in, its model passes are queued; they run after the
 step's prefix slices, one per step at a full decode batch and more as the batch
-empties, as the prefix slices do. On CUDA they go on the
-prefix side stream. What the window does not finish, the loop's phases run
-after it, through the same functions: the results here say what is done.
+empties, as the prefix slices do. On CUDA they go on the prefix side stream,
+and only while fewer than `SideStreamBacklog.limit` of the passes issued are
+unfinished there: nothing else holds the host back from issuing them faster
+than the side stream runs them, and the decode steps would compete with the
+queue. A logprob pass streams only where its chunk's prompt item was kept: for
+an item deferred by the budget or dropped for memory it would be a full pass,
+outside the budget, that reads values back and copies to the device blocking
+between two decode steps; such groups' passes, and the update that reads their
+logprobs, are left to the loop's phases. They run what the window does not
+finish, after it, through the same functions: the results here say what is
+done. The host time `between_steps` takes counts in timing_s/decode_slowdown
+beside the prefix slices'.
 
 No streamed pass may issue a collective: each dp rank finishes its groups in its
 own order, so collectives would not line up. A pass streams only where its model
@@ -49,6 +58,7 @@ from rollplex.models.qwen2_5_vl import Qwen2_5_VL
 from rollplex.rl.memory import PrefixKind
 from rollplex.rl.prefix import PrefixScheduler, update_chunks
 from rollplex.train.actor import Actor, PolicyBatch, PolicyUpdate
+from rollplex.train.kept_prefix import KeptPrefix
 from rollplex.train.loss import group_advantages
 from rollplex.train.parallelize import fsdp_units, hold_gathered, release_gathered
 
@@ -90,12 +100,33 @@ class StreamReport:
     hidden: float = 0.0  # seconds of finished groups' work in the decode window: scoring, and the passes (on CUDA
     # the side stream's time for them, from events)
     exposed: float = 0.0  # seconds of the same kinds of work after it (set by the loop)
+    # Host seconds the decode loop spent in `GroupStream.between_steps`: the loop adds them to the prefix
+    # slices' in timing_s/decode_slowdown.
+    decode_delay: float = 0.0
     # What the window did: groups scored, and passes run per kind (ref, old, update: one per group)
     done: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("scored", "ref", "old", "update"), 0))
 
     def as_metrics(self) -> dict[str, float]:
         return {"timing_s/stream_hidden": self.hidden, "timing_s/stream_exposed": self.exposed,
                 **{f"stream/{kind}_groups": float(count) for kind, count in self.done.items()}}
+
+
+class SideStreamBacklog:
+    """The passes issued on the side stream and not finished yet, by their end events
+    (`query()` does not block): room for another while fewer than `limit` are unfinished.
+    Two keep the side stream busy (one running, one queued behind it) without a queue
+    that the decode steps would compete with."""
+
+    def __init__(self, limit: int = 2):
+        self.limit = limit
+        self._unfinished: list[torch.cuda.Event] = []
+
+    def issued(self, end: torch.cuda.Event) -> None:
+        self._unfinished.append(end)
+
+    def has_room(self) -> bool:
+        self._unfinished = [end for end in self._unfinished if not end.query()]
+        return len(self._unfinished) < self.limit
 
 
 @dataclass
@@ -111,6 +142,7 @@ class GroupStream:
     prefix: PrefixScheduler
     plan: StreamPlan
     max_passes_per_step: int = 8
+    backlog: SideStreamBacklog = field(default_factory=SideStreamBacklog)  # stays empty on CPU: passes run inline
     # What is done, by group index (this rank's): the loop's phases do the rest.
     scores: dict[int, RewardScores] = field(default_factory=dict)
     texts: dict[int, list[str]] = field(default_factory=dict)  # the scored groups' decoded responses
@@ -148,7 +180,14 @@ class GroupStream:
 
     def between_steps(self, running: int) -> None:
         """Score the groups that finished in the last step (or have them scored), take the
-        scores that are in, then run queued passes."""
+        scores that are in, then issue the queued passes that are ready, as many as the
+        decode batch leaves room for and the side stream's backlog takes."""
+        start = time.perf_counter()
+        self._score_finished()
+        self._issue_ready_passes(running)
+        self.report.decode_delay += time.perf_counter() - start
+
+    def _score_finished(self) -> None:
         for g in self._new:
             if self._scorer_thread is None:
                 self._take_scores(g, *self._score(g))
@@ -158,28 +197,38 @@ class GroupStream:
         for g, scoring in list(self._scoring.items()):
             if scoring.done():
                 self._take_scores(g, *self._scoring.pop(g).result())
+
+    def _issue_ready_passes(self, running: int) -> None:
         self._peak_running = max(self._peak_running, running)
         free = 1.0 - running / self._peak_running if self._peak_running else 1.0
         budget = 1 + int((self.max_passes_per_step - 1) * free)
-        while budget and (job := next((j for j in self._passes if self._ready(*j)), None)):
+        while budget and self.backlog.has_room() and (job := next((j for j in self._passes if self._ready(*j)), None)):
             self._passes.remove(job)
             budget -= 1
             job_start = time.perf_counter()
-            if self.stream is None:
-                self._run(*job)
-                self.report.hidden += time.perf_counter() - job_start
-            else:
-                if not self._waited:  # once: the caller's stream made the inputs (gathered weights, cached vision)
-                    self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-                    self._waited = True
-                events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                with torch.cuda.stream(self.stream):
-                    events[0].record()
-                    self._run(*job)
-                    events[1].record()
-                self._pass_events.append(events)
+            end = self._issue(*job)
+            if end is not None:
+                self.backlog.issued(end)
             self.report.done[job[0]] += 1
             self.spans.append((f"group {job[0]}", job_start, time.perf_counter()))
+
+    def _issue(self, kind: str, g: int) -> torch.cuda.Event | None:
+        """Run a pass inline (on CPU: None), or issue it on the side stream: its end event."""
+        if self.stream is None:
+            start = time.perf_counter()
+            self._run(kind, g)
+            self.report.hidden += time.perf_counter() - start
+            return None
+        if not self._waited:  # once: the caller's stream made the inputs (gathered weights, cached vision)
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            self._waited = True
+        events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            events[0].record()
+            self._run(kind, g)
+            events[1].record()
+        self._pass_events.append(events)
+        return events[1]
 
     def join(self) -> None:
         """After decode: the scores still being computed are taken, the caller's stream
@@ -229,14 +278,20 @@ class GroupStream:
     def _chunk(self, g: int) -> int:
         return next(c for c, s in enumerate(self.chunks) if s.start <= g < s.stop)
 
+    def _kept(self, kind: str, c: int) -> KeptPrefix | None:
+        """Chunk `c`'s kept prompt that a `kind` logprob pass reads: None until its item is
+        done, and for good where the item was deferred or dropped."""
+        kinds = (PrefixKind.REF,) if kind == "ref" else (PrefixKind.ACTOR, PrefixKind.OLD)
+        return next((k for k in (self.prefix.result(k, c) for k in kinds) if k is not None), None)
+
     def _ready(self, kind: str, g: int) -> bool:
-        c, p = self._chunk(g), self.prefix
-        if kind == "ref":
-            return not p.pending(PrefixKind.REF, c)
-        if kind == "old":
-            return not (p.pending(PrefixKind.ACTOR, c) or p.pending(PrefixKind.OLD, c))
+        """Whether what the pass reads is there. Where a chunk's kept prompt never comes (its
+        item deferred or dropped), its groups' logprob passes, and their updates, never are:
+        the loop's phases run them after decode."""
+        if kind != "update":
+            return self._kept(kind, self._chunk(g)) is not None
         return ((not self.plan.ref or g in self.ref) and (not self.plan.old or g in self.old)
-                and not p.pending(PrefixKind.ACTOR, 0) and p.result(PrefixKind.ACTOR, 0) is not None)
+                and self.prefix.result(PrefixKind.ACTOR, 0) is not None)
 
     def _run(self, kind: str, g: int) -> None:
         c = self._chunk(g)
@@ -244,11 +299,9 @@ class GroupStream:
         if kind == "update":
             self._add_to_update(g, position)
             return
-        model, kinds = (self.ref_model, (PrefixKind.REF,)) if kind == "ref" else \
-            (self.actor.model, (PrefixKind.ACTOR, PrefixKind.OLD))
-        kept = next((k for k in (self.prefix.result(k, c) for k in kinds) if k is not None), None)
-        logprobs = self.actor.logprobs(model, [self.finished[g]], kept, positions=[position], agree=False,
-                                       to_host=False)
+        model = self.ref_model if kind == "ref" else self.actor.model
+        logprobs = self.actor.logprobs(model, [self.finished[g]], self._kept(kind, c), positions=[position],
+                                       agree=False, to_host=False)
         (self.ref if kind == "ref" else self.old)[g] = logprobs
 
     def _add_to_update(self, g: int, position: int) -> None:
