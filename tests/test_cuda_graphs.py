@@ -1,18 +1,26 @@
-"""Decode graphs are recaptured whenever what they read by address changes: the KV
-pool's geometry (base address, shape, strides) or a weight's address.
+"""Decode graphs are captured once per batch-size bucket, at its first use, and
+recaptured whenever what they read by address changes: the KV pool's geometry
+(base address, shape, strides) or a weight's address.
 
 On CPU the runner's stand-in (`_EagerGraph`) replays what was captured, as a CUDA
-graph does: a graph kept across a pool of another block count at the same address
-reads the wrong slots, as it would on a GPU. On CUDA the same tests run real graphs.
+graph does: a graph whose pool, weights or rotary table moved is an error, as on
+a GPU it would read freed memory. On CUDA the same tests run real graphs.
 """
+
+import contextlib
+import json
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rollplex.engine import Engine, EngineConfig, Request, SamplingParams
-from rollplex.engine.kv_cache import KVCache
+from rollplex.config import load_config
+from rollplex.engine.runner import ModelRunner
+from rollplex.rl.loop import RLTrainer
 from rollplex.models import Prompt, build_model
 from test_model import tiny_args
+from test_rl_loop import FAST as RL_FAST
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
 PARAMS = SamplingParams(temperature=1.0, max_tokens=6, seed=5, ignore_eos=True)
@@ -29,21 +37,6 @@ def graphed_and_eager(device: str) -> tuple[Engine, Engine]:
     return graphed, Engine(model, EngineConfig(block_size=4, num_blocks=256, max_model_len=64, enforce_eager=True))
 
 
-def carve_pools_at_one_address(cache: KVCache, monkeypatch) -> None:
-    """Every new pool of `cache` starts where its first one does, as when CUDA's
-    caching allocator hands a freed block back out for a pool of another size."""
-    arena = cache.data.view(-1)
-    allocate = KVCache.allocate
-
-    def allocate_in_arena(self: KVCache, num_blocks: int | None = None) -> None:
-        before = self.data
-        allocate(self, num_blocks)
-        if self is cache and self.data is not before:
-            self.data = arena[:self.data.numel()].view(self.data.shape).zero_()
-
-    monkeypatch.setattr(KVCache, "allocate", allocate_in_arena)
-
-
 def assert_same_samples(got, want) -> None:
     assert [[s.token_ids for s in o.samples] for o in got] == [[s.token_ids for s in o.samples] for o in want]
     for g, w in zip(got, want):
@@ -52,19 +45,20 @@ def assert_same_samples(got, want) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_pool_of_another_size_at_the_same_address_gets_new_graphs(device, monkeypatch):
+def test_graphs_are_captured_once_per_bucket_across_generations(device):
+    """Generations of other batch sizes run on the same pool and graphs: each bucket is
+    captured at its first use, and only a pool allocated elsewhere needs new graphs."""
     graphed, eager = graphed_and_eager(device)
-    carve_pools_at_one_address(graphed.cache, monkeypatch)
-    # A smaller pool, then a larger one, then the same one again.
-    pools, captures = [], []
+    captures = []
     for n in (2, 1, 3, 3):
         assert_same_samples(graphed.generate(requests(n), PARAMS), eager.generate(requests(n), PARAMS))
-        pools.append((graphed.cache.data.data_ptr(), graphed.cache.num_blocks))
         captures.append(graphed.stats["graph_captures"])  # what the RL loop logs per rollout
-    assert len({address for address, _ in pools}) == 1
-    assert len({blocks for _, blocks in pools}) == 3
-    assert graphed.runner.captures == 3 and captures == [1, 1, 1, 0]  # the same pool again keeps its graphs
-    assert graphed.runner.capture_seconds > 0
+    assert captures == [1, 1, 1, 0]  # buckets 4 (4 rows), 2 (2 rows), 8 (6 rows), then none
+    assert sorted(graphed.runner.graphs) == [2, 4, 8] and graphed.runner.capture_seconds > 0
+    old_pool = graphed.cache.data  # kept alive, so the next pool lands elsewhere
+    graphed.release_kv()
+    assert_same_samples(graphed.generate(requests(1), PARAMS), eager.generate(requests(1), PARAMS))
+    assert graphed.cache.data.data_ptr() != old_pool.data_ptr() and graphed.stats["graph_captures"] == 1
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -116,3 +110,78 @@ def test_decode_runs_on_a_stream_of_the_highest_priority():
     assert_same_samples(graphed.generate(requests(2), PARAMS), eager.generate(requests(2), PARAMS))
     assert streams and all(s == graphed.decode_stream for s in streams)
     assert torch.cuda.current_stream() != graphed.decode_stream  # the caller's stream is back
+
+
+def test_every_device_operation_of_a_step_is_on_the_decode_stream(monkeypatch):
+    """A step's writes to the decode batch (rows joining and leaving, new blocks), its
+    inputs, the model and the sampler go on the decode stream: on the caller's stream
+    they would queue behind the RL loop's prompt work. Only a prefill's forward runs on
+    the caller's stream, and `between_steps` after the step. CPU has no streams, so the
+    test records, for every torch operation of a generation, which of the runner's
+    stream contexts it ran in."""
+    graphed, eager = graphed_and_eager("cpu")
+    where = ["caller"]
+
+    def marking(name: str, context):
+        @contextlib.contextmanager
+        def entered(self):
+            where.append(name)
+            try:
+                with context(self):
+                    yield
+            finally:
+                where.pop()
+        return entered
+
+    monkeypatch.setattr(ModelRunner, "on_decode_stream", marking("decode", ModelRunner.on_decode_stream))
+    monkeypatch.setattr(ModelRunner, "on_caller_stream", marking("prefill", ModelRunner.on_caller_stream))
+    seen: list[tuple[str, str]] = []
+
+    class Recording(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "decode" in where or seen:  # from the first step on
+                seen.append((str(func), where[-1]))
+            return func(*args, **(kwargs or {}))
+
+    def between_steps(running: int) -> None:
+        where.append("between_steps")
+        torch.ones(2).add_(1)  # the caller's work, as the prefix slices
+        where.pop()
+
+    # Samples that stop at different lengths leave the batch at different steps; 4-token blocks fill up.
+    mixed = [Request(Prompt(torch.tensor([1, 5, 9, 13, 2, 7])), n=3, max_tokens=2),
+             Request(Prompt(torch.tensor([3, 4, 8])), n=2, max_tokens=9)]
+    with Recording():
+        got = graphed.generate(mixed, PARAMS, between_steps=between_steps)
+    assert_same_samples(got, eager.generate(mixed, PARAMS))
+    places = {place for _, place in seen}
+    assert places == {"decode", "prefill", "between_steps"}, [op for op, place in seen if place == "caller"][:5]
+    assert any("index_put" in op for op, place in seen if place == "decode")  # rows leaving, blocks added
+
+
+def test_the_rl_loop_captures_each_decode_graph_once(tmp_path):
+    """RL steps of other prompt lengths and response limits run on one KV pool and on the
+    trainer's own parameters (whole on one rank, fp32: the engine reads them in place, and
+    the optimizer updates them there), so no graph is captured twice. Weights moved as
+    FSDP's gather moves them get new graphs at the next rollout."""
+    data = tmp_path / "prompts.jsonl"  # prompts of 1 to 12 words: every batch's lengths differ
+    data.write_text("".join(json.dumps({"problem": " ".join(["two plus two"] * (1 + i % 4) + ["?"] * (i // 4)),
+                                        "answer": "4"}) + "\n" for i in range(12)))
+    trainer = RLTrainer(load_config(RL_FAST + ["--trainer.output_dir", str(tmp_path / "run"), "--data.train_files",
+                                               str(data), "--rollout.min_tokens", "1", "--rollout.max_tokens", "8"]))
+    trainer.engine.runner.use_cuda_graphs = True  # on CPU: the stand-in, which refuses a stale graph
+    batches = trainer._batches(0)
+    captures, prompt_lengths, pools = [], set(), set()
+    for step in range(1, 4):
+        trainer.step = step
+        examples = next(batches)
+        prompt_lengths.add(tuple(sorted(len(e.prompt.input_ids) for e in examples)))
+        captures.append(trainer.train_step(examples)["perf/cuda_graph_captures"])
+        pools.add(trainer.engine.cache.data.data_ptr())
+    assert len(prompt_lengths) == 3 and len(pools) == 1
+    # Each bucket once, at its first use (a later step's batch may shrink through one the first did not).
+    assert captures[0] > 0 and sum(captures) == len(trainer.engine.runner.graphs)
+    norm = trainer.weights.engine_model.language_model.norm.weight
+    norm.data = norm.data.clone()  # same values at a new address
+    trainer.rollout(next(batches), step=4)
+    assert trainer.engine.stats["graph_captures"] > 0

@@ -29,13 +29,11 @@ def test_default_config_runs_and_logs_verl_names(tmp_path):
     assert "val/score" in rows[-1]
     total = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
     assert rows[0]["weights/bytes_shared"] == total  # the engine ran on the trainer's own weights
-    assert trainer.engine.cache.nbytes == 0  # the KV pool is released after rollout
-    # The memory plan is logged beside the run: its rollout phase holds the engine's real KV pool.
-    assert rows[0]["perf/planned_memory_gb/gen"] * 2**30 >= trainer.engine.cache.pool_bytes(
-        trainer.engine.cache.num_blocks)
-    # The pool is sized for the step's batch, not the configured capacity: the rest is left to other work.
-    assert trainer.engine.cache.num_blocks < trainer.engine.cache.capacity
-    assert rows[0]["perf/planned_memory_gb/update_actor"] > 0
+    # One KV pool for the run, kept between rollouts (the decode graphs read it by address): the memory plan
+    # logged beside the run holds it in every phase.
+    assert trainer.engine.cache.nbytes == trainer.engine.cache.pool_bytes() > 0
+    for phase in ("gen", "update_actor"):
+        assert rows[0][f"perf/planned_memory_gb/{phase}"] * 2**30 >= trainer.engine.cache.pool_bytes()
 
 
 def test_engine_sees_updated_weights(tmp_path):

@@ -25,11 +25,14 @@ and with run-ahead the next step is already queued then.
 The engine runs on the model it is given and never copies its weights: in the
 RL loop those weights belong to the trainer.
 
-On CUDA, decode steps (KV block copies, input copies, graph replay, sampling)
-run on `decode_stream`, created once per engine at the highest stream priority
-and ordered against the caller's stream at each step's start and end; prefill
-runs on the caller's stream. The GPU schedules decode kernels ahead of those of
-lower-priority streams (the RL loop's prefix work), which fill the rest of it.
+On CUDA, every step's device work (the decode batch's updates, KV block
+copies, input copies, graph replay, sampling) runs on `decode_stream`, created
+once per engine at the highest stream priority and ordered against the caller's
+stream at each step's start and end; only a prefill's forward (its large
+temporaries belong to the caller's memory) runs on the caller's stream. The GPU
+schedules decode kernels ahead of those of lower-priority streams (the RL
+loop's prefix work), which fill the rest of it. `between_steps` and
+`on_finished` run on the caller's stream.
 
 A step whose logits hold NaN or inf samples nothing: its sampled logprobs, read
 back with its tokens, are then non-finite, and the engine raises a
@@ -39,7 +42,6 @@ output is non-finite for them (rollplex.engine.nonfinite).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import random
 from dataclasses import dataclass
@@ -130,7 +132,8 @@ class Engine:
     # ------------------------------------------------------------------ memory between phases
 
     def release_kv(self) -> None:
-        """Free the KV pool (before the training phase); `generate` allocates it again."""
+        """Free the KV pool; `generate` allocates it again, at the same size (and, on a new
+        address, with new graphs)."""
         self.cache.release()
 
     # ------------------------------------------------------------------ generate
@@ -146,11 +149,21 @@ class Engine:
         have all finished in that step (the RL loop streams their work)."""
         params = params or SamplingParams()
         prompts = [self._prepare(i, r, params) for i, r in enumerate(requests)]
-        scheduler = self._start(requests, prompts, params)
+        scheduler = self._start(prompts, params)
         progress = Progress(sum(r.n for r in requests), enabled=self.config.progress)
-
-        def finish(issued: _Issued) -> None:
-            finished = self._finish(issued, scheduler)
+        in_flight: _Issued | None = None  # a step issued, its tokens not yet read back
+        while scheduler.has_work():
+            # Every device write of a step (the decode batch's rows and block tables, the step's inputs, the
+            # model and the sampler) goes on the decode stream: on the caller's, it would queue behind the
+            # prompt work's kernels, which the decode stream's priority exists to pass.
+            with self.runner.on_decode_stream():
+                issued = None
+                if in_flight is None or self._may_run_ahead(in_flight, scheduler):
+                    issued = self._issue(scheduler.schedule(), scheduler.batch, params)
+                finished = None if in_flight is None else self._finish(in_flight, scheduler)
+            in_flight = issued
+            if finished is None:
+                continue
             progress.update(len(finished), self.stats["decode_tokens"])
             if on_finished is not None:
                 for p in {s.prompt.index: s.prompt for s in finished}.values():
@@ -158,30 +171,23 @@ class Engine:
                         on_finished(p.index, _group(p))
             if between_steps is not None and scheduler.has_work():
                 between_steps(len(scheduler.running))
-
-        in_flight: _Issued | None = None  # a decode step issued, its tokens not yet read back
-        while scheduler.has_work():
-            if in_flight is not None and not scheduler.can_run_ahead():
-                finish(in_flight)
-                in_flight = None
-                continue
-            issued = self._issue(scheduler.schedule(), scheduler.batch, params)
-            if in_flight is not None:
-                finish(in_flight)
-            in_flight = issued
-            if issued.step.is_prefill or not self.config.run_ahead:
-                finish(issued)
-                in_flight = None
-        if in_flight is not None:
-            finish(in_flight)
+        if in_flight is not None:  # run ahead of sequences that all stopped: its tokens are dropped
+            with self.runner.on_decode_stream():
+                self._finish(in_flight, scheduler)
         progress.close()
         self._end(scheduler)
         return [_group(p) for p in prompts]
 
-    def _start(self, requests: list[Request], prompts: list[PromptState], params: SamplingParams) -> Scheduler:
-        """A new generation: its KV pool, the runner told, and a scheduler over a new
-        block manager and decode batch, with every prompt waiting."""
-        self.cache.allocate(self.blocks_for(requests, params))
+    def _may_run_ahead(self, in_flight: _Issued, scheduler: Scheduler) -> bool:
+        """Whether the next step may be issued before `in_flight`'s tokens are read back:
+        a decode step after a decode step, which those tokens cannot change."""
+        return self.config.run_ahead and not in_flight.step.is_prefill and scheduler.can_run_ahead()
+
+    def _start(self, prompts: list[PromptState], params: SamplingParams) -> Scheduler:
+        """A new generation: the KV pool (allocated again if it was released), the runner
+        told, and a scheduler over a new block manager and decode batch, with every
+        prompt waiting."""
+        self.cache.allocate()
         self.runner.start_generation()
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         blocks = BlockManager(self.cache.num_blocks, self.cache.block_size)
@@ -197,21 +203,20 @@ class Engine:
 
     def _end(self, scheduler: Scheduler) -> None:
         self.stats["preemptions"] = scheduler.num_preemptions
-        # A new pool (or moved weights) means new graphs: inside this generation's time.
+        # The first generation's graphs, and new ones for moved weights: inside this generation's time.
         self.stats["graph_captures"], self.stats["graph_capture_s"] = self.runner.captures_since_start()
         assert scheduler.blocks.num_free == self.cache.num_blocks, "KV blocks leaked"
 
     def _issue(self, step: Step, batch: DecodeBatch, params: SamplingParams) -> _Issued:
         """Run the step and sample, and issue its tokens to the batch (the next step's
-        input); the tokens and their logprobs start on their way to the host. Decode
-        steps run on the decode stream, prefill on the caller's."""
+        input); the tokens and their logprobs start on their way to the host. On the
+        decode stream (a prefill's forward runs on the caller's: `ModelRunner.prefill`)."""
         index = self.stats["steps"]
-        with contextlib.nullcontext() if step.is_prefill else self.runner.on_decode_stream():
-            logits = self._run(step, batch)
-            tokens, logprobs = self._sample(logits, step, batch, params)
-            advanced = batch.advance(tokens, step.first)
-            # float64 holds every token id and float32 logprob exactly: one copy for both.
-            host, ready = to_host(torch.stack([tokens.double(), logprobs.double()]))
+        logits = self._run(step, batch)
+        tokens, logprobs = self._sample(logits, step, batch, params)
+        advanced = batch.advance(tokens, step.first)
+        # float64 holds every token id and float32 logprob exactly: one copy for both.
+        host, ready = to_host(torch.stack([tokens.double(), logprobs.double()]))
         return _Issued(step, index, advanced, host, ready)
 
     def _finish(self, issued: _Issued, scheduler: Scheduler) -> list[Sequence]:
@@ -240,17 +245,6 @@ class Engine:
             return self.runner.prefill(step.seqs, step.slots)
         return self.runner.decode(batch, step.copies)
 
-    def blocks_for(self, requests: list[Request], params: SamplingParams) -> int:
-        """The KV pool a generation gets: what its samples could fill at full length,
-        not counting the prompt blocks they share, at most the configured pool. A
-        small batch leaves the rest of the memory to other work (the RL loop's prompt
-        work in the decode window), and the size depends on the requests only, so
-        every rank of a TP group gets the same pool."""
-        bs = self.cache.block_size
-        need = sum(r.n * -(-min(len(r.prompt.input_ids) + (r.max_tokens or params.max_tokens), self.max_model_len) // bs)
-                   for r in requests)
-        return max(1, min(self.cache.capacity, need))
-
     def _prepare(self, index: int, r: Request, params: SamplingParams) -> PromptState:
         """Validate a request up front (bad input fails before any work starts; its
         pixels are checked against their grids where the vision tower takes them,
@@ -273,8 +267,8 @@ class Engine:
             raise ValueError(f"request {index}: max_tokens must be >= 1, got {r.max_tokens}")
         longest = min(len(p.input_ids) + (r.max_tokens or params.max_tokens), self.max_model_len)
         needed = -(-longest // self.cache.block_size)
-        if needed > self.cache.capacity:
-            raise ValueError(f"the KV pool ({self.cache.capacity} blocks of {self.cache.block_size} tokens) cannot "
+        if needed > self.cache.num_blocks:
+            raise ValueError(f"the KV pool ({self.cache.num_blocks} blocks of {self.cache.block_size} tokens) cannot "
                              f"hold one sequence of request {index} ({longest} tokens, {needed} blocks); raise "
                              "kv_cache_memory / num_blocks or lower max_tokens")
         return PromptState(index, r, positions, delta, _seeds(index, r, params), longest, vision=r.vision,

@@ -6,8 +6,11 @@ A sequence owns a list of block ids (its block table, kept by the block
 manager); token i of the sequence lives in slot
 table[i // block_size] * block_size + i % block_size of every layer.
 
-The pool is sized from a byte budget and can be released: in the RL loop it
-exists only during rollout and is freed before the training passes.
+The pool is sized once, from a byte budget, and stays at one address for the
+engine's life (the RL loop's run): the decode CUDA graphs read it by address,
+so a pool that moved would need new graphs. It can be released (after
+non-finite logits, or to hand its memory back) and is then allocated again, at
+the same size, by the next `generate`.
 
 One extra block at the end is a sink: the padded rows of a CUDA-graph decode
 batch write their (discarded) keys there, so the graph never needs a branch.
@@ -30,9 +33,8 @@ class KVCache:
         if num_blocks < 1:
             raise ValueError(f"a KV pool needs at least one block, got {num_blocks}")
         self.num_layers, self.block_size = num_layers, block_size
-        self.capacity = self.num_blocks = num_blocks  # the largest pool allowed; the pool allocated now
+        self.num_blocks = self.sink_block = num_blocks
         self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, torch.device(device)
-        self.sink_block = num_blocks
         self.data: torch.Tensor | None = None
         self.allocate()
 
@@ -40,33 +42,27 @@ class KVCache:
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return num_layers * 2 * block_size * kv_heads * head_dim * dtype.itemsize
 
-    def allocate(self, num_blocks: int | None = None) -> None:
-        """A pool of `num_blocks` blocks (default and at most: the capacity), plus the sink block."""
-        num_blocks = self.capacity if num_blocks is None else num_blocks
-        if not 1 <= num_blocks <= self.capacity:
-            raise ValueError(f"a pool of {num_blocks} blocks: expected 1 to the capacity, {self.capacity}")
-        if self.data is not None and num_blocks == self.num_blocks:
+    def allocate(self) -> None:
+        """The pool's memory, unless it holds it: `num_blocks` blocks plus the sink block."""
+        if self.data is not None:
             return
-        self.data = None
-        self.num_blocks = self.sink_block = num_blocks
         # zeros, not empty: the torch decode path multiplies masked-out slots by a zero
         # attention weight, and 0 * NaN from uninitialised memory would poison the output.
-        self.data = torch.zeros(self.num_layers, 2, num_blocks + 1, self.block_size, self.kv_heads,
+        self.data = torch.zeros(self.num_layers, 2, self.num_blocks + 1, self.block_size, self.kv_heads,
                                 self.head_dim, dtype=self.dtype, device=self.device)
 
     def release(self) -> None:
-        """Free the pool's memory (the RL loop does this before training)."""
+        """Free the pool's memory; the next `allocate` makes it anew (elsewhere: new graphs)."""
         self.data = None
 
     @property
     def nbytes(self) -> int:
         return 0 if self.data is None else self.data.numel() * self.data.element_size()
 
-    def pool_bytes(self, num_blocks: int | None = None) -> int:
-        """Bytes of a pool of `num_blocks` blocks (default: the capacity), sink block included."""
-        blocks = self.capacity if num_blocks is None else num_blocks
-        return (blocks + 1) * self.bytes_per_block(self.num_layers, self.block_size, self.kv_heads, self.head_dim,
-                                                   self.dtype)
+    def pool_bytes(self) -> int:
+        """Bytes of the pool, sink block included, whether allocated now or not."""
+        return (self.num_blocks + 1) * self.bytes_per_block(self.num_layers, self.block_size, self.kv_heads,
+                                                            self.head_dim, self.dtype)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of layer i, each (blocks + 1, block_size, kv_heads, head_dim)."""

@@ -23,15 +23,18 @@ Its graphs are captured with the cascade, and a step without groups replays them
 with padding groups only.
 
 A graph bakes in the addresses it read at capture: each layer's K/V view of the
-pool, every weight and the rotary table. The pool is re-allocated per generate()
-at a size that depends on the batch, so the graphs are keyed on the pool's base
-address, shape and strides (a pool of another block count at the same address
-puts each layer's view elsewhere), on the weights' addresses and on the rotary
-table's, and recaptured when any changes.
+pool, every weight and the rotary table. The pool stays at one address for the
+engine's life (rollplex.engine.kv_cache), so graphs are captured once per run,
+each batch-size bucket on its first use; the addresses are checked at each
+generate()'s first decode step, and the graphs are dropped (and captured again
+as their buckets are used) when any of them has moved: a pool released and
+allocated again, weights the trainer gathered into new memory, a longer rotary
+table.
 
 Decode steps run on the runner's decode stream, at the highest CUDA priority, so
 that the GPU schedules their kernels ahead of the prefix work on the RL loop's
-lower-priority side stream (see `on_decode_stream`).
+lower-priority side stream (see `on_decode_stream`); a prefill's forward runs on
+the caller's stream (`on_caller_stream`).
 """
 
 from __future__ import annotations
@@ -106,55 +109,58 @@ class ModelRunner:
         text = model.args.text
         self.prefix_group_width = prefix_group_width(text.num_attention_heads // text.num_key_value_heads)
         self.filled_prefix_groups: PrefixGroups | None = None  # what the static group buffers hold
-        self.graphs: dict[int, "torch.cuda.CUDAGraph | _EagerGraph"] = {}
+        # Batch-size buckets, ascending: a decode step replays the smallest graph that holds its batch.
+        n = max_num_seqs
+        self.buckets = sorted({b for b in (1, 2, 4, 8) if b <= n} | set(range(16, n + 1, 16)) | {n})
+        self.graphs: dict[int, "torch.cuda.CUDAGraph | _EagerGraph"] = {}  # by bucket, captured at first use
         self.graph_logits: dict[int, torch.Tensor] = {}  # each graph's static output
+        self.graph_pool = None  # the CUDA memory pool the graphs share
+        self.static: dict[str, torch.Tensor] | None = None  # the graphs' static inputs
         self.captured: GraphAddresses | None = None  # what the graphs read; anything else needs new graphs
-        self.captures, self.capture_seconds = 0, 0.0  # graph sets captured so far, and their wall time
+        self.captures, self.capture_seconds = 0, 0.0  # graphs captured so far, and their wall time
         self.start_generation()
         # Highest priority (the lowest number): decode kernels go before the prefix work's side stream.
         self.decode_stream = (torch.cuda.Stream(self.device, priority=min(torch.cuda.Stream.priority_range()))
                               if self.device.type == "cuda" else None)
 
     def start_generation(self) -> None:
-        """A generation starts, on a newly allocated KV pool and maybe moved weights:
-        its first graph replay checks the graphs' addresses first (`addresses`)."""
+        """A generation starts, maybe on a pool allocated again or moved weights: its first
+        graph replay checks the graphs' addresses first (`addresses`). The caller's stream
+        now is the one prefill runs on."""
         self.addresses_may_have_moved = True
         self.captures_at_start = self.captures, self.capture_seconds
+        self.caller_stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
     def captures_since_start(self) -> tuple[int, float]:
-        """Graph sets captured in this generation, and their wall time."""
+        """Graphs captured in this generation, and their wall time."""
         return self.captures - self.captures_at_start[0], self.capture_seconds - self.captures_at_start[1]
 
-    @contextlib.contextmanager
-    def on_decode_stream(self) -> Iterator[None]:
-        """Run the enclosed work (a decode step: KV block copies, input copies, graph
-        replay, sampling, the decode batch's updates) on the decode stream. It starts
-        after the caller's stream's earlier work (prefill's KV writes, new rows of the
-        decode batch) and the caller's later work starts after it. The step's own
-        temporaries are allocated, used and freed on the decode stream only (no
-        record_stream needed); what lives longer (the pool, the weights, the decode
-        batch's tensors) is used on both streams, each use ordered by these waits. So
-        the batch may write or replace one on the caller's stream while a step issued
-        ahead still runs (the engine's run-ahead): the caller's stream runs that work
-        after the step, and the allocator hands a freed tensor's memory to that stream
-        only. A no-op on CPU."""
-        if self.decode_stream is None:
-            yield
-            return
-        caller = torch.cuda.current_stream(self.device)
-        self.decode_stream.wait_stream(caller)
-        try:
-            with torch.cuda.stream(self.decode_stream):
-                yield
-        finally:
-            caller.wait_stream(self.decode_stream)
+    def on_decode_stream(self) -> contextlib.AbstractContextManager[None]:
+        """Run the enclosed work (an engine step: the decode batch's updates, KV block
+        copies, input copies, graph replay, sampling) on the decode stream. It starts
+        after the current stream's earlier work and the current stream's later work
+        starts after it. The step's own temporaries are allocated, used and freed on
+        the decode stream only (no record_stream needed); what lives longer (the pool,
+        the weights, the decode batch's tensors) is used on both streams, each use
+        ordered by these waits. A no-op on CPU."""
+        return _switched_to(self.decode_stream)
+
+    def on_caller_stream(self) -> contextlib.AbstractContextManager[None]:
+        """Inside a step, run the enclosed work (a prefill's forward) on the stream the
+        generation was started from, ordered as `on_decode_stream` orders its work."""
+        return _switched_to(self.caller_stream)
 
     # ------------------------------------------------------------------ prefill
 
     @torch.no_grad()
     def prefill(self, seqs: list[Sequence], slots: list[list[int]]) -> torch.Tensor:
         """Compute every token of each sequence, store its KV at `slots`, and
-        return float32 logits (len(seqs), vocab) of each sequence's last token."""
+        return float32 logits (len(seqs), vocab) of each sequence's last token.
+        On the caller's stream: its activations are the caller's memory."""
+        with self.on_caller_stream():
+            return self._prefill(seqs, slots)
+
+    def _prefill(self, seqs: list[Sequence], slots: list[list[int]]) -> torch.Tensor:
         dev = self.device
         ids = torch.tensor([t for s in seqs for t in s.token_ids], device=dev)
         positions = torch.cat([s.positions(0, len(s)) for s in seqs], dim=1)
@@ -193,9 +199,11 @@ class ModelRunner:
             return self._decode_eager(*inputs, prefix_groups=groups).float()
         if self.addresses_may_have_moved:
             if self.addresses() != self.captured:
-                self.capture()
+                self._drop_graphs()
             self.addresses_may_have_moved = False
-        bucket = next(b for b in sorted(self.graphs) if b >= batch)
+        bucket = next(b for b in self.buckets if b >= batch)
+        if bucket not in self.graphs:
+            self._capture(bucket)
         static = self.static
         self._pad_rows(batch, bucket)
         for name, value in zip(("ids", "positions", "slots", "tables", "lens"), inputs):
@@ -290,9 +298,13 @@ class ModelRunner:
         return PrefixGroups(s["members"][:groups], s["prefix_tables"][:groups], s["prefix_lens"][:groups],
                             s["shared_blocks"][:bucket]), self.max_blocks
 
-    def capture(self) -> None:
-        """Capture one decode graph per batch-size bucket, largest first, sharing one memory pool."""
-        start = time.perf_counter()
+    def _drop_graphs(self) -> None:
+        """Forget every graph (what they read has moved); each bucket is captured again at its next use."""
+        self.graphs, self.graph_logits, self.graph_pool = {}, {}, None
+        self.captured = self.addresses()
+
+    def _make_static_buffers(self) -> None:
+        """The graphs' static inputs, once per runner: every graph reads its rows of these."""
         dev, n = self.device, self.max_num_seqs
         self.static = s = {
             "ids": torch.zeros(n, dtype=torch.long, device=dev),
@@ -301,46 +313,74 @@ class ModelRunner:
             "tables": torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev),
             "lens": torch.ones(n, dtype=torch.int32, device=dev),
         }
-        self._pad_rows(0, n)
         if self.shared_prefix_decode:
             most_groups = max(1, n // 2)
             s.update(members=torch.empty(most_groups, self.prefix_group_width, dtype=torch.long, device=dev),
                      prefix_tables=torch.empty(most_groups, self.max_blocks, dtype=torch.long, device=dev),
                      prefix_lens=torch.empty(most_groups, dtype=torch.long, device=dev),
                      shared_blocks=torch.empty(n, dtype=torch.long, device=dev))
+
+    def _capture(self, bucket: int) -> None:
+        """Capture the decode graph of one batch-size bucket, into the memory pool the
+        other graphs share (they replay one at a time, on the decode stream). The
+        static buffers are padded first: the warm-up and the capture run the decode,
+        whose K/V writes must go to the sink block, not to slots of the last step's
+        rows (the caller refills the buffers for its step after)."""
+        start = time.perf_counter()
+        if self.static is None:
+            self._make_static_buffers()
+        self._pad_rows(0, self.max_num_seqs)
+        if self.shared_prefix_decode:
             self._pad_prefix_groups()
             self.filled_prefix_groups = None
-        buckets = sorted({b for b in (1, 2, 4, 8) if b <= n} | set(range(16, n + 1, 16)) | {n}, reverse=True)
-        self.graphs, self.graph_logits, pool = {}, {}, None
-        for b in buckets:
-            args = (s["ids"][:b], s["positions"][:b], s["slots"][:b], s["tables"][:b], s["lens"][:b])
-            groups = self._static_prefix_groups(b)
-            self._decode_eager(*args, prefix_groups=groups)  # warm-up: lazy allocations happen outside the capture
-            if dev.type != "cuda":
-                self.graphs[b] = _EagerGraph(self, args, groups)
-                self.graph_logits[b] = self.graphs[b].out
-                continue
+        s = self.static
+        args = (s["ids"][:bucket], s["positions"][:bucket], s["slots"][:bucket], s["tables"][:bucket],
+                s["lens"][:bucket])
+        groups = self._static_prefix_groups(bucket)
+        self._decode_eager(*args, prefix_groups=groups)  # warm-up: lazy allocations happen outside the capture
+        if self.device.type == "cuda":
+            # On the decode stream itself, without torch.cuda.graph's device synchronize and cache emptying
+            # first: a bucket may be first used mid-rollout, with prompt work queued on the side stream.
+            # thread_local: another thread's CUDA calls (the data prefetcher's pinned copies) stay allowed.
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.graph_logits[b] = self._decode_eager(*args, prefix_groups=groups)
-            pool = graph.pool()
-            self.graphs[b] = graph
-        self.captured = self.addresses()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
+            graph.capture_begin(pool=self.graph_pool, capture_error_mode="thread_local")
+            try:
+                self.graph_logits[bucket] = self._decode_eager(*args, prefix_groups=groups)
+            finally:
+                graph.capture_end()
+            self.graph_pool = graph.pool()
+        else:
+            graph = _EagerGraph(self, args, groups)
+            self.graph_logits[bucket] = graph.out
+        self.graphs[bucket] = graph
         self.captures += 1
         self.capture_seconds += time.perf_counter() - start
 
     def addresses(self) -> GraphAddresses:
-        """What a graph captured now would read by address: the KV pool (re-allocated
-        each generate(), at a size that depends on the batch), every weight (the
-        trainer's gathered weights may land elsewhere after each update) and the
-        rotary table. Checked once per generate()."""
+        """What a graph captured now would read by address: the KV pool (elsewhere once
+        released and allocated again), every weight (the trainer's gathered weights may
+        land elsewhere after each update) and the rotary table. Checked once per generate()."""
         return GraphAddresses(PoolGeometry.of(self.cache.data), self.weight_addresses(), self.rotary_table.data_ptr())
 
     def weight_addresses(self) -> tuple[int, ...]:
         tensors = itertools.chain(self.model.parameters(), self.model.buffers())
         return tuple(local_tensor(t).data_ptr() for t in tensors)
+
+
+@contextlib.contextmanager
+def _switched_to(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """Run the enclosed work on `stream` (None: where it is, as on CPU), after the current
+    stream's earlier work and before its later work."""
+    if stream is None:
+        yield
+        return
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        current.wait_stream(stream)
 
 
 class _EagerGraph:

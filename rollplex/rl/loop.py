@@ -305,7 +305,8 @@ class RLTrainer:
         mine = balanced_share(examples, self.dims.dp_shard, self.dp_rank)
         with self.phases.phase(timer, "gen"):
             rollout = self.rollout(mine, self.step, prefix_work=self.uses_prefix_work)
-        # Decode graphs are recaptured whenever the rollout's KV pool lands at another address or size.
+        # Decode graphs captured in this rollout: each bucket's at its first use in the run, and again where the
+        # engine's weights (the trainer's, gathered) landed elsewhere since.
         return rollout, {"perf/cuda_graph_captures": self.engine.stats["graph_captures"],
                          "timing_s/cuda_graph_capture": self.engine.stats["graph_capture_s"]}
 
@@ -325,7 +326,7 @@ class RLTrainer:
             requests = self.sampler.requests(examples, step, vision)
             if prefix_work:
                 prefix = self.prefix_planner.scheduler(self._prefix_work(prompts, vision),
-                                                       self.sampler.pool_bytes(requests))
+                                                       self.engine.cache.pool_bytes())
             overlap = prefix is not None and self.cfg.schedule.kind == "overlap"
             stream = self._group_stream(examples, prefix) if overlap and self.cfg.schedule.stream_groups else None
             outputs = self.sampler.generate(requests, between_steps=self._decode_window(prefix, stream) if overlap

@@ -94,17 +94,18 @@ def build_engine(weights: SharedWeights, r: RolloutConfig, num_blocks: int,
     where it reads its KV head count and dtype off the parameters (outside, FSDP's
     dp shard of k_proj holds a fraction of the heads). Every rank of `group` (None:
     the world) gets the same KV pool size, the smallest any of them can hold, so that
-    the ranks of a TP group schedule alike. Its pool's capacity is the memory plan's
-    `num_blocks`; the pool itself exists only while it generates."""
+    the ranks of a TP group schedule alike: the memory plan's `num_blocks`, allocated
+    here and kept for the run (the plan counts it in every phase), since the decode
+    graphs read it by address."""
     config = EngineConfig.from_config(r, num_blocks)
     with weights.for_rollout() as engine_model:
         engine = Engine(engine_model, config)
         if dist.get_world_size(group) > 1:
-            [blocks] = all_reduce_values([engine.cache.capacity], dist.ReduceOp.MIN, group)
-            if blocks != engine.cache.capacity:
+            [blocks] = all_reduce_values([engine.cache.num_blocks], dist.ReduceOp.MIN, group)
+            if blocks != engine.cache.num_blocks:
                 config.num_blocks = int(blocks)
+                engine.release_kv()  # before the smaller pool is allocated
                 engine = Engine(engine_model, config)
-    engine.release_kv()
     return engine
 
 
@@ -123,11 +124,10 @@ class RolloutSampler:
 
     @contextmanager
     def session(self) -> Iterator[None]:
-        """The model in eval mode and the weights in their rollout layout; the KV pool freed after."""
+        """The model in eval mode and the weights in their rollout layout."""
         self.model.eval()
         with self.weights.for_rollout():
             yield
-        self.engine.release_kv()  # the KV pool lives only during rollout
 
     def requests(self, examples: list, step: int, vision: list[VisionEmbeds | None]) -> list[Request]:
         """n samples per prompt, seeded by the run's seed, the step and the prompt's index."""
@@ -137,10 +137,6 @@ class RolloutSampler:
         limits = [r.min_tokens + s % (r.max_tokens - r.min_tokens + 1) if r.min_tokens else None for s in seeds]
         return [Request(e.prompt, n=r.n, seed=seed, max_tokens=limit, vision=v)
                 for e, v, seed, limit in zip(examples, vision, seeds, limits)]
-
-    def pool_bytes(self, requests: list[Request]) -> int:
-        """Bytes of the KV pool the engine allocates for `requests`."""
-        return self.engine.cache.pool_bytes(self.engine.blocks_for(requests, self.sampling))
 
     def generate(self, requests: list[Request], params: SamplingParams | None = None,
                  between_steps: Callable[[int], None] | None = None,

@@ -15,7 +15,13 @@ Each of its parameters gets its data from the trainer's gathered parameter,
 chosen by comparing which block of the global tensor each side holds on this
 rank:
 - shared: the same block; the engine's local tensor is the trainer's (every
-  parameter, when rollout.tp equals parallel.tp).
+  parameter, when rollout.tp equals parallel.tp). Where the trainer's own
+  parameter is already whole on this rank and in the rollout's dtype (dp_shard
+  1 without a mixed-precision cast), the engine reads that parameter in place,
+  not FSDP's gathered copy of it: the optimizer updates it in place, so its
+  address, which the decode CUDA graphs read, holds for the run. FSDP's
+  gathered tensors are new memory at each rollout, so graphs on them are
+  captured again each step (rollplex.engine.runner).
 - viewed: a sub-block; the engine's local tensor is a slice of the trainer's
   (a strided view for a column shard), same storage.
 - rebuilt: data another rank holds; a buffer of the engine's local shape,
@@ -86,6 +92,9 @@ class _Binding:
     kind: str  # "shared" | "viewed" | "rebuilt"
     block: tuple[slice, ...]  # viewed: in the trainer's local tensor; rebuilt: in the global tensor
     buffer: torch.Tensor | None = None  # rebuilt only
+    # shared, where the trainer's own parameter is whole on this rank and in the rollout's dtype (dp_shard 1,
+    # no mixed-precision cast): its local tensor, which the engine reads in place, at one address for the run.
+    master: torch.Tensor | None = None
 
 
 class SharedWeights:
@@ -98,10 +107,11 @@ class SharedWeights:
         self.engine_tp_group: dist.ProcessGroup | None = None  # the engine's own TP group, when rollout.tp > 1
         if self.units:
             self._engine_model, self.engine_tp_group = _engine_skeleton(model, engine_tp)
+            masters = dict(model.named_parameters())  # FSDP's sharded parameters: outside a gather
             with torch.no_grad():
                 self._gather()
                 try:
-                    self._plan()
+                    self._plan(masters)
                     self._bind()
                 finally:
                     self._release()
@@ -146,19 +156,20 @@ class SharedWeights:
 
     # ------------------------------------------------------------------ engine side
 
-    def _plan(self) -> None:
-        """Decide, per parameter, how the engine gets it (trainer parameters gathered)."""
+    def _plan(self, masters: dict[str, torch.Tensor]) -> None:
+        """Decide, per parameter, how the engine gets it (trainer parameters gathered;
+        `masters`: the sharded ones, by name)."""
         found = []
         for path, trainer_param in self.model.named_parameters():
             module_path, _, name = path.rpartition(".")
             engine_module = self._engine_model.get_submodule(module_path.replace(_CHECKPOINT_PREFIX, ""))
             layout = getattr(engine_module, name)
             found.append((self.model.get_submodule(module_path), engine_module, name, layout,
-                          _block_within(trainer_param, layout)))
+                          _block_within(trainer_param, layout), masters[path]))
         # A rebuild all-gathers on the trainer's TP group, so every rank must rebuild the same
         # parameters; with uneven layouts one rank may hold its block while another does not.
-        needs_rebuild = all_reduce_values([block is None for *_, block in found], dist.ReduceOp.MAX)
-        for (trainer_module, engine_module, name, layout, block), rebuild in zip(found, needs_rebuild):
+        needs_rebuild = all_reduce_values([block is None for *_, block, _ in found], dist.ReduceOp.MAX)
+        for (trainer_module, engine_module, name, layout, block, sharded), rebuild in zip(found, needs_rebuild):
             trainer_local = local_tensor(trainer_module._parameters[name])
             if rebuild:
                 b = _Binding(trainer_module, engine_module, name, layout, "rebuilt", _global_block(layout),
@@ -166,7 +177,15 @@ class SharedWeights:
                 _set_param(engine_module, name, b.buffer, layout)
             else:
                 kind = "shared" if _local_shape(layout) == tuple(trainer_local.shape) else "viewed"
-                b = _Binding(trainer_module, engine_module, name, layout, kind, block)
+                master = local_tensor(sharded)
+                # FSDP's gather of a whole, uncast parameter is a copy in new memory at each rollout, which
+                # would cost the decode graphs a capture per step: the engine reads the parameter itself.
+                in_place = (kind == "shared" and tuple(master.shape) == tuple(sharded.shape)
+                            and master.dtype == trainer_local.dtype)
+                b = _Binding(trainer_module, engine_module, name, layout, kind, block,
+                             master=master if in_place else None)
+                if in_place:
+                    _set_param(engine_module, name, master, layout)
             self.bindings.append(b)
             field = f"bytes_{b.kind}"
             nbytes = math.prod(_local_shape(layout)) * trainer_local.element_size()
@@ -174,9 +193,12 @@ class SharedWeights:
 
     def _bind(self) -> None:
         """Point shared and viewed parameters at the trainer's gathered tensors, refill rebuilt ones.
-        Views are made anew at each rollout: cheap, and correct even if FSDP gathered into new tensors."""
+        Views are made anew at each rollout: cheap, and correct even if FSDP gathered into new tensors
+        (it does; then the decode graphs are captured again). Parameters read in place stay bound."""
         for b in self.bindings:
             trainer_param = b.trainer_module._parameters[b.name]
+            if b.master is not None:
+                continue
             if b.kind == "rebuilt":
                 b.buffer.untyped_storage().resize_(b.buffer.numel() * b.buffer.element_size())
                 # The whole parameter exists only while it is copied: one at a time.

@@ -79,8 +79,8 @@ def kv_bytes_per_token(args: ModelArgs, dtype: torch.dtype = torch.bfloat16, tp:
 
 
 def kv_pool_need(args: ModelArgs, batch: BatchShape, prompts: int, options: MemoryOptions, tp: int) -> int:
-    """The KV pool a generation of `prompts` prompts allocates (rollplex.engine.Engine.blocks_for):
-    every sample's blocks at full length, plus the sink block."""
+    """The KV pool a generation of `prompts` prompts could fill: every sample's blocks at
+    full length, plus the sink block."""
     blocks = prompts * batch.n * -(-batch.sequence_len // options.block_size)
     return (blocks + 1) * options.block_size * kv_bytes_per_token(args, options.param_dtype, tp)
 

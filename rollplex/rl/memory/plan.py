@@ -3,7 +3,8 @@ and for Rollplex, and the sizes it decides.
 
 Phases, as the loop runs them (`loop_phase_bytes` maps them onto the loop's
 measured `perf/max_memory_allocated_gb/<phase>`):
-    rollout    prefill and decode (the engine's weights, KV pool and workspace)
+    rollout    prefill and decode (the engine's weights and workspace; its KV
+               pool is held in every phase, allocated once per run)
     prefix     the prompt work (reference / actor / old prompt forwards), its
                state accumulating: in the decode window beside the KV pool
                (overlap), or after rollout (serial with share_prefix)
@@ -71,15 +72,15 @@ class MemorySizes:
     kv_pool: int  # the engine's KV pool capacity, bytes
     micro_batch_tokens: int
     prefix_room: int  # bytes the prefix phase leaves for prompt state beside its fixed classes, before any pool
-    train_room: int  # bytes the train phase leaves for prompt state beside its largest micro-batch
-    pool_in_prefix: bool  # overlap: the decode window holds the pool and the prompt state at once
+    train_room: int  # bytes the train phase leaves for prompt state beside its largest micro-batch (and the pool)
     prefix_budget: int | None = None  # set by the run (schedule.prefix_memory_budget in bytes): every step's
 
     def prefix_budget_for(self, pool_bytes: int) -> int:
-        """A step's budget for kept prompt state, given the KV pool its rollout allocated."""
+        """A step's budget for kept prompt state beside the engine's KV pool of `pool_bytes`
+        (held all run: the plan's, or a smaller one agreed across an engine's ranks)."""
         if self.prefix_budget is not None:
             return self.prefix_budget
-        return max(0, min(self.prefix_room - (pool_bytes if self.pool_in_prefix else 0), self.train_room))
+        return max(0, min(self.prefix_room - pool_bytes, self.train_room))
 
 
 @dataclass
@@ -142,10 +143,11 @@ class _Shapes:
                                     self.chunk_prompts * self.patches, options, layout.tp) for i in self.items]
 
     def resident(self) -> dict[str, int]:
-        """Held all step: master weights, AdamW moments (unless offloaded), the reference weights."""
+        """Held all step: master weights, AdamW moments (unless offloaded), the reference weights,
+        and the engine's KV pool (allocated once per run: the decode graphs read it by address)."""
         o, shard = self.o, math.ceil(self.params.per_tp_rank(self.layout.tp) / self.layout.dp_shard)
         out = dict(params_sharded=shard * o.master_dtype.itemsize,
-                   optimizer_state=0 if o.offload_optimizer else self.moments())
+                   optimizer_state=0 if o.offload_optimizer else self.moments(), kv_pool=int(o.kv_pool))
         if o.ref_model:
             out["ref_params"] = shard * o.ref_dtype.itemsize
         return out
@@ -159,11 +161,6 @@ class _Shapes:
 
     def grads(self) -> int:
         return self.trainable_shard() * self.o.grad_dtype.itemsize
-
-    def kv_pool(self, prompts: int | None = None) -> int:
-        """The pool a generation allocates: its prompts' need, at most the capacity."""
-        need = kv_pool_need(self.args, self.batch, prompts or self.prompts_per_engine, self.o, self.layout.engine_tp)
-        return min(need, int(self.o.kv_pool))
 
     def engine_weights(self) -> int:
         return self.params.per_tp_rank(self.layout.engine_tp) * self.size
@@ -235,7 +232,7 @@ class _Shapes:
 def _rollout_phases(s: _Shapes, admitted: list[bool], base: dict[str, int]) -> dict[str, dict[str, int]]:
     """Rollout, and the prompt work: in the decode window beside the KV pool (overlap, the
     engine's steps and the slices alternating), or after rollout without it (serial)."""
-    rollout = dict(base, params_gathered=s.engine_weights(), kv_pool=s.kv_pool(), vision_embeds=s.vision_embeds(),
+    rollout = dict(base, params_gathered=s.engine_weights(), vision_embeds=s.vision_embeds(),
                    workspace=s.engine_workspace())
     if not s.o.share_prefix:
         return {"rollout": rollout}
@@ -337,16 +334,33 @@ _FEWER_BYTES = ("shard the model over more GPUs (parallel.dp_shard, parallel.tp)
 
 
 def _size_pool(s: _Shapes, usable: int) -> int:
-    """The KV pool: the batch's need at full length, at most what the rollout (and
-    the overlap's decode window, before any prompt state) leaves beside its fixed
-    classes; at least one prompt's samples."""
+    """The KV pool, held all run: the batch's need at full length, at most what every
+    phase (before any prompt state, training at its least micro-batch) leaves beside
+    its fixed classes; at least one prompt's samples."""
     fixed = _phases(s, [False] * len(s.items))
-    held = max((fixed[p] for p in ("rollout", "prefix") if fixed[p]), key=_total)
     one_prompt = kv_pool_need(s.args, s.batch, 1, s.o, s.layout.engine_tp)
-    if usable - _total(held) < one_prompt:
-        raise _does_not_fit(f"the KV pool for one prompt's {s.batch.n} samples", one_prompt, held, usable,
-                            f"lower rollout.n or rollout.max_tokens, {_FEWER_BYTES}")
+
+    def require_room(phases: list[dict[str, int]]) -> dict[str, int]:
+        held = max((phase for phase in phases if phase), key=_total)
+        if usable - _total(held) < one_prompt:
+            raise _does_not_fit(f"the KV pool for one prompt's {s.batch.n} samples", one_prompt, held, usable,
+                                f"lower rollout.n or rollout.max_tokens, {_FEWER_BYTES}")
+        return held
+
+    # In the order that names the likeliest fix: the rollout's room, training one sequence, then every phase.
+    require_room([fixed["rollout"], fixed["prefix"]])
+    _require_one_sequence_trains(dict(fixed["train"], kv_pool=one_prompt), s.o.micro_batch_tokens, usable)
+    held = require_room(list(fixed.values()))
     return min(kv_pool_need(s.args, s.batch, s.prompts_per_engine, s.o, s.layout.engine_tp), usable - _total(held))
+
+
+def _require_one_sequence_trains(train: dict[str, int], tokens: int, usable: int) -> None:
+    """Raise, naming what holds the memory, when the train phase at one sequence of `tokens` does not fit."""
+    if _total(train) > usable:
+        held = dict(train)
+        need = held.pop("activations")
+        raise _does_not_fit(f"training one sequence ({tokens} tokens)", need, held, usable,
+                            f"set parallel.activation_checkpointing, lower rollout.max_tokens, {_FEWER_BYTES}")
 
 
 def _size_micro_batch(s: _Shapes, usable: int) -> int:
@@ -359,11 +373,7 @@ def _size_micro_batch(s: _Shapes, usable: int) -> int:
     prefix = _phases(s, none)["prefix"]
     target = max(0, min(usable - _total(prefix), sum(st.total for st in s.states))) if prefix else 0
     b, least = s.batch, s.batch.longest_sequence
-    if _total(train(least)) > usable:
-        held = train(least)
-        need = held.pop("activations")
-        raise _does_not_fit(f"training one sequence ({least} tokens)", need, held, usable,
-                            f"set parallel.activation_checkpointing, lower rollout.max_tokens, {_FEWER_BYTES}")
+    _require_one_sequence_trains(train(least), least, usable)
     per_prompt = b.prompt_len + b.n * b.response_tokens if s.o.share_prefix else b.n * b.sequence_len
     return _largest(least, max(least, s.chunk_prompts * per_prompt),
                     lambda tokens: usable - _total(train(tokens)) >= target)
@@ -372,9 +382,8 @@ def _size_micro_batch(s: _Shapes, usable: int) -> int:
 def size_memory(args: ModelArgs, layout: ParallelLayout, batch: BatchShape, options: MemoryOptions,
                 params: ParamCounts | None = None) -> MemorySizes:
     """The sizes `options` leaves to the plan (None), within `usable_bytes`, in this order:
-    - the KV pool: what the batch needs at full length, at most what the rollout
-      (and the overlap's decode window, before any prompt state) leaves beside its
-      fixed classes;
+    - the KV pool, held all run: what the batch needs at full length, at most what
+      every phase (before any prompt state) leaves beside its fixed classes;
     - the micro-batch: the most tokens whose training pass leaves the train phase as
       much room for prompt state as the prefix phase has (no more than the step's
       prompt work keeps), and at least the longest sequence;
@@ -396,10 +405,9 @@ def size_memory(args: ModelArgs, layout: ParallelLayout, batch: BatchShape, opti
                               "for the memory plan's")
     fixed = _phases(_Shapes(args, layout, batch, replace(trial, micro_batch_tokens=micro), params),
                     [False] * len(prefix_items(options)) if options.share_prefix else [])
-    prefix_room = usable - _total(fixed["prefix"]) + fixed["prefix"].get("kv_pool", 0) if fixed["prefix"] else 0
+    prefix_room = usable - _total(fixed["prefix"]) + fixed["prefix"]["kv_pool"] if fixed["prefix"] else 0
     budget = None if options.prefix_budget is None else _bytes(options.prefix_budget, options.device_memory)
-    return MemorySizes(usable, kv_pool, micro, prefix_room, usable - _total(fixed["train"]),
-                       options.schedule == "overlap", budget)
+    return MemorySizes(usable, kv_pool, micro, prefix_room, usable - _total(fixed["train"]), budget)
 
 
 def plan_memory(args: ModelArgs, layout: ParallelLayout, batch: BatchShape, options: MemoryOptions,
@@ -412,7 +420,7 @@ def plan_memory(args: ModelArgs, layout: ParallelLayout, batch: BatchShape, opti
     sizes = size_memory(args, layout, batch, options, params)
     resolved = replace(options, kv_pool=float(sizes.kv_pool), micro_batch_tokens=sizes.micro_batch_tokens)
     shapes = _Shapes(args, layout, batch, resolved, params)
-    budget = sizes.prefix_budget_for(shapes.kv_pool())
+    budget = sizes.prefix_budget_for(sizes.kv_pool)
     admits = admitted([st.total for st in shapes.states], budget)
     rollplex = SchedulePlan("rollplex", _phases(shapes, admits))
     if rollplex.peak > sizes.usable:
