@@ -85,7 +85,7 @@ def test_exact_sizes(dp, tp, engine_tp):
         "optimizer_state": 2 * 4 * shard,
         "ref_params": 2 * shard,
         "params_gathered": 2 * (split // engine_tp + total - split),
-        "kv_pool": blocks * 16 * kv_token,  # every sample at full length, as the engine allocates, and a sink
+        "kv_pool": blocks * 16 * kv_token,  # every sample at full length, and a sink: the pool the plan sizes
         "vision_embeds": prompts_per_rank * BATCH.vision_tokens * HID * 2,
     }
     rollout = plan.rollplex.phases["rollout"]

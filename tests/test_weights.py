@@ -61,13 +61,14 @@ def dp_sharded(p: torch.Tensor) -> bool:
     return isinstance(p, DTensor) and "dp_shard" in p.device_mesh.mesh_dim_names
 
 
-def storage_relations(model, engine_model) -> dict[str, int]:
-    """Bytes of the engine's local parameters by how they relate to the trainer's gathered tensor."""
+def storage_relations(model, engine_model, masters: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Bytes of the engine's local parameters by how they relate to the trainer's gathered tensor, or to its
+    own (sharded) parameter where that is whole on the rank, which the engine reads in place."""
     trainer = dict(model.named_parameters())
     relations = {"same": 0, "view": 0, "own": 0}
     for name, p in engine_model.named_parameters():
         e, t = local(p), local(trainer[name])
-        if e.data_ptr() == t.data_ptr() and e.shape == t.shape:
+        if (e.data_ptr() == t.data_ptr() and e.shape == t.shape) or e.data_ptr() == masters[name].data_ptr():
             relation = "same"
         elif e.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
             assert e.numel() < t.numel(), name
@@ -88,6 +89,7 @@ def rollouts(rank: int, world: int, trainer_tp: int, engine_tp: int, out: str) -
     model = build_model(tiny_args(), seed=3, init_std=None)
     parallelize(model, build_mesh(ParallelDims.resolve(world, -1, trainer_tp), "cpu"))
     shared = SharedWeights(model, trainer_tp, engine_tp)
+    masters = {name: local(p) for name, p in model.named_parameters()}  # the trainer's own, sharded
     engine = None
     result = {"engine_is_trainer": shared.engine_model is model, "rounds": [],
               "engine_has_fsdp_hooks": any(isinstance(m, FSDPModule) for m in shared.engine_model.modules())}
@@ -104,10 +106,12 @@ def rollouts(rank: int, world: int, trainer_tp: int, engine_tp: int, out: str) -
             # for_rollout gathered the trainer's parameters: FSDP put its unsharded tensors in place
             assert not any(dp_sharded(p) for p in model.parameters())
             tokens = greedy(engine)
-            relations = storage_relations(model, engine_model)
+            relations = storage_relations(model, engine_model, masters)
             engine_bytes = sum(nbytes(p) for p in engine_model.parameters())
         engine.release_kv()
-        held = sum(local(p).untyped_storage().size() for p in engine_model.parameters())
+        own = {m.untyped_storage().data_ptr() for m in masters.values()}  # the trainer's memory, not the engine's
+        held = sum(local(p).untyped_storage().size() for p in engine_model.parameters()
+                   if local(p).untyped_storage().data_ptr() not in own)
         result["rounds"].append({"tokens": tokens, "expected": plain_copy_tokens(rank, model),
                                  "relations": relations, "engine_bytes": engine_bytes,
                                  "held_after": held, "report": shared.report.as_metrics()})
@@ -143,7 +147,8 @@ def test_aligned_engine_reads_the_gathered_parameters(tmp_path):
 def test_engine_tp_differs_from_trainer_tp(tmp_path, trainer_tp, engine_tp, kind):
     """Engine tp=2 on trainer tp=1 (dp_shard=2): TP-sharded weights are slices of the gathered
     ones. Engine tp=1 on trainer tp=2: they are rebuilt. Replicated ones (norms) are shared
-    either way. Outside rollout, the engine's parameters hold no memory."""
+    either way (at trainer tp=2, dp_shard is 1: the engine reads them in place). Outside
+    rollout, the engine's parameters hold no memory of their own."""
     result = run(tmp_path, trainer_tp, engine_tp)
     assert not result["engine_is_trainer"] and not result["engine_has_fsdp_hooks"]
     for r in result["rounds"]:

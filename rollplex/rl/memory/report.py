@@ -54,8 +54,8 @@ def format_plan(plan: MemoryPlan) -> str:
         "exact: parameters (from the layer shapes); master shard = (tp-split/tp + replicated)/dp_shard "
         "elements; gradients and 2 AdamW moments on the trainable part of it; ref weights = the shard in ref dtype; "
         "gathered weights = all of them in rollout and prompt work, FSDP's root unit + 1 decoder layer in passes; "
-        "KV per token = 2 x layers x kv_heads/tp x head_dim x dtype; KV pool = every sample's blocks at full length "
-        "(as the engine allocates), at most its capacity; prompt K/V = that per prompt token, once per item "
+        "KV per token = 2 x layers x kv_heads/tp x head_dim x dtype; KV pool = every sample's blocks at full length, "
+        "at most what every phase leaves (allocated once, held the whole run); prompt K/V = that per prompt token, once per item "
         "(ref, actor, old); vision embeds = vision tokens x hidden x dtype.",
         "estimated from what the model's code saves for backward: per token and decoder layer 2 RMSNorms "
         "(float32 input, normalised value, output) + attention (q, k, v, output; the torch path's gathered copies) + "
