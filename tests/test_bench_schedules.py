@@ -1,7 +1,8 @@
 """tools/bench_schedules.py runs the four colocated schedules end to end on a tiny
 CPU workload and writes its report, traces and timeline; under torchrun with 2
-processes, the disaggregated baseline as a fifth. No timing assertions: the
-figures depend on the machine."""
+processes, the disaggregated baseline as a fifth; `--schedules` runs some, with
+the report rewritten after each. No timing assertions: the figures depend on the
+machine."""
 
 import json
 import math
@@ -27,10 +28,11 @@ TINY = ["--config", str(Path(__file__).resolve().parent.parent / "configs" / "ti
 
 
 def assert_same_samples(report: dict) -> None:
-    """Every schedule's mean score and response length agree at every step, and the tool says so."""
-    rows = {n: [s["warmup"], *s["steps"], s["traced"]] for n, s in report["schedules"].items()}
-    for key in ("critic/score/mean", "response_length/mean"):
-        assert len({tuple(r[key] for r in steps) for steps in rows.values()}) == 1, key
+    """Every schedule sampled the same token ids at every step (warm-up, measured, traced), and the tool says so."""
+    digests = {n: s["sample_digests"] for n, s in report["schedules"].items()}
+    assert all(len(d) == 3 for d in digests.values()), digests
+    assert len({tuple(d) for d in digests.values()}) == 1, digests
+    assert len(set(next(iter(digests.values())))) == 3  # each step's prompts and seeds are its own
     assert report["same_samples"] is True
 
 
@@ -55,6 +57,7 @@ def test_bench_schedules_end_to_end(tmp_path, capsys):
     assert r["throughput_overlap_over_serial_prefix"] == pytest.approx(tput["overlap"] / tput["serial-prefix"])
     assert r["throughput_serial_prefix_over_serial_naive"] == pytest.approx(tput["serial-prefix"] / tput["serial-naive"])
     assert all(math.isfinite(v) for v in r.values()) and r["decode_slowdown"] > -1
+    assert r["decode_slowdown_overlap_stream"] > -1
     prefix = schedules["serial-prefix"]["mean"]
     assert r["finished_group_work_share_serial_prefix"] == pytest.approx(
         prefix["timing_s/stream_exposed"] / prefix["timing_s/step"])
@@ -83,7 +86,40 @@ def test_bench_schedules_end_to_end(tmp_path, capsys):
     assert "planned gen" in printed and "disagg" not in printed
 
 
+def test_the_report_is_written_after_every_schedule(tmp_path, monkeypatch):
+    """--schedules runs those, in that order, and report.json is rewritten after each one, so a run cut
+    short keeps the schedules it finished; a ratio needs both its schedules."""
+    run_schedule = bench_schedules.run_schedule
 
+    def cut_short_at_serial_prefix(name, *args):
+        if name == "serial-prefix":
+            raise RuntimeError("cut short")
+        return run_schedule(name, *args)
+
+    monkeypatch.setattr(bench_schedules, "run_schedule", cut_short_at_serial_prefix)
+    out = tmp_path / "bench"
+    with pytest.raises(RuntimeError, match="cut short"):
+        bench_schedules.main(TINY + ["--schedules", "overlap", "serial-prefix", "--no-trace", "--out", str(out)])
+    report = json.loads((out / "report.json").read_text())
+    assert list(report["schedules"]) == ["overlap"]
+    assert len(report["schedules"]["overlap"]["sample_digests"]) == 2  # warm-up and the measured step
+    assert report["ratios"] == {} and report["same_samples"] is True
+
+
+def test_unknown_schedule_is_an_error(capsys):
+    with pytest.raises(SystemExit):
+        bench_schedules.main(TINY + ["--schedules", "overlap", "disagg"])  # disagg needs 2 ranks
+    assert "unknown schedule(s) disagg at 1 rank(s)" in capsys.readouterr().err
+
+
+def test_same_samples_compares_the_digests_of_every_step():
+    a, b = {"sample_digests": ["d0", "d1"]}, {"sample_digests": ["d0", "d1"]}
+    assert bench_schedules.same_samples({"a": a, "b": b})[0] is True
+    ok, lines = bench_schedules.same_samples({"a": a, "b": {"sample_digests": ["d0", "other"]}})
+    assert ok is False and lines[0].endswith("match") and lines[1].endswith("MISMATCH")
+    tokens = {0: [[5, 6], [5, 7]], 1: [[8]]}
+    assert bench_schedules.digest(tokens) == bench_schedules.digest({1: [[8]], 0: [[5, 6], [5, 7]]})  # by index
+    assert bench_schedules.digest(tokens) != bench_schedules.digest({0: [[5, 6], [5, 8]], 1: [[8]]})
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

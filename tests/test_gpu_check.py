@@ -1,12 +1,16 @@
 """tools/device_run.sh and tools/gpu_check.py, end to end on the CPU at their smallest
 sizes: the device command a GPU session runs, so that its 15 minutes are not lost
-to an error in the script itself. The GPU paths themselves are not tested here."""
+to an error in the script itself; and the checks' criteria, on input that must
+fail them. The GPU paths themselves are not tested here."""
 
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
@@ -24,15 +28,24 @@ def test_device_command_runs_every_check_on_cpu(tmp_path):
     res = run_device_command(tmp_path)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert list(report["checks"]) == list(gpu_check.CHECKS)  # every check, most important first
-    assert all(c["ok"] for c in report["checks"].values())
+    checks = report["checks"]
+    assert list(checks) == list(gpu_check.CHECKS)  # every check, most important first, the optional one too
+    assert all(c["ok"] is True for c in checks.values()), {n: c.get("failed") or c.get("error") for n, c in
+                                                            checks.items() if c["ok"] is not True}
     assert report["commit"] == "test-commit"
-    assert report["checks"]["engine_cuda_graphs"]["larger_pool"]["captures_so_far"] == 2
-    assert report["checks"]["engine_throughput_3b"]["captures_in_timed_window"] == 0
-    bench = report["checks"]["bench_schedules"]
-    assert bench["same_samples"] and bench["overlap_vs_serial_prefix_rel_diff_per_step"] == [0.0, 0.0]
+    decode = checks["engine_throughput_3b"]
+    assert all(decode[setup]["captures_in_timed_window"] == 0 for setup in gpu_check.DECODE_SETUPS)
+    assert checks["overlap_stream_step"]["decode_window_calls"]["stream"] > 0
+    bench = checks["bench_schedules"]
+    assert bench["against_serial_prefix"]["overlap"]["rel_diff_per_step"] == [0.0, 0.0, 0.0]  # exact on CPU
+    digests = bench["sample_digests"]
+    assert len(set(map(tuple, digests.values()))) == 1 and len(set(digests["serial-prefix"])) == 3
+    assert all(d > 0 for d in checks["bench_small_prefix_budget"]["prefix_deferred_items"]["overlap-small-budget"])
+    assert list(json.loads((tmp_path / "bench_schedules/report.json").read_text())["schedules"]) == [
+        "serial-prefix", "overlap", "overlap-stream"]
     files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
-    assert files == ["bench_schedules/report.json", "bench_schedules/timeline.png", "gpu_check.json",
+    assert files == ["bench_schedules/report.json", "bench_schedules/timeline.png", "bench_serial_naive/report.json",
+                     "bench_small_prefix_budget/report.json", "gpu_check.json",
                      "gpu_check.log"]  # within the 8 files a device call returns
     assert "report written to" in (tmp_path / "gpu_check.log").read_text()
 
@@ -42,16 +55,74 @@ def test_unknown_check_is_an_error(tmp_path):
     assert res.returncode == 2 and "unknown check(s) engine_cuda_graph" in res.stderr + res.stdout
 
 
-def test_checks_past_the_budget_are_reported_not_run(tmp_path):
+def test_checks_past_the_budget_are_reported_not_run_and_optional_ones_skipped(tmp_path):
     out = tmp_path / "r.json"
     assert gpu_check.main(["--device", "cpu", "--out", str(out), "--budget-s", "0",
                            "--only", "forward_timing_3b"]) == 1
     check = json.loads(out.read_text())["checks"]["forward_timing_3b"]
-    assert check == {"ok": False, "error": "not run: the time budget was spent"}
+    assert check == {"ok": False, "error": "not run: the time budget was spent", "estimate_s": 6}
+    # An optional check whose estimate the budget does not cover is skipped, which is no failure.
+    assert gpu_check.main(["--device", "cpu", "--out", str(out), "--budget-s", "60",
+                           "--only", "bench_serial_naive"]) == 0
+    check = json.loads(out.read_text())["checks"]["bench_serial_naive"]
+    assert check["ok"] is None and "its estimate is 110 s" in check["skipped"]
 
 
-def test_a_check_that_raises_is_recorded_as_failed(tmp_path):
-    out = tmp_path / "r.json"
-    assert gpu_check.main(["--device", "cuda", "--out", str(out)]) == 2  # no CUDA here: refused up front
-    result = gpu_check.run_in_child("forward_timing_3b", "cuda", timeout=120)  # in its own process
+def test_a_check_that_raises_ends_its_process_and_the_rest_get_a_fresh_one():
+    recorded = {}
+    left = gpu_check.run_in_child(["forward_timing_3b", "sampler_timing"], "cuda", time.time() + 120,
+                                  recorded.__setitem__)  # no CUDA here: the first check raises
+    assert list(recorded) == ["forward_timing_3b"] and left == ["sampler_timing"]
+    result = recorded["forward_timing_3b"]
     assert result["ok"] is False and "Error" in result["error"] and result["traceback"]
+
+
+def test_a_check_past_its_limit_is_killed_with_its_process_group():
+    recorded = {}
+    start = time.time()
+    left = gpu_check.run_in_child(["forward_timing_3b", "sampler_timing"], "cpu", time.time() - 1,
+                                  recorded.__setitem__)  # the budget is spent: killed during its imports
+    assert time.time() - start < 10 and left == ["sampler_timing"]
+    assert "killed" in recorded["forward_timing_3b"]["error"]
+
+
+def test_pytest_past_the_budget_is_killed_with_its_process_group(monkeypatch):
+    monkeypatch.setattr(gpu_check, "DEADLINE", time.time() + 11)  # pytest gets 1 s, less than its start-up
+    result = gpu_check.check_gpu_tests("cpu")
+    assert result["ok"] is False and "process group was killed" in result["timed_out"]
+
+
+def schedule(digests: list[str], grad_norm: list[float], kl: float = 0.0, probs: float = 1e-5) -> dict:
+    """A bench_schedules schedule's results as the criteria read them."""
+    rows = [{"actor/grad_norm": g, "actor/kl_loss": kl, "actor/entropy": 11.4,
+             "training/rollout_probs_diff_max": probs} for g in grad_norm]
+    return {"warmup": rows[0], "steps": rows[1:], "traced": None, "sample_digests": digests}
+
+
+@pytest.mark.parametrize("case, failed", [
+    ("same", []),
+    ("kl_at_rounding_level", []),  # KL is 0 at lr 0: the denominator's floor keeps rounding from failing it
+    ("other_tokens", ["x_same_samples"]),
+    ("grad_norm_off_by_2_percent", ["x_trains_alike"]),
+    ("wrong_reference_logprobs", ["x_trains_alike"]),
+    ("rollout_probs_far", ["x_rollout_probs"]),
+])
+def test_the_comparison_with_serial_prefix_fails_on_bad_input(case, failed):
+    prefix = schedule(["a", "b", "c"], [0.012, 0.013, 0.011])
+    other = {"same": schedule(["a", "b", "c"], [0.012, 0.013 * (1 + 1e-3), 0.011]),
+             "kl_at_rounding_level": schedule(["a", "b", "c"], [0.012, 0.013, 0.011], kl=1e-7),
+             "other_tokens": schedule(["a", "B", "c"], [0.012, 0.013, 0.011]),
+             "grad_norm_off_by_2_percent": schedule(["a", "b", "c"], [0.012, 0.013 * 1.02, 0.011]),
+             "wrong_reference_logprobs": schedule(["a", "b", "c"], [0.012, 0.013, 0.011], kl=0.3),
+             "rollout_probs_far": schedule(["a", "b", "c"], [0.012, 0.013, 0.011], probs=0.2)}[case]
+    tolerances = gpu_check.Tolerances.on(cuda=True)
+    comparison = gpu_check.against_serial_prefix(other, prefix, tolerances.other_passes, tolerances.rollout_probs)
+    verdict = gpu_check.verdict_of(gpu_check.comparison_criteria("x", comparison), "")
+    assert verdict["failed"] == failed and verdict["ok"] is (not failed)
+
+
+def test_a_shorter_run_is_compared_over_the_steps_both_ran():
+    prefix = schedule(["a", "b", "c"], [0.012, 0.013, 0.011])
+    assert gpu_check.against_serial_prefix(schedule(["a", "b"], [0.012, 0.013]), prefix, 0.0, 0.05)["same_samples"]
+    assert not gpu_check.against_serial_prefix(schedule(["a", "x"], [0.012, 0.013]), prefix, 0.0, 0.05)[
+        "same_samples"]

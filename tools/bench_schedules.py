@@ -16,6 +16,9 @@ config and seeds, in this process, so it sees the same prompts and samples:
     overlap-stream --schedule.kind overlap --schedule.stream_groups true
     disagg         --schedule.kind disagg --schedule.rollout_ranks N//2     (only under torchrun, N >= 2 ranks)
 
+`--schedules NAME ...` runs those, in that order (default: all of them). A
+ratio is reported where both its schedules ran.
+
 Under torchrun every rank runs the same schedules, each trainer built
 collectively: the colocated three on all N ranks (dp_shard = N unless
 --parallel.* says otherwise), disagg with its last N//2 ranks generating and the
@@ -26,10 +29,12 @@ prints and writes every file; the other ranks write nothing.
 
 Per schedule: 1 warm-up step (not counted), `--steps` measured steps, then one
 more step under torch.profiler (not counted either: the profiler slows it)
-whose Chrome trace (rank 0's) is written. `--out` gets report.json,
+whose Chrome trace (rank 0's) is written. `--out` gets report.json (rewritten
+after every schedule, so a run cut short keeps the schedules it finished),
 trace_<schedule>.json.gz and timeline.png (engine steps and prefix slices of
 the last measured step; disagg's rank 0 runs no engine, so its panel shows only
-the rollout ranks' gen phase, taken from the step's metrics). Before each step
+the rollout ranks' gen phase, taken from the step's metrics; `--no-timeline`
+skips it). Before each step
 the CUDA cache is emptied, so the prefix budget (read from free device memory)
 is the same in every step. On CPU give --rollout.kv_cache_memory in bytes: the
 default fraction of free RAM makes every rollout zero-fill gigabytes of KV pool.
@@ -37,10 +42,19 @@ default fraction of free RAM makes every rollout zero-fill gigabytes of KV pool.
 Beside each schedule's measured peaks (CUDA) the memory plan the loop logs is
 printed (perf/planned_memory_gb/<phase>, perf/memory_plan_error/<phase>).
 
+Every step's sampled token ids, over all ranks, are hashed (`sample_digests` per
+schedule in report.json), and the tool reports whether every schedule sampled
+the same tokens at every step (`same_samples`). Sampling is seeded, so they
+must wherever the weights are the same: on the CPU at every step; on CUDA at the
+warm-up step, and at every step with --trainer.lr 0 (after an update the
+weights differ in their last bits, the embedding's backward summing with
+atomics, and a sampled token can move).
+
 On CUDA each step also gets `timing_s/gen_gpu`, the gen phase's GPU time from
 events, and the ratios add `decode_slowdown_gpu` (overlap's against
-serial-prefix's: the contention the side stream costs decode). Every run
-reports the shares of serial-prefix's step that the decode window can take:
+serial-prefix's, and `_overlap_stream` for overlap-stream's: the contention the
+side stream costs decode). A run with serial-prefix
+reports the shares of its step that the decode window can take:
 `prompt_work_share_serial_prefix`, its prompt work after rollout (what overlap
 hides), and `finished_group_work_share_serial_prefix`, its finished groups'
 work (reward, reference and old logprobs, the first optimizer step:
@@ -55,6 +69,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import hashlib
 import json
 import os
 import subprocess
@@ -67,6 +82,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rollplex.config import config_to_dict, load_config  # noqa: E402
+from rollplex.dist import all_gather_objects  # noqa: E402
 from rollplex.rl.loop import RLTrainer  # noqa: E402
 
 SCHEDULES = {  # colocated: every rank rolls out and trains
@@ -77,8 +93,6 @@ SCHEDULES = {  # colocated: every rank rolls out and trains
 }
 PHASES = ("gen", "prefix", "ref", "old_log_prob", "update_actor")
 PLANNED_PHASES = ("gen", "update_actor")  # the phases the loop's memory plan is logged for
-# Same workload check: with seeded sampling these are equal in every schedule (see tests/test_schedules.py).
-SAME = ("critic/score/mean", "response_length/mean")
 RANDOM_NOTE = "weights are random: the figures are timings only"
 CPU_NOTE = ("on CPU there is no side stream: overlap runs its prefix slices inline between decode steps, "
             "so it does the same work as serial-prefix and no overlap gain is expected")
@@ -175,6 +189,43 @@ class Recorder:
                 "scheduler_step_ends": [t - t0 for t in rec["step_ends"]]}
 
 
+class SampleDigests:
+    """The hash of each step's sampled token ids, over every rank: each rank keeps the
+    token ids of its rollout's groups (a disagg rollout rank keeps none: the trainer
+    ranks hold every group), and `step_digest` hashes them all by prompt index."""
+
+    def __init__(self, trainer: RLTrainer):
+        self.world = trainer.world
+        self.mine: dict[int, list[list[int]]] = {}
+        rollout_phase = trainer._rollout_phase
+
+        def recording_rollout_phase(*args, **kwargs):
+            rollout, metrics = rollout_phase(*args, **kwargs)
+            if rollout is not None:
+                self.mine = {e.index: [s.token_ids for s in g.samples]
+                             for e, g in zip(rollout.examples, rollout.groups)}
+            return rollout, metrics
+
+        trainer._rollout_phase = recording_rollout_phase
+
+    def step_digest(self) -> str:
+        """The last step's digest; collective under torchrun (every rank calls it after the step)."""
+        groups: dict[int, list[list[int]]] = {}
+        for part in all_gather_objects(self.mine) if self.world > 1 else [self.mine]:
+            groups.update(part)
+        self.mine = {}
+        return digest(groups)
+
+
+def digest(groups: dict[int, list[list[int]]]) -> str:
+    """A short hash of each prompt's samples' token ids, in prompt index order."""
+    h = hashlib.sha256()
+    for index in sorted(groups):
+        for tokens in groups[index]:
+            h.update(f"{index}:{','.join(map(str, tokens))};".encode())
+    return h.hexdigest()[:16]
+
+
 def run_schedule(name: str, overrides: list[str], base_argv: list[str], steps: int, out: Path, trace: bool,
                  batches: list) -> dict | None:
     """Run one schedule on this rank (every rank calls it: the trainer is built and
@@ -186,8 +237,9 @@ def run_schedule(name: str, overrides: list[str], base_argv: list[str], steps: i
     cuda = trainer.device.type == "cuda"
     # Host timestamps of rank 0's rollouts; a disagg trainer rank has no engine and rolls nothing out.
     recorder = Recorder(trainer) if lead and trainer.engine is not None else None
+    digests = SampleDigests(trainer)
     source = trainer._batches(0)
-    rows = []
+    rows, sample_digests = [], []
     # The objects so far (the trainer's and the imports', ~400k) out of every later collection: a full
     # gc.collect() then takes ms, not ~0.2 s, and an automatic one cannot land inside a timed step. Under
     # torchrun that matters twice: one rank's collection before a step is another's wait inside it.
@@ -216,6 +268,7 @@ def run_schedule(name: str, overrides: list[str], base_argv: list[str], steps: i
                 if gen_gpu is not None:
                     row["timing_s/gen_gpu"] = gen_gpu
             rows.append(row)
+            sample_digests.append(digests.step_digest())
             if lead:
                 print(f"  {name} step {i} ({'warm-up' if i == 0 else 'traced' if i > steps else 'measured'}): "
                       f"{metrics['timing_s/step']:.3f} s", flush=True)
@@ -225,7 +278,7 @@ def run_schedule(name: str, overrides: list[str], base_argv: list[str], steps: i
     if lead:
         result = {"overrides": overrides, "config": config_to_dict(cfg), "world_size": trainer.world,
                   "warmup": rows[0], "steps": rows[1:1 + steps], "traced": rows[1 + steps] if trace else None,
-                  "mean": _mean(rows[1:1 + steps]),
+                  "mean": _mean(rows[1:1 + steps]), "sample_digests": sample_digests,
                   "timeline": recorder.timeline(steps) if recorder is not None else metrics_timeline(rows[steps]),
                   "trace": f"trace_{name}.json.gz" if trace else None, "device": str(trainer.device),
                   "loadavg_1min": [load_before, os.getloadavg()[0]]}
@@ -252,36 +305,51 @@ def _mean(rows: list[dict]) -> dict:
     return {k: sum(r[k] for r in rows) / len(rows) for k in sorted(keys)}
 
 
+# (numerator, denominator): perf/throughput ratios, reported where both schedules ran
+THROUGHPUT_RATIOS = (("overlap", "serial-naive"), ("overlap", "serial-prefix"), ("serial-prefix", "serial-naive"),
+                     ("overlap-stream", "serial-prefix"), ("disagg", "overlap"), ("disagg", "serial-naive"))
+
+
+def _key(schedule: str) -> str:
+    return schedule.replace("-", "_")
+
+
 def ratios(results: dict) -> dict:
+    """The ratios of the schedules that ran: throughput_<a>_over_<b> (THROUGHPUT_RATIOS) and,
+    against serial-prefix, the decode slowdown of each decode-window schedule (overlap's as
+    decode_slowdown, overlap-stream's with the suffix _overlap_stream) and the shares of
+    serial-prefix's step that the decode window can take."""
     tput = {n: r["mean"]["perf/throughput"] for n, r in results.items()}
-    o, p = results["overlap"]["mean"], results["serial-prefix"]["mean"]
-    out = {"throughput_overlap_over_serial_naive": tput["overlap"] / tput["serial-naive"],
-           "throughput_overlap_over_serial_prefix": tput["overlap"] / tput["serial-prefix"],
-           "throughput_serial_prefix_over_serial_naive": tput["serial-prefix"] / tput["serial-naive"],
-           # decode of the overlap step (its gen phase without the prefix work it left exposed) against the
-           # decode-only gen phase of serial-prefix (same vision encode, same samples, no slices)
-           "decode_slowdown": (o["timing_s/gen"] - o.get("timing_s/prefix_exposed", 0.0)) / p["timing_s/gen"] - 1,
-           # the most overlap can gain: serial-prefix's prompt work after rollout, as a share of its step
-           "prompt_work_share_serial_prefix": p.get("timing_s/prefix", 0.0) / p["timing_s/step"],
-           # what overlap-stream can hide besides: serial-prefix's finished groups' work after decode
-           "finished_group_work_share_serial_prefix": p.get("timing_s/stream_exposed", 0.0) / p["timing_s/step"],
-           "throughput_overlap_stream_over_serial_prefix": tput["overlap-stream"] / tput["serial-prefix"]}
-    if "timing_s/gen_gpu" in o and "timing_s/gen_gpu" in p:  # CUDA: the decode contention itself
-        out["decode_slowdown_gpu"] = o["timing_s/gen_gpu"] / p["timing_s/gen_gpu"] - 1
-    if "disagg" in tput:  # per GPU at equal GPU count: perf/throughput divides by every rank in each schedule
-        out["throughput_disagg_over_overlap"] = tput["disagg"] / tput["overlap"]
-        out["throughput_disagg_over_serial_naive"] = tput["disagg"] / tput["serial-naive"]
+    out = {f"throughput_{_key(a)}_over_{_key(b)}": tput[a] / tput[b]
+           for a, b in THROUGHPUT_RATIOS if a in tput and b in tput}
+    if "serial-prefix" not in results:
+        return out
+    p = results["serial-prefix"]["mean"]
+    for name in ("overlap", "overlap-stream"):
+        if name not in results:
+            continue
+        o, suffix = results[name]["mean"], "" if name == "overlap" else f"_{_key(name)}"
+        # decode of the step (its gen phase without the prefix work it left exposed) against the
+        # decode-only gen phase of serial-prefix (same vision encode, same samples, no slices)
+        out[f"decode_slowdown{suffix}"] = (o["timing_s/gen"] - o.get("timing_s/prefix_exposed", 0.0)) / \
+            p["timing_s/gen"] - 1
+        if "timing_s/gen_gpu" in o and "timing_s/gen_gpu" in p:  # CUDA: the decode contention itself
+            out[f"decode_slowdown_gpu{suffix}"] = o["timing_s/gen_gpu"] / p["timing_s/gen_gpu"] - 1
+    # the most overlap can gain: serial-prefix's prompt work after rollout, as a share of its step
+    out["prompt_work_share_serial_prefix"] = p.get("timing_s/prefix", 0.0) / p["timing_s/step"]
+    # what overlap-stream can hide besides: serial-prefix's finished groups' work after decode
+    out["finished_group_work_share_serial_prefix"] = p.get("timing_s/stream_exposed", 0.0) / p["timing_s/step"]
     return out
 
 
 def same_samples(results: dict) -> tuple[bool, list[str]]:
-    lines, ok = [], True
-    runs = {n: [r["warmup"], *r["steps"], *([r["traced"]] if r["traced"] else [])] for n, r in results.items()}
-    for i in range(len(next(iter(runs.values())))):
-        values = {n: tuple(rows[i][k] for k in SAME) for n, rows in runs.items()}
-        match = len(set(values.values())) == 1
+    """Whether every schedule sampled the same token ids at every step (their digests), and a line per step."""
+    runs = {n: r["sample_digests"] for n, r in results.items()}
+    ok, lines = True, []
+    for i, step in enumerate(zip(*runs.values())):
+        match = len(set(step)) == 1
         ok &= match
-        lines.append(f"  step {i}: " + "  ".join(f"{n} score {v[0]:.4f} len {v[1]:.2f}" for n, v in values.items())
+        lines.append(f"  step {i}: " + "  ".join(f"{n} {d}" for n, d in zip(runs, step))
                      + ("  match" if match else "  MISMATCH"))
     return ok, lines
 
@@ -304,23 +372,28 @@ def print_table(results: dict, r: dict, cuda: bool) -> None:
               f"trainer ranks idle (waiting for samples) {m['timing_s/train_idle']:.4g} s "
               f"(gen above: the slowest rollout replica's)")
     print_memory(results, cuda)
-    print(f"throughput overlap / serial-naive   {r['throughput_overlap_over_serial_naive']:.3f}")
-    print(f"throughput overlap / serial-prefix  {r['throughput_overlap_over_serial_prefix']:.3f}")
-    print(f"throughput serial-prefix / naive    {r['throughput_serial_prefix_over_serial_naive']:.3f}")
-    print(f"throughput overlap-stream / serial-prefix  {r['throughput_overlap_stream_over_serial_prefix']:.3f}")
-    if "throughput_disagg_over_overlap" in r:
-        print(f"throughput disagg / overlap         {r['throughput_disagg_over_overlap']:.3f}  "
-              "(per GPU, equal GPU count)")
-        print(f"throughput disagg / serial-naive    {r['throughput_disagg_over_serial_naive']:.3f}  "
-              "(per GPU, equal GPU count)")
-    print(f"decode slowdown (overlap gen - exposed) / serial-prefix gen - 1  {r['decode_slowdown']:+.3f}")
-    if "decode_slowdown_gpu" in r:
-        print(f"decode slowdown on the GPU (events): overlap gen / serial-prefix gen - 1  "
-              f"{r['decode_slowdown_gpu']:+.3f}")
-    print(f"prompt work share of the serial-prefix step (the most overlap can hide)  "
-          f"{r['prompt_work_share_serial_prefix']:.3f}")
-    print(f"finished groups' work share of the serial-prefix step (what overlap-stream can hide besides)  "
-          f"{r['finished_group_work_share_serial_prefix']:.3f}")
+    print_ratios(r)
+
+
+def print_ratios(r: dict) -> None:
+    """The ratios `ratios` found, one a line."""
+    for a, b in THROUGHPUT_RATIOS:
+        value = r.get(f"throughput_{_key(a)}_over_{_key(b)}")
+        if value is not None:
+            note = "  (per GPU, equal GPU count)" if a == "disagg" else ""
+            print(f"throughput {a} / {b}".ljust(44) + f"{value:.3f}{note}")
+    for name, suffix in (("overlap", ""), ("overlap-stream", "_overlap_stream")):
+        if f"decode_slowdown{suffix}" in r:
+            print(f"decode slowdown ({name} gen - exposed) / serial-prefix gen - 1  "
+                  f"{r[f'decode_slowdown{suffix}']:+.3f}")
+        if f"decode_slowdown_gpu{suffix}" in r:
+            print(f"decode slowdown on the GPU (events): {name} gen / serial-prefix gen - 1  "
+                  f"{r[f'decode_slowdown_gpu{suffix}']:+.3f}")
+    if "prompt_work_share_serial_prefix" in r:
+        print(f"prompt work share of the serial-prefix step (the most overlap can hide)  "
+              f"{r['prompt_work_share_serial_prefix']:.3f}")
+        print(f"finished groups' work share of the serial-prefix step (what overlap-stream can hide besides)  "
+              f"{r['finished_group_work_share_serial_prefix']:.3f}")
 
 
 def print_memory(results: dict, cuda: bool) -> None:
@@ -413,13 +486,20 @@ def main(argv: list[str] | None = None) -> dict:
                                      epilog="other --section.field value options go to every schedule's config")
     parser.add_argument("--config", help="YAML config (default: configs/tiny.yaml)")
     parser.add_argument("--steps", type=int, default=2, help="measured steps per schedule (after 1 warm-up)")
+    parser.add_argument("--schedules", nargs="+", metavar="NAME",
+                        help="the schedules to run, in this order (default: every one this world size has)")
     parser.add_argument("--out", default="runs/bench_schedules", help="output folder")
     parser.add_argument("--no-trace", action="store_true", help="skip the profiled step and its Chrome trace")
+    parser.add_argument("--no-timeline", action="store_true", help="skip timeline.png")
     opts, extra = parser.parse_known_args(argv)
     if opts.steps < 1:
         parser.error("--steps must be >= 1")
     # As rollplex.dist.init_distributed reads them (torchrun's variables); the trainers join the group.
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    available = schedules(world)
+    unknown = [n for n in opts.schedules or () if n not in available]
+    if unknown:
+        parser.error(f"unknown schedule(s) {', '.join(unknown)} at {world} rank(s); they are: {', '.join(available)}")
     lead = rank == 0
     out = Path(opts.out)
     if lead:
@@ -431,38 +511,49 @@ def main(argv: list[str] | None = None) -> dict:
     if lead:
         print(f"bench_schedules: {RANDOM_NOTE}" + (f"; {world} ranks" if world > 1 else ""))
     batches: list = []
-    results = {}
-    for name, overrides in schedules(world).items():
+    results, report = {}, {}
+    for name in opts.schedules or available:
         if lead:
-            print(f"{name}: {' '.join(overrides)}", flush=True)
-        results[name] = run_schedule(name, overrides, base, opts.steps, out, not opts.no_trace, batches)
+            print(f"{name}: {' '.join(available[name])}", flush=True)
+        results[name] = run_schedule(name, available[name], base, opts.steps, out, not opts.no_trace, batches)
+        if lead:  # after every schedule: a run cut short keeps what it measured
+            report = make_report(results, sys.argv[1:] if argv is None else list(argv), base, world)
+            (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     if not lead:
         return {}
-    device = results["overlap"]["device"]
-    cuda = device.startswith("cuda")
-    r = ratios(results)
-    ok, lines = same_samples(results)
-    print(f"same samples in every schedule (mean score, response length per step): {'yes' if ok else 'NO'}")
-    print("\n".join(lines))
-    print_table(results, r, cuda)
-    notes = [RANDOM_NOTE] + ([] if cuda else [CPU_NOTE]) + ([CPU_RANKS_NOTE] if world > 1 and not cuda else []) \
-        + ([DISAGG_NOTE, DISAGG_PLAN_NOTE] if "disagg" in results else [])
-    print("note: " + "; ".join(notes))
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = ""
-    report = {"argv": sys.argv[1:] if argv is None else list(argv), "base_argv": base,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-              "commit": commit, "world_size": world, "notes": notes, "same_samples": ok,
-              "ratios": r, "schedules": results}
-    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    plotted = plot_timeline(results, out / "timeline.png")
+    cuda = report["device"] != "cpu"
+    print(f"same samples in every schedule (digest of the sampled token ids per step): "
+          f"{'yes' if report['same_samples'] else 'NO'}")
+    print("\n".join(same_samples(results)[1]))
+    print_table(results, report["ratios"], cuda)
+    print("note: " + "; ".join(report["notes"]))
+    plotted = not opts.no_timeline and plot_timeline(results, out / "timeline.png")
     print(f"wrote {out / 'report.json'}" + (f", {out / 'timeline.png'}" if plotted else "")
           + ("" if opts.no_trace else f", {out}/trace_<schedule>.json.gz"))
     return report
+
+
+def make_report(results: dict, argv: list[str], base: list[str], world: int) -> dict:
+    """report.json's content for the schedules run so far."""
+    cuda = next(iter(results.values()))["device"].startswith("cuda")
+    notes = [RANDOM_NOTE] + ([] if cuda else [CPU_NOTE]) + ([CPU_RANKS_NOTE] if world > 1 and not cuda else []) \
+        + ([DISAGG_NOTE, DISAGG_PLAN_NOTE] if "disagg" in results else [])
+    return {"argv": argv, "base_argv": base,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+            "commit": commit_id(), "world_size": world, "notes": notes, "same_samples": same_samples(results)[0],
+            "ratios": ratios(results), "schedules": results}
+
+
+def commit_id() -> str:
+    """ROLLPLEX_COMMIT (a device machine's copy of the tree has no .git), else git's HEAD, else ""."""
+    if os.environ.get("ROLLPLEX_COMMIT"):
+        return os.environ["ROLLPLEX_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        return ""
 
 
 if __name__ == "__main__":

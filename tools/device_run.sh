@@ -7,8 +7,10 @@
 #                 ROLLPLEX_COMMIT=<sha of HEAD> bash tools/device_run.sh
 #
 # Writes under $OUT (default runs/device): gpu_check.json (rewritten after every
-# check), gpu_check.log, bench_schedules/report.json and bench_schedules/timeline.png:
-# four files, within the eight that come back. Options go to tools/gpu_check.py:
+# check), gpu_check.log, bench_schedules/report.json (rewritten after every
+# schedule) and bench_schedules/timeline.png, bench_small_prefix_budget/report.json
+# and, when the budget leaves time for it, bench_serial_naive/report.json: at most
+# six files, within the eight that come back. Options go to tools/gpu_check.py:
 # `--only NAME ...`, `--budget-s S` (default 480), `--device cpu` (the same run end
 # to end on a CPU at the smallest sizes: tests/test_gpu_check.py). PYTHON picks the
 # interpreter (default python3, the GPU machine's).

@@ -2,15 +2,23 @@
 
     ROLLPLEX_COMMIT=<sha> python tools/gpu_check.py --out $OUT/gpu_check.json
 
-Each check runs in a process of its own (a CUDA fault or a hung kernel cannot
-poison the checks after it), returns a dict of figures with an "ok" verdict
-that can fail, and the JSON report is rewritten after every check, so a run
-cut short still reports what it did. Checks run most important first, within a
-time budget (`--budget-s`, default 480 s): what the budget does not reach is
-reported as not run. `--only NAME ...` runs a subset; an unknown name is an
-error. `--device cpu` runs every check at its smallest size on the CPU: that
-tests this script and the checks' own logic (tests/test_gpu_check.py), not the
-GPU paths. The exit status is 0 only when every selected check ran and passed.
+Checks run most important first: the engine, the streamed overlap step, the
+schedule benchmark, then the rest (`CHECKS`, where each one's estimate on one
+H200 is; docs/GPU.md). Each returns a dict of figures with an "ok" verdict
+that can fail. Consecutive checks of one process key run in one child process,
+which pays the imports once (about 16 s on the device machine); a check that
+raises ends its process, since a CUDA error can leave the context unusable, and
+the checks after it get a fresh one. Each child is started in a session of its
+own and killed with its whole process group when its running check passes its
+time limit (twice its estimate plus 30 s) or the run's budget (`--budget-s`,
+default 480 s). The JSON report is rewritten after every check, so a run cut
+short still reports what it did; what the budget does not reach is reported
+as not run. An optional check starts only when the budget left covers its
+estimate, and skipping it is no failure. `--only NAME ...` runs a subset; an
+unknown name is an error. `--device cpu` runs every check at its smallest size
+on the CPU, in Triton's interpreter: that tests this script and the checks' own
+logic (tests/test_gpu_check.py), not the GPU paths. The exit status is 0 only
+when every selected check ran and passed, or was an optional one skipped.
 
 The commit comes from ROLLPLEX_COMMIT (the device machine gets a copy of the
 working tree without .git), else from git.
@@ -21,25 +29,36 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
+import itertools
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))  # sibling tools (bench_schedules)
+sys.path.insert(0, str(REPO / "tools"))  # sibling tools (bench_schedules, bench_sampler)
 
 from rollplex.models import ModelArgs, TextArgs, VisionArgs, build_model, from_pretrained, save_pretrained  # noqa: E402
 from rollplex.models.inputs import Prompt  # noqa: E402
 from rollplex.models.packing import pack_sequences  # noqa: E402
+
+if TYPE_CHECKING:
+    from rollplex.engine import Engine
+
+ARTIFACTS = Path(".")  # where checks write files beyond the JSON report (set next to --out)
+DEADLINE = float("inf")  # time.time() at which the run's budget ends (set in a child from --deadline)
 
 
 def _tiny_args(vocab_size: int = 512) -> ModelArgs:
@@ -92,7 +111,482 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-# ---------------------------------------------------------------------- checks, most important first
+# ---------------------------------------------------------------------- criteria
+
+
+def verdict_of(criteria: dict[str, bool], text: str) -> dict:
+    """A check's verdict: ok when every named criterion holds; the ones that failed are named."""
+    return {"ok": all(criteria.values()), "failed": [name for name, held in criteria.items() if not held],
+            "criterion": text}
+
+
+def _tokens(outputs: list) -> list[list[list[int]]]:
+    """Each group's samples' token ids, from Engine.generate's groups."""
+    return [[list(s.token_ids) for s in group.samples] for group in outputs]
+
+
+def _equal_share(a: list[list[list[int]]], b: list[list[list[int]]]) -> float:
+    """The share of samples whose token ids are the same in `a` and `b` (groups alike)."""
+    pairs = [(x, y) for ga, gb in zip(a, b) for x, y in zip(ga, gb)]
+    return sum(x == y for x, y in pairs) / len(pairs)
+
+
+# How the schedules' training figures compare with serial-prefix's, step by step. With lr 0 every step starts from
+# the same weights in every schedule, so every step is held to the same bound. KL is 0 at lr 0 (the reference model
+# is the actor), so the denominator has a floor: a KL at rounding level passes, a wrong reference logprob does not.
+TRAINING_KEYS = ("actor/grad_norm", "actor/kl_loss", "actor/entropy")
+RELATIVE_FLOOR = 1e-3
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """The bounds of a schedule's training figures (relative) and rollout probabilities against serial-prefix's."""
+
+    same_passes: float  # overlap: serial-prefix's passes, moved into the decode window
+    other_passes: float  # overlap-stream, deferred prompt work, serial-naive: the same sums, other micro-batches
+    rollout_probs: float  # training/rollout_probs_diff_max: the engine's probabilities against the trainer's
+
+    @classmethod
+    def on(cls, cuda: bool) -> Tolerances:
+        """CUDA: bf16, and atomics reorder sums (the embedding's backward), so 1e-4 for the same passes;
+        other micro-batches round differently, 1e-2. CPU: fp32 and deterministic, exact for the same
+        passes, 1e-5 for sums in another order."""
+        return cls(1e-4, 1e-2, 0.05) if cuda else cls(0.0, 1e-5, 1e-4)
+
+
+def schedule_rows(schedule: dict) -> list[dict]:
+    """A bench_schedules schedule's metrics rows: warm-up, measured steps, then the traced step if any."""
+    return [schedule["warmup"], *schedule["steps"], *([schedule["traced"]] if schedule.get("traced") else [])]
+
+
+def relative_differences(a: dict, b: dict, keys: tuple[str, ...] = TRAINING_KEYS) -> list[float]:
+    """Per step both schedules ran, the largest |x - y| / max(|x|, |y|, RELATIVE_FLOOR) over `keys`."""
+    return [max(abs(x[k] - y[k]) / max(abs(x[k]), abs(y[k]), RELATIVE_FLOOR) for k in keys)
+            for x, y in zip(schedule_rows(a), schedule_rows(b))]
+
+
+def against_serial_prefix(schedule: dict, prefix: dict, tolerance: float, probs_bound: float) -> dict:
+    """How a schedule of bench_schedules compares with serial-prefix over the steps both ran: the same
+    sampled token ids at every step (their digests), training figures within `tolerance` (relative),
+    and the rollout's probabilities within `probs_bound` of the trainer's at every step."""
+    steps = min(len(schedule["sample_digests"]), len(prefix["sample_digests"]))
+    per_step = relative_differences(schedule, prefix)
+    probs = max(r["training/rollout_probs_diff_max"] for r in schedule_rows(schedule))
+    return {"same_samples": schedule["sample_digests"][:steps] == prefix["sample_digests"][:steps],
+            "trains_alike": max(per_step) <= tolerance, "rel_diff_per_step": per_step, "tolerance": tolerance,
+            "rollout_probs_diff_max": probs, "rollout_probs_ok": probs <= probs_bound}
+
+
+def comparison_criteria(name: str, comparison: dict) -> dict[str, bool]:
+    """An `against_serial_prefix` comparison as criteria of a verdict, named after the schedule."""
+    return {f"{name}_same_samples": comparison["same_samples"], f"{name}_trains_alike": comparison["trains_alike"],
+            f"{name}_rollout_probs": comparison["rollout_probs_ok"]}
+
+
+def per_step(schedule: dict, key: str) -> list[float | None]:
+    """A metric of a bench_schedules schedule at each step (None where a step has none)."""
+    return [r.get(key) for r in schedule_rows(schedule)]
+
+
+# ---------------------------------------------------------------------- the engine
+
+
+def _engine(model, **config) -> Engine:
+    """An engine on `model` with EngineConfig(**config); CUDA graphs unless enforce_eager (on CPU:
+    the runner's stand-in, which replays what it captured as a graph does)."""
+    from rollplex.engine import Engine, EngineConfig
+
+    engine = Engine(model, EngineConfig(progress=False, **config))
+    engine.runner.use_cuda_graphs = not config.get("enforce_eager", False)
+    return engine
+
+
+# The engines of engine_throughput_3b, on the same requests: EngineConfig fields besides the shared ones.
+DECODE_SETUPS = {"run_ahead": {}, "settled": {"run_ahead": False}, "cascade": {"shared_prefix_decode": True}}
+
+
+def check_engine_throughput_3b(device: str) -> dict:
+    """3B-shaped decode (random weights, CUDA graphs) of 8 prompts of 2048 tokens x 8 samples,
+    seeded sampling at temperature 1, by three engines on the same requests: run-ahead (the
+    default), settled (run_ahead off: the host reads each step's tokens before it issues the
+    next) and run-ahead with group-shared (cascade) attention (shared_prefix_decode). Run-ahead
+    moves host work only, so its tokens must equal the settled engine's. The cascade reads the
+    same K/V in another order, and bf16 rounding moves a sampled token now and then, so its
+    share of equal samples is reported (engine_cuda_graphs holds it to equal tokens in fp32).
+    Per engine, per decode step: time and the host syncs sync debug mode reports; each engine
+    generates the timed requests once first, so capture (36 layers: its seconds are reported)
+    stays out of the timed windows. Eager decode is left out: 53 ms a step at c98158e."""
+    from rollplex.engine import Request
+
+    cuda = _cuda(device)
+    model = build_model(_3b_args(cuda), dtype=torch.bfloat16 if cuda else torch.float32, device=device, seed=0)
+    model.set_attn_backend("auto")
+    prompts, n, prompt_tokens, steps = (8, 8, 2048, 128) if cuda else (2, 2, 16, 8)
+    requests = [Request(_text_prompt(100 + 7 * i, 100 + 7 * i + prompt_tokens), n=n, seed=i) for i in range(prompts)]
+    result: dict = {"attn_backend": model.attn_backend, "rows": prompts * n, "prompt_tokens": prompt_tokens,
+                    "decode_steps": steps, "note": "random weights; timing only"}
+    tokens = {}
+    for name, setup in DECODE_SETUPS.items():
+        engine = _engine(model, max_num_seqs=prompts * n, max_model_len=prompt_tokens + steps + 16, **setup)
+        result[name], tokens[name] = _timed_decode(engine, requests, steps, device)
+        result[name].update(captures=engine.runner.captures, capture_seconds=engine.runner.capture_seconds)
+        del engine
+        if cuda:
+            torch.cuda.empty_cache()
+    run_ahead, settled, cascade = (result[name] for name in DECODE_SETUPS)
+    result["run_ahead_speedup"] = settled["decode_step_ms"] / run_ahead["decode_step_ms"]
+    result["cascade_speedup"] = run_ahead["decode_step_ms"] / cascade["decode_step_ms"]
+    result["cascade_equal_samples_share"] = _equal_share(tokens["cascade"], tokens["run_ahead"])
+    criteria = {"run_ahead_tokens_equal_settled": tokens["run_ahead"] == tokens["settled"],
+                "no_capture_in_timed_windows": all(result[name]["captures_in_timed_window"] == 0
+                                                   for name in DECODE_SETUPS)}
+    return {**result, **verdict_of(criteria, "run-ahead sampled the same tokens as settled decode; no graph capture "
+                                             "inside a timed window")}
+
+
+def _timed_decode(engine, requests: list, steps: int, device: str) -> tuple[dict, list]:
+    """The engine's time per decode step (a generation of steps + 1 tokens less one of 1 token), the
+    host syncs per decode step (CUDA) and the captures inside the timed generations; and the tokens of
+    the longer one."""
+    from rollplex.engine import SamplingParams
+
+    cuda = _cuda(device)
+    timings, syncs, captures_in_window = {}, {}, 0
+    for max_tokens in (1, steps + 1):
+        params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
+        engine.generate(requests, params)  # warm-up: any capture happens here
+        captures = engine.runner.captures
+        _sync(device)
+        with _counting_host_syncs(cuda) as counted:
+            t0 = time.perf_counter()
+            outputs = engine.generate(requests, params)
+            _sync(device)
+            timings[max_tokens] = time.perf_counter() - t0
+        syncs[max_tokens] = sum("synchroniz" in str(w.message) for w in counted)
+        captures_in_window += engine.runner.captures - captures
+    step = (timings[steps + 1] - timings[1]) / steps
+    rows = sum(r.n for r in requests)
+    figures = {"decode_step_ms": step * 1e3, "decode_tokens_per_s": rows / step,
+               "captures_in_timed_window": captures_in_window}
+    if cuda:
+        figures["host_syncs_per_decode_step"] = (syncs[steps + 1] - syncs[1]) / steps
+    return figures, _tokens(outputs)
+
+
+@contextlib.contextmanager
+def _counting_host_syncs(cuda: bool):
+    """The host syncs inside the block, as the warnings of torch's CUDA sync debug mode (none on CPU)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield caught
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+
+
+def check_engine_cuda_graphs(device: str) -> dict:
+    """CUDA-graph decode of a small model against eager decode (on CPU: the runner's graph stand-in):
+    - greedy tokens of a mixed batch (image + video prompt, text prompt) and of a larger one;
+    - the mixed batch again after the KV pool moved (released while the old pool is held, so the new
+      one lands elsewhere): its graphs must be captured anew, the tokens still equal;
+    - each graph's replay against the eager decode of the same static buffers, bitwise;
+    - group-shared (cascade) attention under graphs against plain paged decode under graphs: the same
+      greedy tokens for both batches, in fp32 (in bf16 the other summation order would move an argmax
+      between near-tied logits now and then: engine_throughput_3b reports that share).
+    Reports how many captures ran and how long they took."""
+    cuda = _cuda(device)
+    args = _tiny_args()
+    model = build_model(args, dtype=torch.bfloat16 if cuda else torch.float32, device=device, seed=0)
+    model.set_attn_backend("auto")
+    batches = _graph_batches(args, device)
+    config = dict(max_num_seqs=16, max_model_len=1024)
+    eager, graphed = _engine(model, enforce_eager=True, **config), _engine(model, **config)
+    result: dict = {"attn_backend": model.attn_backend}
+    expected = {name: _greedy(eager, requests, cuda) for name, requests in batches.items()}
+    criteria = {f"{name}_tokens_equal": _greedy(graphed, requests, cuda) == expected[name]
+                for name, requests in batches.items()}
+    before, moved_from = graphed.runner.captures, graphed.cache.data  # held: the next pool lands elsewhere
+    graphed.release_kv()
+    criteria["moved_pool_tokens_equal"] = _greedy(graphed, batches["mixed"], cuda) == expected["mixed"]
+    criteria["moved_pool_recaptured"] = graphed.runner.captures > before
+    del moved_from
+    result["replay_vs_eager_same_buffers_max_abs"] = _replay_against_eager(graphed)
+    criteria["replay_bitwise_equal_eager"] = result["replay_vs_eager_same_buffers_max_abs"] == 0.0
+    result.update(captures=graphed.runner.captures, capture_seconds=graphed.runner.capture_seconds)
+    model32 = build_model(args, dtype=torch.float32, device=device, seed=0)
+    model32.set_attn_backend("auto")
+    plain, cascade = _engine(model32, **config), _engine(model32, shared_prefix_decode=True, **config)
+    for name, requests in batches.items():
+        criteria[f"cascade_{name}_tokens_equal"] = _greedy(cascade, requests, cuda) == _greedy(plain, requests, cuda)
+    return {**result, **verdict_of(criteria, "greedy tokens of graphs equal eager's, after a moved pool too (which "
+                                             "recaptured); replay bitwise equal to eager on the same static buffers; "
+                                             "cascade tokens equal plain paged decode's under graphs (fp32)")}
+
+
+def _graph_batches(args: ModelArgs, device: str) -> dict[str, list]:
+    """Requests of several samples each (groups sharing their prompt's blocks): a mixed batch, a larger one."""
+    from rollplex.engine import Request
+
+    multimodal = Request(_multimodal_prompt(args, device, video_thw=(2, 16, 16)), n=4)
+    return {"mixed": [multimodal, Request(_text_prompt(1, 40), n=3)],
+            "larger": [multimodal, Request(_text_prompt(1, 200), n=6), Request(_text_prompt(7, 90), n=2)]}
+
+
+def _greedy(engine, requests: list, cuda: bool) -> list[list[list[int]]]:
+    from rollplex.engine import SamplingParams
+
+    return _tokens(engine.generate(requests, SamplingParams(temperature=0.0, max_tokens=32 if cuda else 6,
+                                                            ignore_eos=True)))
+
+
+def _replay_against_eager(engine) -> float:
+    """Replay each captured bucket, then run the eager decode on the same static buffers."""
+    runner = engine.runner
+    worst = 0.0
+    with torch.no_grad():
+        for bucket, graph in runner.graphs.items():
+            s = runner.static
+            graph.replay()
+            replayed = runner.graph_logits[bucket].float().clone()
+            eager = runner._decode_eager(s["ids"][:bucket], s["positions"][:bucket], s["slots"][:bucket],
+                                         s["tables"][:bucket], s["lens"][:bucket]).float()
+            worst = max(worst, (replayed - eager).abs().max().item())
+    return worst
+
+
+@contextlib.contextmanager
+def _host_syncs_are_errors(cuda: bool):
+    """Any host-device synchronisation raises inside the block (CUDA only)."""
+    if not cuda:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+# ---------------------------------------------------------------------- the streamed overlap step
+
+
+@contextlib.contextmanager
+def _decode_window_guarded(cuda: bool, calls: dict[str, int]):
+    """Inside the block, every decode-window call (PrefixScheduler.between_steps, the prompt work's
+    slices; GroupStream.between_steps, the finished groups' scoring and passes) runs with host syncs
+    made errors (CUDA) and is counted in `calls`, by kind."""
+    from rollplex.rl.prefix import PrefixScheduler
+    from rollplex.rl.stream import GroupStream
+
+    classes = {"prefix": PrefixScheduler, "stream": GroupStream}
+
+    def guard(kind: str, between_steps: Callable) -> Callable:
+        def guarded(self, running: int) -> None:
+            calls[kind] += 1
+            with _host_syncs_are_errors(cuda):
+                between_steps(self, running)
+        return guarded
+
+    saved = {kind: cls.between_steps for kind, cls in classes.items()}
+    for kind, cls in classes.items():
+        calls[kind] = 0
+        cls.between_steps = guard(kind, saved[kind])
+    try:
+        yield
+    finally:
+        for kind, cls in classes.items():
+            cls.between_steps = saved[kind]
+
+
+def check_overlap_stream_step(device: str) -> dict:
+    """Three streamed overlap steps (schedule.kind overlap, schedule.stream_groups true) of a small
+    model with the 3B's 36 decoder layers (graph capture costs what it costs there), video prompts,
+    the reference model on, response limits of 8-48 tokens (so groups finish apart, and after the
+    36-layer prompt forwards their passes read): every decode-window call, the prefix slices and the
+    finished groups' work, runs with host syncs made errors (a sync raises, and the check fails);
+    finished groups' reference and update passes must run in the window; the decode stream must
+    outrank the side stream; prompt work must be hidden at every step. Reports per step the graph
+    captures and their seconds (graphs are captured once per run, so after the first step these
+    should be 0) and the decode window's host time."""
+    from rollplex.config import load_config
+    from rollplex.rl.loop import RLTrainer
+
+    cuda = _cuda(device)
+    calls: dict[str, int] = {}
+    with tempfile.TemporaryDirectory() as out, _decode_window_guarded(cuda, calls):
+        cfg = load_config(["--trainer.output_dir", out, "--trainer.device", device, "--schedule.kind", "overlap",
+                           "--schedule.stream_groups", "true", "--model.tiny.num_layers", "36",
+                           "--data.task", "direction", "--data.batch_size", "4", "--rollout.n", "4",
+                           "--rollout.max_tokens", "48", "--rollout.min_tokens", "8", "--rollout.ignore_eos", "true",
+                           "--algorithm.kl_coef", "0.01", "--rollout.kv_cache_memory", "64e6",
+                           "--trainer.eval_every", "0", "--logging.no_console"])
+        trainer = RLTrainer(cfg)
+        source = trainer._batches(0)
+        rows = []
+        for step in (1, 2, 3):
+            trainer.step = step
+            rows.append(trainer.train_step(next(source)))
+        priorities = _stream_priorities(trainer)
+        trainer.logger.close()
+    criteria = {"prefix_slices_ran": calls["prefix"] > 0, "stream_calls_ran": calls["stream"] > 0,
+                "ref_groups_streamed": sum(r["stream/ref_groups"] for r in rows) > 0,
+                "update_groups_streamed": sum(r["stream/update_groups"] for r in rows) > 0,
+                "prompt_work_hidden": all(r["timing_s/prefix_hidden"] > 0 for r in rows)}
+    if cuda:
+        criteria["decode_stream_outranks_side_stream"] = priorities["decode"] < priorities["side"]  # lower: higher
+    figures = {key: [r.get(key) for r in rows] for key in (
+        "perf/cuda_graph_captures", "timing_s/cuda_graph_capture", "stream/ref_groups", "stream/update_groups",
+        "timing_s/prefix_hidden", "timing_s/prefix_exposed", "timing_s/stream_hidden", "timing_s/decode_slowdown",
+        "perf/overlap_efficiency")}
+    return {"decode_window_calls": calls, "stream_priorities": priorities, "per_step": figures,
+            **verdict_of(criteria, "no host sync inside any decode-window call; reference and update passes streamed; "
+                                   "decode stream priority above the side stream's; prompt work hidden at every step")}
+
+
+def _stream_priorities(trainer) -> dict:
+    decode = getattr(trainer.engine, "decode_stream", None)
+    side = getattr(trainer, "side_stream", None)
+    return {"decode": decode.priority if decode is not None else None,
+            "side": side.priority if side is not None else None}
+
+
+# ---------------------------------------------------------------------- the schedule benchmark
+
+
+@functools.cache
+def _bench_work() -> tempfile.TemporaryDirectory:
+    """The trainer folder of this process's bench runs: the random checkpoint is built once, out of the artifacts."""
+    return tempfile.TemporaryDirectory()
+
+
+def _bench(device: str, steps: int, out: str, *options: str) -> dict:
+    """tools/bench_schedules.py with `options`, its report under ARTIFACTS/`out`: on CUDA
+    configs/bench_h200_video.yaml, on the CPU a tiny workload of the same form (video prompts,
+    reference model on, one update per batch, response limits spread so groups finish apart);
+    `steps` measured steps after the warm-up, no profiler. At lr 0 every step starts from the same
+    weights in every schedule, so each must sample the same tokens and train alike at every step
+    (the timings do not depend on the learning rate)."""
+    import bench_schedules
+
+    if _cuda(device):
+        argv = ["--config", str(REPO / "configs/bench_h200_video.yaml")]
+    else:
+        argv = ["--config", str(REPO / "configs/tiny.yaml"), "--data.task", "direction", "--data.batch_size", "4",
+                "--rollout.n", "2", "--rollout.min_tokens", "1", "--rollout.max_tokens", "16",
+                "--algorithm.kl_coef", "0.01", "--algorithm.updates_per_batch", "1",
+                "--rollout.kv_cache_memory", "16e6", "--trainer.device", "cpu"]
+    return bench_schedules.main(argv + ["--steps", str(steps), "--trainer.lr", "0", "--no-trace",
+                                        "--trainer.output_dir", _bench_work().name, "--out", str(ARTIFACTS / out),
+                                        *options])
+
+
+def _bench_report(out: str) -> dict:
+    """The report of an earlier bench run of this command (under ARTIFACTS/`out`)."""
+    path = ARTIFACTS / out / "report.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: this check compares with bench_schedules' serial-prefix, "
+                                "so bench_schedules must run first")
+    return json.loads(path.read_text())
+
+
+def check_bench_schedules(device: str) -> dict:
+    """tools/bench_schedules.py: serial-prefix, overlap and overlap-stream on the same workload (see
+    `_bench`), 2 measured steps each. Against serial-prefix, at every step: the same sampled token
+    ids (their digests), the training figures (grad norm, KL loss, entropy) within the tolerance of
+    the passes (Tolerances: 1e-4 relative for overlap's, 1e-2 for overlap-stream's per-group
+    micro-batches, on CUDA), the rollout's probabilities within 0.05 of the trainer's (CUDA).
+    overlap-stream must stream reference and update passes (stream/ref_groups, stream/update_groups).
+    Reports per schedule the step times, the gen phase's GPU time, graph captures per step, the
+    decode window's host time (timing_s/decode_slowdown), the stream's hidden work, and the ratios."""
+    cuda = _cuda(device)
+    report = _bench(device, 2, "bench_schedules", "--schedules", "serial-prefix", "overlap", "overlap-stream")
+    schedules, tolerances = report["schedules"], Tolerances.on(cuda)
+    prefix, streamed = schedules["serial-prefix"], schedules["overlap-stream"]
+    comparisons = {name: against_serial_prefix(schedules[schedule], prefix, tolerance, tolerances.rollout_probs)
+                   for name, schedule, tolerance in (("overlap", "overlap", tolerances.same_passes),
+                                                     ("overlap_stream", "overlap-stream", tolerances.other_passes))}
+    criteria = {"serial_prefix_rollout_probs": max(per_step(prefix, "training/rollout_probs_diff_max"))
+                <= tolerances.rollout_probs,
+                "overlap_stream_ref_groups": sum(per_step(streamed, "stream/ref_groups")) > 0,
+                "overlap_stream_update_groups": sum(per_step(streamed, "stream/update_groups")) > 0}
+    for name, comparison in comparisons.items():
+        criteria.update(comparison_criteria(name, comparison))
+    return {"ratios": report["ratios"], "against_serial_prefix": comparisons,
+            "sample_digests": {name: s["sample_digests"] for name, s in schedules.items()},
+            **_bench_figures(schedules), "note": "random weights; lr 0; timing only",
+            **verdict_of(criteria, "the same sampled tokens as serial-prefix at every step; grad norm, KL loss and "
+                                   f"entropy within {tolerances.same_passes} relative (overlap) and "
+                                   f"{tolerances.other_passes} (overlap-stream) of serial-prefix's at every step; "
+                                   f"rollout_probs_diff_max <= {tolerances.rollout_probs}; overlap-stream streamed "
+                                   "reference and update passes")}
+
+
+BENCH_FIGURES = {  # figure name: metric, reported per schedule and step
+    "step_s": "timing_s/step", "gen_s": "timing_s/gen", "gen_gpu_s": "timing_s/gen_gpu",
+    "cuda_graph_captures": "perf/cuda_graph_captures", "cuda_graph_capture_s": "timing_s/cuda_graph_capture",
+    "decode_window_host_s": "timing_s/decode_slowdown", "prefix_hidden_s": "timing_s/prefix_hidden",
+    "prefix_exposed_s": "timing_s/prefix_exposed", "stream_hidden_s": "timing_s/stream_hidden",
+    "stream_exposed_s": "timing_s/stream_exposed", "prefix_deferred_items": "prefix/deferred_items",
+    "throughput": "perf/throughput"}
+
+
+def _bench_figures(schedules: dict) -> dict:
+    """Per figure (BENCH_FIGURES), per schedule: its value at each step (warm-up first), where it has one."""
+    figures = {}
+    for figure, metric in BENCH_FIGURES.items():
+        values = {name: per_step(s, metric) for name, s in schedules.items()}
+        figures[figure] = {name: v for name, v in values.items() if any(x is not None for x in v)}
+    return figures
+
+
+def check_bench_small_prefix_budget(device: str) -> dict:
+    """overlap with a prefix memory budget (schedule.prefix_memory_budget) of half the prompt-state
+    bytes serial-prefix admitted in bench_schedules (its prefix/planned_bytes), 1 measured step: the
+    actor's prompt forward with its graph, the largest item and admitted after the reference's, no
+    longer fits and takes the serial path, so deferred items must be reported at every step, and the
+    step must still sample and train as serial-prefix's did (1e-2 relative on CUDA: the deferred work
+    runs full per-sample passes). Reports what the deferred work costs the step."""
+    cuda = _cuda(device)
+    prefix = _bench_report("bench_schedules")["schedules"]["serial-prefix"]
+    budget = prefix["mean"]["prefix/planned_bytes"] / 2
+    report = _bench(device, 1, "bench_small_prefix_budget", "--schedules", "overlap", "--no-timeline",
+                    "--schedule.prefix_memory_budget", f"{budget:.0f}")
+    variant, tolerances = report["schedules"]["overlap"], Tolerances.on(cuda)
+    comparison = against_serial_prefix(variant, prefix, tolerances.other_passes, tolerances.rollout_probs)
+    criteria = {"items_deferred": all(d > 0 for d in per_step(variant, "prefix/deferred_items")),
+                **comparison_criteria("small_budget", comparison)}
+    return {"prefix_memory_budget": budget, "against_serial_prefix": comparison,
+            "throughput_over_serial_prefix": variant["mean"]["perf/throughput"] / prefix["mean"]["perf/throughput"],
+            **_bench_figures({"serial-prefix": prefix, "overlap-small-budget": variant}),
+            **verdict_of(criteria, "deferred items at every step; the same sampled tokens as serial-prefix; training "
+                                   f"figures within {tolerances.other_passes} relative of serial-prefix's")}
+
+
+def check_bench_serial_naive(device: str) -> dict:
+    """serial-naive (no prompt work shared), 1 measured step, against bench_schedules' serial-prefix:
+    the same sampled tokens and training figures within 1e-2 relative on CUDA (per-sample passes).
+    Optional: its ratio to serial-prefix (5.0 at c98158e) is known, and its steps are the slowest."""
+    cuda = _cuda(device)
+    prefix = _bench_report("bench_schedules")["schedules"]["serial-prefix"]
+    naive = _bench(device, 1, "bench_serial_naive", "--schedules", "serial-naive",
+                   "--no-timeline")["schedules"]["serial-naive"]
+    tolerances = Tolerances.on(cuda)
+    comparison = against_serial_prefix(naive, prefix, tolerances.other_passes, tolerances.rollout_probs)
+    return {"against_serial_prefix": comparison,
+            "throughput_serial_prefix_over_serial_naive": prefix["mean"]["perf/throughput"] /
+            naive["mean"]["perf/throughput"],
+            **_bench_figures({"serial-prefix": prefix, "serial-naive": naive}),
+            **verdict_of(comparison_criteria("serial_naive", comparison),
+                         f"the same sampled tokens as serial-prefix; training figures within {tolerances.other_passes} "
+                         "relative of serial-prefix's")}
+
+
+# ---------------------------------------------------------------------- the rest
 
 
 def check_model_parity_bf16(device: str) -> dict:
@@ -284,243 +778,6 @@ def _time_ms(calls: dict) -> dict:
     return timings
 
 
-def check_engine_cuda_graphs(device: str) -> dict:
-    """CUDA-graph decode against eager decode (on CPU: the runner's graph stand-in):
-    - one graph's replay against the eager decode of the same static buffers;
-    - greedy tokens of a mixed batch (image + video prompt, text prompt), graphs vs eager;
-    - a second generation whose KV pool has another size: it must recapture and stay equal.
-    Reports how many captures ran and how long they took."""
-    from rollplex.engine import Engine, EngineConfig, Request, SamplingParams
-
-    args = _tiny_args()
-    model = build_model(args, dtype=torch.bfloat16 if _cuda(device) else torch.float32, device=device, seed=0)
-    model.set_attn_backend("auto")
-    multimodal = Request(_multimodal_prompt(args, device, video_thw=(2, 16, 16)), n=4)
-    batches = {"mixed": [multimodal, Request(_text_prompt(1, 40), n=3)],
-               "larger_pool": [multimodal, Request(_text_prompt(1, 200), n=6), Request(_text_prompt(7, 90), n=2)]}
-    params = SamplingParams(temperature=0.0, max_tokens=32 if _cuda(device) else 6, ignore_eos=True)
-    config = dict(max_num_seqs=16, max_model_len=1024, progress=False)
-    eager = Engine(model, EngineConfig(enforce_eager=True, **config))
-    graphed = Engine(model, EngineConfig(**config))
-    graphed.runner.use_cuda_graphs = True  # on CPU: the stand-in that replays what it captured
-    result: dict = {"attn_backend": model.attn_backend}
-    ok = True
-    for name, requests in batches.items():
-        expected = [[s.token_ids for s in o.samples] for o in eager.generate(requests, params)]
-        got = [[s.token_ids for s in o.samples] for o in graphed.generate(requests, params)]
-        result[name] = {"tokens_equal": got == expected, "pool_blocks": graphed.cache.num_blocks,
-                        "captures_so_far": graphed.runner.captures}
-        ok &= got == expected
-    ok &= result["larger_pool"]["pool_blocks"] != result["mixed"]["pool_blocks"]
-    ok &= result["larger_pool"]["captures_so_far"] > result["mixed"]["captures_so_far"]  # the resize recaptured
-    result["replay_vs_eager_same_buffers_max_abs"] = diff = _replay_against_eager(graphed)
-    ok &= diff == 0.0
-    result.update(ok=ok, capture_seconds=graphed.runner.capture_seconds,
-                  criterion="tokens equal; the resized pool recaptured; replay bitwise equal to eager on the "
-                            "same static buffers")
-    return result
-
-
-def _replay_against_eager(engine) -> float:
-    """Replay each captured bucket, then run the eager decode on the same static buffers."""
-    runner = engine.runner
-    worst = 0.0
-    with torch.no_grad():
-        for bucket, graph in runner.graphs.items():
-            s = runner.static
-            graph.replay()
-            replayed = runner.graph_logits[bucket].float().clone()
-            eager = runner._decode_eager(s["ids"][:bucket], s["positions"][:bucket], s["slots"][:bucket],
-                                         s["tables"][:bucket], s["lens"][:bucket]).float()
-            worst = max(worst, (replayed - eager).abs().max().item())
-    return worst
-
-
-@contextlib.contextmanager
-def _host_syncs_are_errors(cuda: bool):
-    """Any host-device synchronisation raises inside the block (CUDA only)."""
-    if not cuda:
-        yield
-        return
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
-
-def check_overlap_step(device: str) -> dict:
-    """Two overlap steps of a small model (video prompts, reference model on), every
-    prefix slice issued with host syncs made errors; the decode stream must outrank
-    the side stream, and some prompt work must land inside the decode window."""
-    from rollplex.config import load_config
-    from rollplex.rl import prefix as prefix_module
-    from rollplex.rl.loop import RLTrainer
-
-    between_steps = prefix_module.PrefixScheduler.between_steps
-    slices = {"calls": 0}
-
-    def guarded(self, running: int) -> None:
-        slices["calls"] += 1
-        with _host_syncs_are_errors(_cuda(device)):
-            between_steps(self, running)
-
-    prefix_module.PrefixScheduler.between_steps = guarded
-    with tempfile.TemporaryDirectory() as out:
-        cfg = load_config(["--trainer.output_dir", out, "--trainer.device", device, "--schedule.kind", "overlap",
-                           "--data.task", "direction", "--data.batch_size", "2", "--rollout.n", "4",
-                           "--rollout.max_tokens", "16", "--rollout.min_tokens", "8", "--rollout.ignore_eos", "true",
-                           "--algorithm.kl_coef", "0.01", "--rollout.kv_cache_memory", "64e6",
-                           "--trainer.eval_every", "0", "--logging.no_console"])
-        trainer = RLTrainer(cfg)
-        source = trainer._batches(0)
-        rows = []
-        for step in (1, 2):
-            trainer.step = step
-            rows.append(trainer.train_step(next(source)))
-        priorities = _stream_priorities(trainer)
-        trainer.logger.close()
-    hidden = rows[-1].get("timing_s/prefix_hidden", 0.0)
-    ok = slices["calls"] > 0 and hidden > 0
-    if _cuda(device):
-        ok &= priorities["decode"] < priorities["side"]  # lower number, higher priority
-    return {"ok": ok, "between_steps_calls": slices["calls"], "stream_priorities": priorities,
-            "prefix_hidden_s": hidden, "prefix_exposed_s": rows[-1].get("timing_s/prefix_exposed"),
-            "overlap_efficiency": rows[-1].get("perf/overlap_efficiency"),
-            "criterion": "no host sync inside a slice; decode stream priority above the side stream's; "
-                         "some prompt work hidden"}
-
-
-def _stream_priorities(trainer) -> dict:
-    decode = getattr(trainer.engine, "decode_stream", None)
-    side = getattr(trainer, "side_stream", None)
-    return {"decode": decode.priority if decode is not None else None,
-            "side": side.priority if side is not None else None}
-
-
-def check_bench_schedules(device: str) -> dict:
-    """tools/bench_schedules.py: serial-naive, serial-prefix and overlap on the same
-    workload (configs/bench_h200_video.yaml on CUDA, a tiny one on the CPU), 3 measured
-    steps after a warm-up, no profiler. It must do the same work in every schedule,
-    and overlap must train as serial-prefix does: equal grad norm, KL and entropy at
-    every step. Exactly on the CPU; on CUDA, atomics reorder sums (the embedding's
-    backward), so the warm-up step (same weights, same samples) is held to 1e-4
-    relative and the later ones, whose samples may differ in a few tokens after
-    weights that differ in their last bits, to 2e-2."""
-    import bench_schedules
-
-    cuda = _cuda(device)
-    if cuda:
-        argv = ["--config", str(REPO / "configs/bench_h200_video.yaml"), "--steps", "3"]
-    else:
-        argv = ["--config", str(REPO / "configs/tiny.yaml"), "--steps", "1", "--data.task", "direction",
-                "--data.batch_size", "2", "--rollout.n", "2", "--rollout.max_tokens", "4",
-                "--algorithm.kl_coef", "0.01", "--algorithm.updates_per_batch", "1",
-                "--rollout.kv_cache_memory", "16e6", "--trainer.device", "cpu"]
-    with tempfile.TemporaryDirectory() as work:  # the random checkpoint stays out of the artifacts
-        report = bench_schedules.main(argv + ["--no-trace", "--trainer.output_dir", work,
-                                              "--out", str(ARTIFACTS / "bench_schedules")])
-    schedules = report["schedules"]
-    first_tolerance, later_tolerance = (1e-4, 2e-2) if cuda else (0.0, 0.0)
-    per_step = _relative_differences(schedules["overlap"], schedules["serial-prefix"],
-                                     ("actor/grad_norm", "actor/kl_loss", "actor/entropy"))
-    trains_alike = per_step[0] <= first_tolerance and max(per_step[1:]) <= later_tolerance
-    probs_diff_max = max(r["training/rollout_probs_diff_max"] for r in _rows(schedules["overlap"]))
-    # One update per batch, so the trainer scores the rollout's own weights: only numerics differ.
-    probs_bound = 0.05 if cuda else 1e-4
-    prefix = schedules["serial-prefix"]["mean"]
-    ok = report["same_samples"] and trains_alike and probs_diff_max <= probs_bound
-    return {"ok": ok, **report["ratios"], "same_samples": report["same_samples"],
-            "overlap_vs_serial_prefix_rel_diff_per_step": per_step, "rollout_probs_diff_max": probs_diff_max,
-            "config": Path(argv[1]).name,
-            "step_s": {name: s["mean"]["timing_s/step"] for name, s in schedules.items()},
-            "gen_gpu_s": {name: s["mean"].get("timing_s/gen_gpu") for name, s in schedules.items()},
-            "cuda_graph_capture_s": {name: s["mean"].get("timing_s/cuda_graph_capture")
-                                     for name, s in schedules.items()},
-            "throughput": {name: s["mean"]["perf/throughput"] for name, s in schedules.items()},
-            "prompt_work_share_of_serial_prefix_step": prefix.get("timing_s/prefix", 0.0) / prefix["timing_s/step"],
-            "prefix_deferred_items": schedules["overlap"]["mean"].get("prefix/deferred_items"),
-            "overlap_efficiency": schedules["overlap"]["mean"].get("perf/overlap_efficiency"),
-            "criterion": f"same samples; overlap = serial-prefix within {first_tolerance} relative at the "
-                         f"warm-up step, {later_tolerance} after; rollout_probs_diff_max <= {probs_bound}",
-            "note": "random weights; timing only"}
-
-
-def _rows(schedule: dict) -> list[dict]:
-    return [schedule["warmup"], *schedule["steps"]]
-
-
-def _relative_differences(a: dict, b: dict, keys: tuple[str, ...]) -> list[float]:
-    """Per step, the largest |x - y| / max(|x|, |y|, 1e-6) over `keys` (KL is ~0 at the first step)."""
-    return [max(abs(x[k] - y[k]) / max(abs(x[k]), abs(y[k]), 1e-6) for k in keys)
-            for x, y in zip(_rows(a), _rows(b))]
-
-
-def check_engine_throughput(device: str) -> dict:
-    """Decode throughput of a 3B-shaped model (random weights) at batch 64: eager, CUDA
-    graphs, and CUDA graphs with the host finishing each step before it issues the next
-    (run_ahead off), side by side. Warm-up runs the timed requests once, so capture stays
-    out of the timed window; the captures it did run are counted. On CUDA also the host
-    syncs per decode step that torch's sync debug mode reports (a run-ahead decode step
-    should make none: the host waits only on the event of the step before)."""
-    from rollplex.engine import Engine, EngineConfig, Request, SamplingParams
-
-    cuda = _cuda(device)
-    args = _3b_args(cuda)
-    model = build_model(args, dtype=torch.bfloat16 if cuda else torch.float32, device=device, seed=0)
-    model.set_attn_backend("auto")
-    batch, prompt, steps = (64, 512, 128) if cuda else (4, 16, 8)
-    requests = [Request(_text_prompt(100, 100 + prompt)) for _ in range(batch)]
-    result = {"attn_backend": model.attn_backend, "batch": batch, "prompt_tokens": prompt,
-              "note": "random weights; timing only"}
-    for key, eager, run_ahead in (("eager", True, True), ("cuda_graphs", False, True),
-                                  ("cuda_graphs_settled", False, False)):
-        engine = Engine(model, EngineConfig(enforce_eager=eager, max_num_seqs=batch, max_model_len=1024,
-                                            progress=False, run_ahead=run_ahead))
-        engine.runner.use_cuda_graphs = not eager  # on CPU: the stand-in (the dry run)
-        timings, syncs = {}, {}
-        for max_tokens in (1, steps + 1):
-            params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=0)
-            engine.generate(requests, params)  # warm-up: same pool, so any capture happens here
-            captures = engine.runner.captures
-            _sync(device)
-            with _counting_host_syncs(cuda) as counted:
-                t0 = time.perf_counter()
-                engine.generate(requests, params)
-                _sync(device)
-                timings[max_tokens] = time.perf_counter() - t0
-            syncs[max_tokens] = sum("synchroniz" in str(w.message) for w in counted)
-            result.setdefault("captures_in_timed_window", 0)
-            result["captures_in_timed_window"] += engine.runner.captures - captures
-        step = (timings[steps + 1] - timings[1]) / steps
-        result[f"{key}_decode_step_ms"] = step * 1e3
-        result[f"{key}_decode_tokens_per_s"] = batch / step
-        if cuda:
-            result[f"{key}_host_syncs_per_decode_step"] = (syncs[steps + 1] - syncs[1]) / steps
-        if key == "cuda_graphs":
-            result.update(captures=engine.runner.captures, capture_seconds=engine.runner.capture_seconds)
-    result["run_ahead_speedup"] = result["cuda_graphs_settled_decode_step_ms"] / result["cuda_graphs_decode_step_ms"]
-    result["ok"] = result["captures_in_timed_window"] == 0
-    result["criterion"] = "no graph capture inside a timed window"
-    return result
-
-
-@contextlib.contextmanager
-def _counting_host_syncs(cuda: bool):
-    """The host syncs inside the block, as the warnings of torch's CUDA sync debug mode (none on CPU)."""
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        if cuda:
-            torch.cuda.set_sync_debug_mode("warn")
-        try:
-            yield caught
-        finally:
-            if cuda:
-                torch.cuda.set_sync_debug_mode("default")
-
-
 def check_forward_timing(device: str) -> dict:
     """Packed training-shaped forward of a 3B-shaped model (random weights) in bf16."""
     cuda = _cuda(device)
@@ -543,10 +800,111 @@ def check_forward_timing(device: str) -> dict:
             "tokens": tokens, "forward_s": dt, "tokens_per_s": tokens / dt, "note": "random weights; timing only"}
 
 
+TO_DEVICE_SIZES = (2 << 10, 16 << 10, 128 << 10, 1 << 20)  # bytes of pageable host memory
+
+
+def check_to_device_latency(device: str) -> dict:
+    """rollplex.device.to_device's host time for 2 KB to 1 MB of pageable host memory while the
+    stream is busy (about 20 ms of matmuls queued on it), against a blocking `.to()` of the same
+    tensor, which waits for the stream. The figures measure what they say only if the stream was
+    busy: on CUDA the blocking copy must have waited at least half the busy time. Every copy must
+    arrive intact. Whether to_device waited too is reported, not required: the engine and the
+    prefix slices count on it not waiting, and the driver may stage pageable memory either way."""
+    from rollplex.device import to_device
+
+    cuda = _cuda(device)
+    busy, busy_ms = _busy_stream(device)
+    result: dict = {"busy_ms": busy_ms}
+    criteria = {}
+    for size in TO_DEVICE_SIZES:
+        host = torch.arange(size // 4, dtype=torch.int32)
+        times, intact = {}, True
+        for name, copy in (("to_device", lambda: to_device(host, device)), ("blocking_to", lambda: host.to(device))):
+            busy()
+            t0 = time.perf_counter()
+            copied = copy()
+            times[name] = (time.perf_counter() - t0) * 1e3
+            _sync(device)
+            intact &= torch.equal(copied.cpu(), host)
+        result[f"{size}_bytes"] = {"to_device_ms": times["to_device"], "blocking_to_ms": times["blocking_to"],
+                                   "to_device_waited": cuda and times["to_device"] >= busy_ms / 2}
+        criteria[f"{size}_bytes_intact"] = intact
+        if cuda:
+            criteria[f"{size}_bytes_blocking_copy_waited"] = times["blocking_to"] >= busy_ms / 2
+    return {**result, **verdict_of(criteria, "every copy intact; on CUDA the blocking copy waited for the busy stream "
+                                             "(at least half its busy time)")}
+
+
+def _busy_stream(device: str) -> tuple[Callable[[], None], float]:
+    """A function that queues about 20 ms of matmuls on the current stream and returns at once, and
+    their GPU time in ms (on CPU: nothing to queue, 0)."""
+    if not _cuda(device):
+        return lambda: None, 0.0
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    out = torch.empty_like(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        torch.mm(a, a, out=out)
+    end.record()
+    end.synchronize()
+    count = max(1, round(20 * 10 / start.elapsed_time(end)))
+
+    def busy() -> None:
+        for _ in range(count):
+            torch.mm(a, a, out=out)
+
+    return busy, start.elapsed_time(end) * count / 10
+
+
+def check_sampler_timing(device: str) -> dict:
+    """rollplex.engine.sampler.sample at a decode step's shape: batch 64 and 256 over the
+    151,936-token vocabulary, bf16 logits, without truncation (the engine's call when no request
+    uses top-k or top-p) and with top_k 50, top_p 0.9; time per call and peak workspace as
+    tools/bench_sampler.py measures them (CUDA: the median of five after a warm-up). Each setting's
+    tokens must be in the vocabulary (truncated: among the 50 largest logits) and their logprobs
+    those of log_softmax within 1e-3."""
+    import bench_sampler
+    from rollplex.engine.sampler import sample
+
+    cuda = _cuda(device)
+    vocab, batches = (151936, (64, 256)) if cuda else (1000, (4, 8))
+    dtype = torch.bfloat16 if cuda else torch.float32  # CPU: what the dry run's model computes in
+    result: dict = {"vocab": vocab, "logits_dtype": str(dtype)}
+    criteria = {}
+    for batch in batches:
+        for truncate in (False, True):
+            key = f"batch_{batch}_{'truncated' if truncate else 'full'}"
+            ms, peak_mb = bench_sampler.bench(sample, batch, vocab, torch.device(device), dtype, truncate)
+            result[key] = {"ms": ms, "peak_mb": peak_mb}
+            criteria[f"{key}_valid"] = _samples_validly(batch, vocab, device, dtype, truncate)
+    return {**result, **verdict_of(criteria, "tokens in the vocabulary (truncated: in the top 50); logprobs those of "
+                                             "log_softmax within 1e-3")}
+
+
+def _samples_validly(batch: int, vocab: int, device: str, dtype: torch.dtype, truncate: bool) -> bool:
+    """One sample() call on random logits gives valid tokens with log_softmax's logprobs."""
+    from rollplex.engine.sampler import sample, uniforms
+
+    g = torch.Generator().manual_seed(batch)
+    logits = (torch.randn(batch, vocab, generator=g) * 3).to(device, dtype)
+    top_p, top_k = (0.9, 50) if truncate else (1.0, -1)
+    u = uniforms(torch.arange(batch), torch.full((batch,), 100)).to(device)
+    tokens, logprobs = sample(logits, 1.0, top_p, top_k, u, truncate=truncate)
+    full = logits.float()
+    valid = bool(((tokens >= 0) & (tokens < vocab)).all())
+    if truncate:
+        valid &= bool((full.gather(-1, tokens[:, None]) >= full.topk(top_k).values[:, -1:]).all())
+    expected = torch.log_softmax(full, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    return valid and torch.allclose(logprobs.float(), expected, atol=1e-3)
+
+
 def check_gpu_tests(device: str) -> dict:
     """tests/paged_decode_triton_cases.py and tests/cascade_decode_triton_cases.py, compiled on the GPU, and
     the test files with CUDA cases, which skip them on a CPU: none may be skipped there. The CPU dry run
-    runs one case of each kernel file, in the interpreter (tests/test_paged_decode_triton.py runs them all)."""
+    runs one case of each kernel file, in the interpreter (tests/test_paged_decode_triton.py runs them all).
+    pytest runs in a session of its own, killed with its whole process group when this check's time limit
+    or the run's budget ends, whichever is first (10 s before, so that this process reports it)."""
     files = ["tests/paged_decode_triton_cases.py", "tests/cascade_decode_triton_cases.py"]
     if _cuda(device):
         files += ["tests/test_cuda_graphs.py", "tests/test_sampler.py",
@@ -554,60 +912,194 @@ def check_gpu_tests(device: str) -> dict:
     else:
         files = [f"{files[0]}::test_odd_head_dim_and_group", f"{files[1]}::test_a_group_cut_leaves_a_group_of_one"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                          *(str(REPO / f) for f in files)], cwd=REPO, env=env, capture_output=True, text=True)
-    summary = (res.stdout.strip().splitlines() or [""])[-1]
-    ok = res.returncode == 0 and not (_cuda(device) and "skipped" in summary)
-    return {"ok": ok, "criterion": "every case passes, none skipped on CUDA", "files": files, "summary": summary,
-            "output_tail": (res.stdout + res.stderr)[-1500:] if not ok else ""}
+    timeout = max(1.0, min(CHECKS["gpu_tests"].limit_s, DEADLINE - time.time()) - 10)
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                             *(str(REPO / f) for f in files)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_process_group(proc)
+        output, _ = proc.communicate()
+        return {"ok": False, "timed_out": f"pytest ran past {timeout:.0f} s; its process group was killed",
+                "files": files, "output_tail": output[-1500:]}
+    summary = (output.strip().splitlines() or [""])[-1]
+    criteria = {"passed": proc.returncode == 0, "none_skipped": not (_cuda(device) and "skipped" in summary)}
+    result = verdict_of(criteria, "every case passes, none skipped on CUDA")
+    return {**result, "files": files, "summary": summary, "output_tail": "" if result["ok"] else output[-1500:]}
 
 
+# ---------------------------------------------------------------------- the checks, in the order they run
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check of the device command: its function of the device, and how the driver schedules it."""
+
+    run: Callable[[str], dict]
+    estimate_s: float  # on one H200, from the c98158e timings (docs/GPU.md), its process's start-up left out
+    process: str  # consecutive checks of one process key share a child process (and its imports)
+    optional: bool = False  # started only when the budget left covers the estimate; skipped is no failure
+
+    @property
+    def limit_s(self) -> float:
+        """Past this, the check's process group is killed."""
+        return 2 * self.estimate_s + 30
+
+
+PROCESS_START_S = 16  # a child's imports (torch, CUDA, transformers) on the device machine at c98158e
 CHECKS = {
-    "model_parity_bf16": check_model_parity_bf16,
-    "paged_decode_triton": check_paged_decode_triton,
-    "cascade_decode_triton": check_cascade_decode_triton,
-    "engine_cuda_graphs": check_engine_cuda_graphs,
-    "overlap_step": check_overlap_step,
-    "engine_throughput_3b": check_engine_throughput,
-    "forward_timing_3b": check_forward_timing,
-    "gpu_tests": check_gpu_tests,
-    "bench_schedules": check_bench_schedules,  # the longest (about 5 minutes on an H200): last
+    "engine_throughput_3b": Check(check_engine_throughput_3b, 30, "engine"),
+    "engine_cuda_graphs": Check(check_engine_cuda_graphs, 10, "engine"),
+    "overlap_stream_step": Check(check_overlap_stream_step, 25, "engine"),
+    # A process of their own: the memory plan reads free device memory, which no other check's leftovers may hold.
+    "bench_schedules": Check(check_bench_schedules, 130, "bench"),
+    "bench_small_prefix_budget": Check(check_bench_small_prefix_budget, 65, "bench"),
+    "model_parity_bf16": Check(check_model_parity_bf16, 10, "rest"),
+    "paged_decode_triton": Check(check_paged_decode_triton, 5, "rest"),
+    "cascade_decode_triton": Check(check_cascade_decode_triton, 8, "rest"),
+    "forward_timing_3b": Check(check_forward_timing, 6, "rest"),
+    "to_device_latency": Check(check_to_device_latency, 3, "rest"),
+    "sampler_timing": Check(check_sampler_timing, 3, "rest"),
+    "gpu_tests": Check(check_gpu_tests, 60, "rest"),
+    "bench_serial_naive": Check(check_bench_serial_naive, 110, "serial-naive", optional=True),
 }
-INTERPRETED_ON_CPU = ("paged_decode_triton", "cascade_decode_triton", "gpu_tests")  # Triton's interpreter on the CPU
-ARTIFACTS = Path(".")  # where checks write files beyond the JSON report (set next to --out)
 
 
 # ---------------------------------------------------------------------- the driver
 
 
-def run_one(name: str, device: str, result_file: Path) -> None:
-    """In the child process: run one check, write its result as JSON."""
+def budget_refusal(name: str, seconds_left: float, start_s: float = 0.0) -> dict | None:
+    """The result of a check the budget does not let start (None: it may start): a required one is
+    not run (a failure) once under 5 s are left, an optional one is skipped when its estimate and
+    `start_s` (a new process's start-up) are more than what is left."""
+    check = CHECKS[name]
+    if check.optional and seconds_left < check.estimate_s + start_s:
+        return {"ok": None, "skipped": f"optional, not started: {seconds_left:.0f} s of the budget left, "
+                                       f"its estimate is {check.estimate_s:.0f} s"}
+    if seconds_left < 5:
+        return {"ok": False, "error": "not run: the time budget was spent"}
+    return None
+
+
+def run_one(name: str, device: str) -> dict:
+    """Run one check in this process; a check that raises is recorded as failed, with its traceback."""
     t0 = time.perf_counter()
     try:
-        result = CHECKS[name](device)
-    except Exception as e:  # recorded as a failure with its traceback
+        result = CHECKS[name].run(device)
+    except Exception as e:
         result = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
     result["seconds"] = round(time.perf_counter() - t0, 2)
-    result_file.write_text(json.dumps(result, default=str))
+    return result
 
 
-def run_in_child(name: str, device: str, timeout: float) -> dict:
+def run_checks_here(names: list[str], device: str, events: Path) -> int:
+    """In a child process: run `names` in order, appending a line to `events` as each starts and
+    with each one's result. Stops after a check that raised (status 1): its CUDA context may be
+    broken, so the rest are left to a fresh process."""
+    def note(event: dict) -> None:
+        with events.open("a") as f:
+            f.write(json.dumps(event, default=str) + "\n")
+
+    for name in names:
+        refusal = budget_refusal(name, DEADLINE - time.time())
+        if refusal is not None:
+            note({"check": name, "result": refusal})
+            continue
+        note({"check": name, "started": True})
+        result = run_one(name, device)
+        note({"check": name, "result": result})
+        if "traceback" in result:
+            return 1
+    return 0
+
+
+def kill_process_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group `proc` leads (it was started in a session of its own)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+STARTUP_LIMIT_S = 120  # a child's imports, before its first check starts
+
+
+def _follow(proc: subprocess.Popen, events: Path, deadline: float,
+            record: Callable[[str, dict], None]) -> tuple[list[str], str | None, float, int | str]:
+    """Read the child's events as they come until it ends, or kill its process group when the
+    running check passes its time limit (before the first: STARTUP_LIMIT_S) or the budget ends.
+    Returns the checks done, the one running at the end (None: between checks), since when, and
+    the child's exit status (or why it was killed)."""
+    done: list[str] = []
+    running, since, read = None, time.time(), 0
+    while True:
+        status = proc.poll()
+        with events.open("rb") as f:
+            f.seek(read)
+            lines = f.readlines()
+        for line in lines:
+            if not line.endswith(b"\n"):
+                break  # a line still being written: read it next time
+            read += len(line)
+            event = json.loads(line)
+            if event.get("started"):
+                running, since = event["check"], time.time()
+            else:
+                record(event["check"], event["result"])
+                done.append(event["check"])
+                running, since = None, time.time()
+        if status is not None:
+            return done, running, since, status
+        limit = CHECKS[running].limit_s if running else STARTUP_LIMIT_S
+        if time.time() > min(deadline, since + limit):
+            kill_process_group(proc)
+            return done, running, since, f"killed after {time.time() - since:.0f} s (its limit: {limit:.0f} s, " \
+                                         "or the budget)"
+        time.sleep(0.2)
+
+
+def run_in_child(names: list[str], device: str, deadline: float, record: Callable[[str, dict], None]) -> list[str]:
+    """Run `names` in one child process, in a session of its own, handing each result to `record`
+    as it comes. Its process group is killed when the running check passes its time limit or the
+    budget ends. Returns the names it did not reach (after a check that raised, or was killed).
+    Each call records at least one result, so that a child that cannot start cannot loop."""
     with tempfile.TemporaryDirectory() as d:
-        result_file = Path(d) / "result.json"
-        cmd = [sys.executable, __file__, "--run-one", name, "--device", device, "--result", str(result_file),
-               "--artifacts", str(ARTIFACTS)]
+        events = Path(d) / "events.jsonl"
+        events.touch()
+        cmd = [sys.executable, __file__, "--run-checks", *names, "--device", device, "--events", str(events),
+               "--artifacts", str(ARTIFACTS), "--deadline", repr(deadline)]
         # Triton reads TRITON_INTERPRET once, at its import (torch imports it): set before the process starts.
-        env = dict(os.environ, **({"TRITON_INTERPRET": "1"} if name in INTERPRETED_ON_CPU and not _cuda(device)
-                                  else {}))
-        t0 = time.perf_counter()
+        env = dict(os.environ, **({} if _cuda(device) else {"TRITON_INTERPRET": "1"}))
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         try:
-            code = subprocess.run(cmd, timeout=timeout, env=env).returncode
-        except subprocess.TimeoutExpired:
-            return {"ok": False, "error": f"timed out after {timeout:.0f} s", "seconds": round(timeout, 2)}
-        if result_file.exists():
-            return json.loads(result_file.read_text())
-        return {"ok": False, "error": f"the check's process exited with status {code} and no result",
-                "seconds": round(time.perf_counter() - t0, 2)}
+            done, running, since, status = _follow(proc, events, deadline, record)
+        finally:  # this process stopped (SIGTERM, Ctrl-C): its child's session must not outlive it
+            if proc.poll() is None:
+                kill_process_group(proc)
+        left = [n for n in names if n not in done]
+        if left and (running is not None or not done):
+            # The child died or was killed inside this check (or before its first one).
+            at = running or left[0]
+            record(at, {"ok": False, "error": f"its process ended ({status}) without a result",
+                        "seconds": round(time.time() - since, 2)})
+            left.remove(at)
+        return left
+
+
+def run_checks(selected: list[str], device: str, budget_s: float, record: Callable[[str, dict], None]) -> None:
+    """Every selected check, in order: consecutive checks of one process key in one child, a fresh
+    child after one ended early; what the budget does not let start is recorded as such."""
+    deadline = time.time() + budget_s
+    pending = list(selected)
+    while pending:
+        refusal = budget_refusal(pending[0], deadline - time.time(), PROCESS_START_S)
+        if refusal is not None:
+            record(pending.pop(0), refusal)
+            continue
+        process = CHECKS[pending[0]].process
+        group = list(itertools.takewhile(lambda n: CHECKS[n].process == process, pending))
+        left = run_in_child(group, device, deadline, record)
+        pending = left + pending[len(group):]
 
 
 def commit_id() -> str:
@@ -634,21 +1126,26 @@ def header(device: str) -> dict:
             "transformers": transformers.__version__, "python": platform.python_version(), "commit": commit_id()}
 
 
+def passed(result: dict) -> bool:
+    """A check passed, or was an optional one skipped."""
+    return result.get("ok") is True or "skipped" in result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="gpu_check.json", help="where to write the JSON report")
     parser.add_argument("--only", nargs="+", metavar="NAME", help=f"run only these checks: {', '.join(CHECKS)}")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu: the script's own dry run")
     parser.add_argument("--budget-s", type=float, default=480.0, help="stop starting checks past this time")
-    parser.add_argument("--run-one", choices=list(CHECKS), help=argparse.SUPPRESS)
-    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--run-checks", nargs="+", choices=list(CHECKS), help=argparse.SUPPRESS)
+    parser.add_argument("--events", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--artifacts", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
-    global ARTIFACTS
-    if opts.run_one:
-        ARTIFACTS = opts.artifacts
-        run_one(opts.run_one, opts.device, opts.result)
-        return 0
+    global ARTIFACTS, DEADLINE
+    if opts.run_checks:
+        ARTIFACTS, DEADLINE = opts.artifacts, opts.deadline
+        return run_checks_here(opts.run_checks, opts.device, opts.events)
     unknown = sorted(set(opts.only or ()) - set(CHECKS))
     if unknown:
         parser.error(f"unknown check(s) {', '.join(unknown)}; the checks are: {', '.join(CHECKS)}")
@@ -661,20 +1158,24 @@ def main(argv: list[str] | None = None) -> int:
     selected = [name for name in CHECKS if not opts.only or name in opts.only]
     report = {**header(opts.device), "budget_s": opts.budget_s, "checks": {}}
     start = time.perf_counter()
-    for name in selected:
-        left = opts.budget_s - (time.perf_counter() - start)
-        if left < 5:
-            result = {"ok": False, "error": "not run: the time budget was spent"}
-        else:
-            result = run_in_child(name, opts.device, left)
-        report["checks"][name] = result
+
+    def record(name: str, result: dict) -> None:
+        report["checks"][name] = {**result, "estimate_s": CHECKS[name].estimate_s}
         report["seconds"] = round(time.perf_counter() - start, 1)
         out.write_text(json.dumps(report, indent=2, default=str) + "\n")  # after every check
+        verdict = "skipped" if "skipped" in result else "ok" if result.get("ok") else "FAILED"
         figures = {k: v for k, v in result.items() if k != "traceback"}
-        print(f"{name}: {'ok' if result.get('ok') else 'FAILED'} {json.dumps(figures, default=str)[:600]}",
-              flush=True)
+        print(f"{name}: {verdict} {json.dumps(figures, default=str)[:600]}", flush=True)
+
+    # The device call's own timeout stops this process with SIGTERM: as an exception, so that the child's
+    # session is killed on the way out (run_in_child), not left running.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        run_checks(selected, opts.device, opts.budget_s, record)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"report written to {out}")
-    return 0 if all(r.get("ok") for r in report["checks"].values()) else 1
+    return 0 if all(passed(r) for r in report["checks"].values()) else 1
 
 
 if __name__ == "__main__":
