@@ -223,7 +223,7 @@ def test_invalid_choice_direct_construction():
 
 
 def test_range_error_names_file():
-    with pytest.raises(ConfigError, match=r"rollout.n must be >= 1.*x.yaml"):
+    with pytest.raises(ConfigError, match=r"rollout.n must be >= 2.*x.yaml"):
         config_from_dict({"rollout": {"n": 0}}, "x.yaml")
 
 
@@ -337,3 +337,10 @@ def test_prompt_template_and_system_prompt_need_data_files():
         with pytest.raises(ConfigError, match=f"data.{key} must be empty without data.train_files"):
             DataConfig(**{key: "{{ content }} think ."})
     assert DataConfig(train_files=["a.jsonl"], format_prompt="{{ content }}", system_prompt="be brief").format_prompt
+
+
+def test_a_group_of_one_sample_is_refused_naming_why():
+    """Both advantage estimators centre each reward on its group's mean: n = 1 would train nothing."""
+    with pytest.raises(ConfigError, match=r"rollout.n must be >= 2 .*every advantage is 0.*got 1"):
+        RolloutConfig(n=1)
+    assert RolloutConfig(n=2).n == 2

@@ -165,7 +165,8 @@ class RolloutConfig(_Section):
     _section: ClassVar[str] = "rollout"
 
     n: int = 8
-    """Responses sampled per prompt (the GRPO group size)."""
+    """Responses sampled per prompt (the GRPO group size); at least 2: both advantage estimators centre each
+    reward on its group's mean, so a group of one has advantage 0 and trains nothing."""
     temperature: float = 1.0
     """Sampling temperature; 0 = greedy. The engine's logprobs and every trainer logprob pass (old, reference,
     actor) and the entropy use logits / temperature, the policy that sampled (at 0: the untempered logits)."""
@@ -197,7 +198,8 @@ class RolloutConfig(_Section):
     kernel on CUDA, in the decode graphs too; a torch path on CPU). Off until measured on a GPU (docs/ENGINE.md)."""
 
     def _check_ranges(self) -> None:
-        self._require(self.n >= 1, "n", ">= 1")
+        self._require(self.n >= 2, "n", ">= 2 (GRPO and Dr. GRPO centre each reward on its group's mean: with one "
+                      "sample per prompt every advantage is 0 and the policy gradient too)")
         self._require(self.temperature >= 0, "temperature", ">= 0")
         self._require(0 < self.top_p <= 1, "top_p", "in (0, 1]")
         self._require(self.top_k == -1 or self.top_k >= 1, "top_k", "-1 or >= 1")
