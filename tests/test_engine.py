@@ -266,8 +266,9 @@ def test_every_generation_runs_on_one_pool(model):
 def test_the_rl_loop_builds_engine_and_sampling_configs_from_its_rollout_section():
     rollout = RolloutConfig(block_size=8, max_num_seqs=5, enforce_eager=True, temperature=0.5, top_p=0.9, top_k=4,
                             max_tokens=7, ignore_eos=True, shared_prefix_decode=True)
-    assert EngineConfig.from_config(rollout, num_blocks=12) == EngineConfig(
-        block_size=8, num_blocks=12, max_num_seqs=5, enforce_eager=True, progress=False, shared_prefix_decode=True)
+    assert EngineConfig.from_config(rollout, num_blocks=12, max_model_len=300) == EngineConfig(
+        block_size=8, num_blocks=12, max_num_seqs=5, max_model_len=300, enforce_eager=True, progress=False,
+        shared_prefix_decode=True)
     assert SamplingParams.from_config(rollout) == SamplingParams(temperature=0.5, top_p=0.9, top_k=4, max_tokens=7,
                                                                  ignore_eos=True)
 

@@ -1,9 +1,11 @@
 """The RL loop end to end on the tiny default: metrics, multi-rank, weight sharing, resume."""
 
+import json
+
 import pytest
 
 from distributed import run_distributed
-from rollplex.config import load_config
+from rollplex.config import ConfigError, load_config
 from rollplex.metrics import read_metrics
 from rollplex.rl.loop import RLTrainer
 
@@ -145,3 +147,20 @@ def test_tiny_model_shape_comes_from_the_config(tmp_path):
                                             "--model.tiny.vision_intermediate_size", "48"]))
     assert trainer.model.args.vision.intermediate_size == 48
     assert trainer.model.visual.blocks[0].mlp.gate_proj.weight.shape[0] == 48
+
+
+def test_the_engine_holds_the_longest_prompt_the_data_admits_with_its_whole_response(tmp_path):
+    """The engine's length limit is the run's: data.max_prompt_length (files) plus rollout.max_tokens, so any
+    prompt the data admits decodes its whole response (a fixed 8192 once refused longer video prompts outright,
+    and cut the responses of those near it); past the model's positions the run stops before any work."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"what is {i} plus {i}?", "answer": str(2 * i)}) + "\n"
+                            for i in range(8)))
+    files = ["--data.train_files", str(data), "--data.max_prompt_length", "1000"]
+    trainer = RLTrainer(load_config(FAST + ["--trainer.output_dir", str(tmp_path / "run"), *files]))
+    assert trainer.engine.max_model_len == 1000 + trainer.cfg.rollout.max_tokens
+    positions = trainer.model.args.text.max_position_embeddings
+    with pytest.raises(ConfigError, match=rf"data.max_prompt_length.*rollout.max_tokens 4 is {positions + 4} tokens, "
+                                          rf"over the model's max_position_embeddings {positions}"):
+        RLTrainer(load_config(FAST + ["--trainer.output_dir", str(tmp_path / "too_long"), *files[:2],
+                                      "--data.max_prompt_length", str(positions)]))

@@ -89,11 +89,13 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_cache_memory must be > 0, got {self.kv_cache_memory}")
 
     @classmethod
-    def from_config(cls, rollout: RolloutConfig, num_blocks: int) -> EngineConfig:
+    def from_config(cls, rollout: RolloutConfig, num_blocks: int, max_model_len: int) -> EngineConfig:
         """The RL loop's engine: the rollout section's blocks, batch and graphs, a pool
-        of `num_blocks` (the memory plan's), no progress line (the loop logs its own)."""
+        of `num_blocks` (the memory plan's), sequences of up to `max_model_len` tokens (the
+        run's longest prompt plus rollout.max_tokens: every prompt the data admits fits,
+        with its whole response), no progress line (the loop logs its own)."""
         return cls(block_size=rollout.block_size, num_blocks=num_blocks, max_num_seqs=rollout.max_num_seqs,
-                   enforce_eager=rollout.enforce_eager, progress=False,
+                   max_model_len=max_model_len, enforce_eager=rollout.enforce_eager, progress=False,
                    shared_prefix_decode=rollout.shared_prefix_decode)
 
 

@@ -139,7 +139,8 @@ class RLTrainer:
         cfg = self.cfg
         self.engine, self.sampler = None, None
         if self.generates:
-            self.engine = build_engine(self.weights, cfg.rollout, self.memory.kv_pool_blocks, self.engine_ranks)
+            self.engine = build_engine(self.weights, cfg.rollout, self.memory.kv_pool_blocks,
+                                       self.memory.batch.longest_sequence, self.engine_ranks)
             tp_group = self.weights.engine_tp_group if cfg.rollout.tp > cfg.parallel.tp else None
             self.sampler = RolloutSampler(self.engine, self.weights, self.model, self.tokenizer, cfg.rollout,
                                           cfg.trainer.seed, tp_group)

@@ -88,7 +88,7 @@ def balanced_share(examples: list, ranks: int, rank: int) -> list:
     return [e for i, e in enumerate(examples) if owner[i] == rank]
 
 
-def build_engine(weights: SharedWeights, r: RolloutConfig, num_blocks: int,
+def build_engine(weights: SharedWeights, r: RolloutConfig, num_blocks: int, max_model_len: int,
                  group: dist.ProcessGroup | None = None) -> Engine:
     """The engine on the rollout layout of the weights: built inside `for_rollout`,
     where it reads its KV head count and dtype off the parameters (outside, FSDP's
@@ -97,7 +97,7 @@ def build_engine(weights: SharedWeights, r: RolloutConfig, num_blocks: int,
     the ranks of a TP group schedule alike: the memory plan's `num_blocks`, allocated
     here and kept for the run (the plan counts it in every phase), since the decode
     graphs read it by address."""
-    config = EngineConfig.from_config(r, num_blocks)
+    config = EngineConfig.from_config(r, num_blocks, max_model_len)
     with weights.for_rollout() as engine_model:
         engine = Engine(engine_model, config)
         if dist.get_world_size(group) > 1:

@@ -230,6 +230,11 @@ def plan_run_memory(cfg: Config, path: Path, examples: list, dims: ParallelDims,
     longest = cfg.data.max_prompt_length if cfg.data.train_files else max(lengths)
     batch = BatchShape(cfg.data.batch_size, cfg.rollout.n, max(1, sum(lengths) // len(lengths) - vision),
                        cfg.rollout.max_tokens, vision, longest_prompt=longest)
+    if batch.longest_sequence > args.text.max_position_embeddings:
+        raise ConfigError(f"a prompt of up to {longest} tokens (data.max_prompt_length) plus rollout.max_tokens "
+                          f"{cfg.rollout.max_tokens} is {batch.longest_sequence} tokens, over the model's "
+                          f"max_position_embeddings {args.text.max_position_embeddings} ({path}/config.json): "
+                          "lower one of the two")
     memory = int(cfg.trainer.device_memory) or device_memory(device)
     options = MemoryOptions.from_config(cfg, compute_dtype, memory, resolve_backend(cfg.model.attn_backend, device))
     engine_tp = cfg.rollout.tp if dims.world_size % cfg.rollout.tp == 0 else dims.tp
