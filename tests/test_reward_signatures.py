@@ -239,6 +239,23 @@ def test_a_run_whose_every_reward_fails_stops_with_the_name_and_error(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "run" / "metrics.jsonl")
 
 
+HANGING_REWARD = '''
+import time
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep(60)
+'''
+
+
+def test_a_run_whose_every_reward_hangs_stops_naming_the_time_limit(tmp_path):
+    # In worker processes, the step's calls share data.reward_timeout_s: the run stops within about that.
+    trainer = tiny_run(tmp_path, HANGING_REWARD, "--data.reward_workers", "2", "--data.reward_timeout_s", "0.5")
+    with pytest.raises(RewardsFailed, match=r"failed on all 4 responses of the step; none was scored within "
+                                            r"data.reward_timeout_s\. A function that hangs needs a fix"):
+        trainer.fit()
+
+
 # An EasyR1 batch reward that scores the response's length in tokens, as EasyR1 passes it.
 EASYR1_TOKEN_LENGTH_REWARD = '''
 def compute_score(reward_inputs):

@@ -1,5 +1,6 @@
-"""Reward functions, by hand-written cases; user functions loaded from files and modules;
-user functions scored in worker processes that survive hangs and crashes."""
+"""Reward functions, by hand-written cases; user functions loaded from files (importing the
+modules beside them) and modules; user functions scored in worker processes that survive
+hangs (a batch's calls sharing one time limit) and crashes."""
 
 from __future__ import annotations
 
@@ -147,6 +148,44 @@ def test_user_function_from_module(tmp_path, monkeypatch):
         sys.modules.pop("my_rewards_mod", None)
 
 
+def write_reward_folder(folder: Path, bonus: float) -> str:
+    """A reward file that imports a module beside it, as a script imports one beside it; its spec."""
+    folder.mkdir()
+    (folder / "grading_helpers.py").write_text(f"BONUS = {bonus}\n")
+    (folder / "reward.py").write_text(textwrap.dedent("""
+        from grading_helpers import BONUS
+
+        def score(response, answer):
+            return len(response) + BONUS
+    """))
+    return f"{folder / 'reward.py'}:score"
+
+
+@pytest.fixture
+def restore_imports(monkeypatch):
+    """Undoes what loading reward files from folders does: their folders on sys.path, their modules cached."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    yield
+    sys.modules.pop("grading_helpers", None)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_reward_file_imports_the_modules_beside_it(tmp_path, workers, restore_imports):
+    reward = write_reward_folder(tmp_path / "rewards", bonus=0.5)
+    with RewardScorer(reward, workers=workers) as scorer:  # in this process, and in a worker process
+        assert scorer.score(["ab"], [""]).scores == [2.5]
+
+
+def test_reward_files_in_two_folders_each_import_their_own_module(tmp_path, restore_imports):
+    first = write_reward_folder(tmp_path / "first", bonus=0.5)
+    second = write_reward_folder(tmp_path / "second", bonus=0.25)
+    # Loaded again, a file still imports its own folder's module, and its folder is on sys.path once.
+    for spec, bonus in ((first, 0.5), (second, 0.25), (first, 0.5)):
+        assert load_reward(spec)("ab", "") == 2 + bonus
+    for folder in ("first", "second"):
+        assert sys.path.count(str((tmp_path / folder).resolve())) == 1
+
+
 def test_raising_user_function_from_file_is_counted(tmp_path):
     path = tmp_path / "user_reward.py"
     path.write_text(textwrap.dedent("""
@@ -229,12 +268,37 @@ def test_workers_by_default_for_user_functions_only(user_reward, time_limit):
 def test_a_reward_that_never_returns_times_out(user_reward, time_limit):
     with RewardScorer(user_reward, workers=2, timeout_s=0.5) as scorer:
         start = time.monotonic()
-        with pytest.warns(UserWarning, match=r"did not return within 0.5 s on 1 of 4 responses"):
+        with pytest.warns(UserWarning, match=r"1 of 4 responses were not scored within 0.5 s"):
             result = scorer.score(["a", "hang", "bb", "ccc"], [""] * 4)
         assert time.monotonic() - start < 5
         assert (result.scores, result.errors, result.timeouts) == ([1.0, 0.0, 2.0, 3.0], 0, 1)
         # The hung worker was killed and replaced: the next batch uses both workers again.
         assert scorer.score(["dddd", "e"], ["", ""]).scores == [4.0, 1.0]
+
+
+def test_a_steps_reward_calls_share_one_deadline(user_reward, time_limit):
+    # A limit per call would cost 7 hung calls on 2 workers 4 x 0.5 s; one deadline for the batch, 0.5 s.
+    with RewardScorer(user_reward, workers=2, timeout_s=0.5) as scorer:
+        hung = [worker.process for worker in scorer._pool.workers]
+        start = time.monotonic()
+        with pytest.warns(UserWarning, match=r"7 of 8 responses were not scored within 0\.5 s "
+                                             r"\(data\.reward_timeout_s"):
+            result = scorer.score(["a"] + ["hang"] * 7, [""] * 8)
+        assert time.monotonic() - start < 1.25
+        # "a" was scored; two calls hung till the deadline, and the other five were never made.
+        assert (result.scores, result.errors, result.timeouts) == ([1.0] + [0.0] * 7, 0, 7)
+        assert [process.returncode for process in hung] == [-signal.SIGKILL] * 2  # killed, and reaped
+        # Their replacements score the next batch, with its own deadline.
+        assert scorer.score(["ab", "abc"], ["", ""]).scores == [2.0, 3.0]
+
+
+def test_workers_starting_do_not_use_up_the_time_limit(tmp_path, time_limit):
+    reward = tmp_path / "slow_start.py"  # a reward that loads a model, say, before it can score
+    reward.write_text(USER_REWARD + "\ntime.sleep(0.75)\n")
+    with RewardScorer(f"{reward}:score", workers=2, timeout_s=0.5) as scorer:
+        assert scorer.score(["hang", "hang"], ["", ""], warn=False).timeouts == 2  # both workers killed
+        # The batch's limit starts with its first call, once a replacement has started.
+        assert scorer.score(["ab", "abc"], ["", ""]).scores == [2.0, 3.0]
 
 
 def test_a_crashing_worker_costs_its_sample_and_is_replaced(user_reward, time_limit):

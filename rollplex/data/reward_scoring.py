@@ -2,11 +2,12 @@
 costs only its samples (scored 0.0 and counted), not the run.
 
 `RewardScorer` scores in this process (`score_all`: the built-in rewards, trusted
-and fast), or in worker processes that score calls in parallel, where a call that
-hangs is killed at a time limit and a crash takes down only its worker, which is
-replaced (user functions, by default). A per-sample function (rollplex, verl,
-EasyR1 sequential) is called once per sample, so a failing call costs one; a batch
-function (EasyR1 batch, TRL) once per chunk of the batch, one chunk per worker.
+and fast), or in worker processes that score calls in parallel, where the calls
+still running at a batch's time limit are killed and a crash takes down only its
+worker; either way the worker is replaced (user functions, by default). A
+per-sample function (rollplex, verl, EasyR1 sequential) is called once per
+sample, so a failing call costs one; a batch function (EasyR1 batch, TRL) once
+per chunk of the batch, one chunk per worker.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import math
 import os
 import signal
 import subprocess
@@ -70,7 +72,7 @@ def chunks(size: int, batched: bool, parts: int) -> list[range]:
 class RewardScores:
     """A batch's rewards in input order. A sample that fails scores 0.0 and is counted
     once: in `errors` (it raised, returned no finite number, or its worker died) or in
-    `timeouts` (it did not return within the time limit). `components` holds each
+    `timeouts` (it was not scored within the batch's time limit). `components` holds each
     sample's dict entries ({} for a number result or a failure)."""
 
     scores: list[float]
@@ -81,7 +83,7 @@ class RewardScores:
 
     @classmethod
     def of(cls, outcomes: Sequence[Outcome | None]) -> RewardScores:
-        """From each sample's outcome, None for one that timed out."""
+        """From each sample's outcome, None for one not scored within the time limit."""
         done = [o if o is not None else (0.0, {}, "") for o in outcomes]
         errors = [error for _, _, error in done if error]
         return cls([score for score, _, _ in done], errors=len(errors), timeouts=sum(o is None for o in outcomes),
@@ -104,8 +106,10 @@ def _warn_failures(name: str, result: RewardScores, timeout_s: float = 0.0) -> N
         warnings.warn(f"reward function {name} failed on {result.errors} of {total} responses (scored 0.0); "
                       f"first error: {result.first_error}", stacklevel=3)
     if result.timeouts:
-        warnings.warn(f"reward function {name} did not return within {timeout_s:g} s on {result.timeouts} of "
-                      f"{total} responses (scored 0.0; their workers were replaced)", stacklevel=3)
+        warnings.warn(f"reward function {name}: {result.timeouts} of {total} responses were not scored within "
+                      f"{timeout_s:g} s (data.reward_timeout_s, shared by the calls that score a batch) and score "
+                      f"0.0 (the calls still running were killed, their workers replaced); one slow, not hung, "
+                      f"needs a higher data.reward_timeout_s or more data.reward_workers", stacklevel=3)
 
 
 def score_all(reward: Reward, samples: Sequence[RewardSample], score_key: str = "") -> RewardScores:
@@ -169,12 +173,12 @@ class _RewardSpec:
 @dataclass(eq=False)  # workers are told apart by identity
 class _Worker:
     """A worker process, the trainer's end of its pipe and what it is doing: starting
-    (until it has loaded the reward), idle, or scoring chunk `task`, each until `deadline`.
+    (until it has loaded the reward, by `start_deadline`), idle, or scoring chunk `task`.
     `kind` is the calling convention the worker found, once it has started."""
 
     process: subprocess.Popen
     conn: Connection
-    deadline: float
+    start_deadline: float
     started: bool = False
     task: int | None = None
     kind: str = ""
@@ -196,8 +200,8 @@ class _Worker:
     def idle(self) -> bool:
         return self.started and self.task is None
 
-    def assign(self, task: int, request: list[RewardSample], timeout_s: float) -> None:
-        self.task, self.deadline = task, time.monotonic() + timeout_s
+    def assign(self, task: int, request: list[RewardSample]) -> None:
+        self.task = task
         with contextlib.suppress(OSError):  # a worker that died while idle reads as EOF, like one dying in the call
             self.conn.send(request)
 
@@ -231,9 +235,10 @@ def _stop_all(workers: list[_Worker]) -> None:
 
 
 class _WorkerPool:
-    """`size` worker processes that each load `reward`, kept across batches. A call past
-    `timeout_s` is killed with its worker, and a worker that dies in a call is replaced;
-    the replacement starts while the others go on scoring."""
+    """`size` worker processes that each load `reward`, kept across batches. A batch's
+    calls share one time limit, `timeout_s`: the calls still running then are killed
+    with their workers, which are replaced, as is a worker that dies in a call; a
+    replacement starts while the others go on scoring."""
 
     def __init__(self, reward: _RewardSpec, size: int, timeout_s: float):
         self.reward, self.spec, self.timeout_s = reward, reward.spec, timeout_s
@@ -242,7 +247,7 @@ class _WorkerPool:
         self.close = weakref.finalize(self, _stop_all, self.workers)
         try:  # a reward that cannot load fails here, at the trainer's start
             for worker in self.workers:
-                if not worker.conn.poll(max(0.0, worker.deadline - time.monotonic())):
+                if not worker.conn.poll(max(0.0, worker.start_deadline - time.monotonic())):
                     raise TimeoutError(f"reward {self.spec!r}: a worker process did not start in "
                                        f"{_START_TIMEOUT_S:g} s")
                 worker.finish_start(self.spec)
@@ -252,25 +257,39 @@ class _WorkerPool:
         self.kind = self.workers[0].kind
 
     def score(self, tasks: Sequence[list[RewardSample]]) -> list[list[Outcome] | None]:
-        """Each task's (a call's samples) outcomes, or None for a task that timed out."""
+        """Each task's (a call's samples) outcomes, or None for a task not done within `timeout_s`
+        of the first call. One deadline for all: a function that hangs costs the batch one time
+        limit, where one per call would cost tasks x limit / workers."""
         if not self.workers:
             raise RuntimeError(f"reward {self.spec!r}: the worker processes are closed")
         todo = deque(range(len(tasks)))
         results: list[list[Outcome] | None] = [None] * len(tasks)
-        while todo or any(worker.task is not None for worker in self.workers):
+        deadline = math.inf  # set by the first call: waiting for workers to start does not use up the limit
+        while (todo or self._calling()) and time.monotonic() < deadline:
             for worker in self.workers:
                 if worker.idle and todo:
+                    deadline = min(deadline, time.monotonic() + self.timeout_s)
                     task = todo.popleft()
-                    worker.assign(task, tasks[task], self.timeout_s)
-            waiting = [worker for worker in self.workers if not worker.idle]
-            earliest = min(worker.deadline for worker in waiting)
-            wait([worker.conn for worker in waiting], timeout=min(max(0.0, earliest - time.monotonic()), _MAX_WAIT_S))
-            for worker in waiting:
-                if worker.conn.poll():  # a message, or EOF: the worker died
-                    self._receive(worker, tasks, results)
-                elif time.monotonic() >= worker.deadline:
-                    self._time_out(worker)
+                    worker.assign(task, tasks[task])
+            self._take_messages(tasks, results, deadline)
+        self._kill_calls()
         return results
+
+    def _calling(self) -> list[_Worker]:
+        return [worker for worker in self.workers if worker.task is not None]
+
+    def _take_messages(self, tasks: Sequence[list[RewardSample]], results: list[list[Outcome] | None],
+                       deadline: float) -> None:
+        """Wait for a message from a busy or starting worker, or for `deadline`, and take in those that came."""
+        waiting = [worker for worker in self.workers if not worker.idle]
+        until = min([deadline, *(worker.start_deadline for worker in waiting if not worker.started)])
+        wait([worker.conn for worker in waiting], timeout=min(max(0.0, until - time.monotonic()), _MAX_WAIT_S))
+        for worker in waiting:
+            if worker.conn.poll():  # a message, or EOF: the worker died
+                self._receive(worker, tasks, results)
+            elif not worker.started and time.monotonic() >= worker.start_deadline:
+                raise TimeoutError(f"reward {self.spec!r}: a replacement worker process did not start "
+                                   f"in {_START_TIMEOUT_S:g} s")
 
     def _receive(self, worker: _Worker, tasks: Sequence[list[RewardSample]],
                  results: list[list[Outcome] | None]) -> None:
@@ -285,12 +304,11 @@ class _WorkerPool:
             results[task] = [(0.0, {}, f"its worker process died ({_exit_reason(worker.stop())})")] * len(tasks[task])
             self._replace(worker)
 
-    def _time_out(self, worker: _Worker) -> None:
-        if not worker.started:
-            raise TimeoutError(f"reward {self.spec!r}: a replacement worker process did not start "
-                               f"in {_START_TIMEOUT_S:g} s")
-        worker.stop()  # kills it: its task's samples score 0.0
-        self._replace(worker)
+    def _kill_calls(self) -> None:
+        """Kill the workers whose calls ran to the deadline (their samples score 0.0), and replace them."""
+        for worker in self._calling():
+            worker.stop()
+            self._replace(worker)
 
     def _replace(self, worker: _Worker) -> None:
         self.workers[self.workers.index(worker)] = _Worker.start(self.reward)
@@ -305,10 +323,12 @@ class RewardScorer:
       right for the built-in rewards, but a call cannot be time-limited, and a hang or
       crash in it is the trainer's.
     - `workers` > 0: in that many worker processes, kept across batches, that each load
-      the reward themselves and score calls in parallel. A call that does not return
-      within `timeout_s` scores 0.0 and counts its samples as timeouts (its worker is
-      killed and replaced); a worker that dies in a call (a segfault, os.abort) costs
-      that call's samples an error each, and is replaced.
+      the reward themselves and score calls in parallel. A batch's calls share one time
+      limit, `timeout_s` from its first call: the samples not scored by then score 0.0
+      and count as timeouts (the workers still in a call are killed and replaced), so a
+      function that hangs costs a batch `timeout_s`, however many samples it has. A
+      worker that dies in a call (a segfault, os.abort) costs that call's samples an
+      error each, and is replaced.
 
     -1 = auto: in this process for a built-in reward, else `USER_REWARD_WORKERS`
     processes. Either way a call that raises or returns no finite number scores 0.0

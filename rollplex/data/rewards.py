@@ -4,8 +4,9 @@ the calling conventions of verl, EasyR1 and TRL (`Reward`, `REWARD_KINDS`).
 Built in: "exact_match" (one-word / short answers, the synthetic tasks), "math"
 (a final math answer, checked with math-verify when it is installed) and "format"
 (the <think>...</think> answer layout). `load_reward` also loads a user function
-from `module:function` or `path/to/file.py:function`. Scoring batches, with a
-failing call costing only its samples, is rollplex.data.reward_scoring's.
+from `module:function` or `path/to/file.py:function` (which imports the modules
+beside it, as a script does). Scoring batches, with a failing call costing only
+its samples, is rollplex.data.reward_scoring's.
 """
 
 from __future__ import annotations
@@ -221,9 +222,46 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 }
 
 
+# The folders of the reward files loaded in this process, each put on sys.path by `_import_beside`.
+_REWARD_FOLDERS: set[Path] = set()
+
+
+def _top_level_home(name: str, module: Any) -> Path | None:
+    """The folder in which `import name` found the top level of `module` (a file or a
+    package folder); None for a module without a file."""
+    file = getattr(module, "__file__", None)
+    depth = name.count(".") + hasattr(module, "__path__")  # a package's file is its folder's __init__.py
+    parents = Path(file).resolve().parents if file else ()
+    return parents[depth] if depth < len(parents) else None
+
+
+def _import_beside(folder: Path) -> None:
+    """Make the modules beside a reward file importable, first on sys.path, as a script's
+    folder is for `python script.py`."""
+    entry = str(folder)
+    if entry in sys.path:
+        sys.path.remove(entry)  # loaded before: first again, not twice
+    sys.path.insert(0, entry)
+    _forget_other_reward_folders_modules(folder)
+    _REWARD_FOLDERS.add(folder)
+
+
+def _forget_other_reward_folders_modules(folder: Path) -> None:
+    """Drop from the module cache the modules that another reward file's folder gave under a
+    name `folder` has too, so that a file here imports its own (a file loaded before keeps
+    the modules it imported)."""
+    names = {p.stem for p in folder.glob("*.py")} | {p.name for p in folder.iterdir() if p.is_dir()}
+    names.discard("__main__")  # the running script's, whatever folder a reward file also has one in
+    others = _REWARD_FOLDERS - {folder}
+    for name, module in list(sys.modules.items()):
+        if name.partition(".")[0] in names and _top_level_home(name, module) in others:
+            del sys.modules[name]
+
+
 def _load_file(path: Path, spec: str):
     if not path.is_file():
         raise ImportError(f"reward {spec!r}: file {path} not found")
+    _import_beside(path.resolve().parent)
     # A unique module name per file: two reward files both called reward.py must not clash.
     name = f"rollplex_reward_{abs(hash(str(path.resolve())))}"
     module_spec = importlib.util.spec_from_file_location(name, path)
@@ -241,7 +279,8 @@ def _load_file(path: Path, spec: str):
 
 def load_reward(spec: str) -> RewardFn:
     """A reward function by name ("exact_match", "math", "format") or a user function as
-    `package.module:function` or `path/to/file.py:function`."""
+    `package.module:function` or `path/to/file.py:function` (its folder goes first on
+    sys.path, so that the file imports the modules beside it)."""
     if ":" not in spec:
         if spec not in BUILTIN_REWARDS:
             raise ValueError(

@@ -95,9 +95,11 @@ def stop_if_every_reward_failed(rewards: RewardScores, name: str, group: dist.Pr
     timed out). Some failing is left to the scorer's warning and reward/errors."""
     failed, total = all_reduce_values([rewards.failed, len(rewards.scores)], group=group)
     if total and failed == total:
-        cause = f"first error: {rewards.first_error}" if rewards.first_error else "every call timed out"
-        raise RewardsFailed(f"reward function {name} failed on all {int(total)} responses of the step; {cause}. "
-                            f"Check its signature (data.reward_kind) and what it returns (data.reward_score_key)")
+        advice = (f"first error: {rewards.first_error}. Check its signature (data.reward_kind) and what it returns "
+                  f"(data.reward_score_key)" if rewards.first_error else
+                  "none was scored within data.reward_timeout_s. A function that hangs needs a fix; a slow one, "
+                  "a higher data.reward_timeout_s or more data.reward_workers")
+        raise RewardsFailed(f"reward function {name} failed on all {int(total)} responses of the step; {advice}")
 
 
 def prefix_metrics(prefix: PrefixScheduler) -> dict[str, float]:
