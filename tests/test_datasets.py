@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import re
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -151,6 +153,65 @@ def test_too_long_and_corrupt_rows_are_skipped_and_counted(processor, tmp_path):
     with pytest.raises(RowSkipped, match="too_long") as e:
         ds[1]
     assert e.value.reason == "too_long"
+
+
+def _warnings_while(action) -> list[str]:
+    """The warnings `action()` gives, each one counted however often its text repeats."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        action()
+    return [str(w.message) for w in caught]
+
+
+def test_bad_rows_are_summed_up_one_line_per_reason_with_the_setting_that_fixes_it(processor, tmp_path):
+    _save_images(tmp_path / "img", 1)
+    good = {"problem": "<image> what colour ?", "answer": "red", "images": ["img/img_0.png"]}
+    data = _write_jsonl(tmp_path / "d.jsonl", [
+        good,
+        *[{"problem": "<image> what colour ?", "solution": "red", "images": ["img/img_0.png"]}] * 4,
+        *[{"problem": "<image> " + "the " * 100, "answer": "red", "images": ["img/img_0.png"]}] * 3,
+        *[{"problem": "<image> what colour ?", "answer": "red", "images": ["img/gone.png"]}] * 3,
+        *[{"problem": "<image> what colour ?", "answer": "red", "pictures": ["img/img_0.png"]}] * 3,
+    ])  # fmt: skip
+    ds = PromptDataset(data, processor, max_prompt_length=64)
+    messages = _warnings_while(lambda: list(ds))
+    assert ds.skipped == {"bad_row": 7, "too_long": 3, "bad_image": 3}  # counted as ever, each row once
+    # One warning at the first row of each reason, then one summary: not one per row.
+    *firsts, summary = messages
+    assert len(firsts) == 4 and "d.jsonl, line 2: skipping row 1 (bad_row)" in firsts[0]
+    assert summary.startswith(f"13 of 14 rows of {data} skipped:")
+    lines = summary.splitlines()[1:]
+    assert len(lines) == 4
+    answer, too_long, image, placeholder = lines
+    assert answer.startswith("  bad_row: 4 rows (d.jsonl, line 2; line 3; line 4; ...)")
+    assert "column 'answer' (data.answer_key) is missing; the row's columns: ['images', 'problem', 'solution']" \
+        in answer and answer.endswith("set data.answer_key to the answer's column")
+    assert too_long.startswith("  too_long: 3 rows (d.jsonl, line 6; line 7; line 8)") and \
+        "max_prompt_length 64" in too_long and "raise data.max_prompt_length" in too_long
+    assert image.startswith("  bad_image: 3 rows") and "gone.png" in image and "data.image_key" in image
+    assert placeholder.startswith("  bad_row: 3 rows") and "1 image placeholder(s)" in placeholder \
+        and "data.image_key" in placeholder
+    assert _warnings_while(lambda: list(ds)) == []  # rows already known are not warned about again
+
+
+def test_a_file_of_bad_rows_is_one_error_naming_the_setting(processor, tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"problem": f"row {i}", "solution": str(i)} for i in range(300)]),
+                   tmp_path / "train.parquet")
+    ds = PromptDataset(tmp_path / "train.parquet", processor, 64)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(ValueError) as error:
+        warnings.simplefilter("always")
+        next(ds.batches(2, seed=0))
+    assert len(caught) == 1  # the first bad row's warning; the error sums up the rest
+    assert re.fullmatch(r"no usable rows in .*train.parquet: skipped \{'bad_row': 300\}\n"
+                        r"  bad_row: 300 rows \(train.parquet, row \d+; row \d+; row \d+; ...\): "
+                        r".*column 'answer' \(data.answer_key\) is missing.*'solution'.*"
+                        r"set data.answer_key to the answer's column", str(error.value))
+    # The validation files' rows are iterated: the same error.
+    with pytest.warns(UserWarning, match="data.answer_key"), pytest.raises(ValueError, match="no usable rows"):
+        list(PromptDataset(tmp_path / "train.parquet", processor, 64))
 
 
 def test_bad_files_name_file_and_line(processor, tmp_path):

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from rollplex.data.media import MediaLoadError, list_frame_files, sample_frame_indices
-from rollplex.data.processing import prepare_prompt, text_to_messages
+from rollplex.data.processing import PlaceholderMismatch, prepare_prompt, text_to_messages
 from rollplex.models.inputs import Prompt
 
 transformers = pytest.importorskip("transformers")
@@ -102,16 +102,15 @@ def test_corrupt_image_raises_naming_it(processor, tmp_path):
 
 def test_placeholder_mismatch_raises(processor):
     img = _rand_image(0)
-    with pytest.raises(ValueError, match="1 image placeholder.*2 image"):
-        prepare_prompt(processor, PROMPT, images=[img, img])
-    with pytest.raises(ValueError, match="2 image placeholder.*1 image"):
-        prepare_prompt(processor, "<image><image>?", images=[img])
-    with pytest.raises(ValueError, match="image"):
-        prepare_prompt(processor, PROMPT)  # no images at all
-    with pytest.raises(ValueError, match="video"):
-        prepare_prompt(processor, "<video>?", videos=[])
-    with pytest.raises(ValueError, match="0 video placeholder"):
-        prepare_prompt(processor, "what?", videos=[_frames(2)])
+    # A dataset tells the user which column to fix from `kind`.
+    for prompt, media, error in [(PROMPT, dict(images=[img, img]), "1 image placeholder.*2 image"),
+                                 ("<image><image>?", dict(images=[img]), "2 image placeholder.*1 image"),
+                                 (PROMPT, {}, "image"),  # no images at all
+                                 ("<video>?", dict(videos=[]), "video"),
+                                 ("what?", dict(videos=[_frames(2)]), "0 video placeholder")]:
+        with pytest.raises(PlaceholderMismatch, match=error) as e:
+            prepare_prompt(processor, prompt, **media)
+        assert e.value.kind == ("video" if "video" in error else "image")
 
 
 def test_text_to_messages():

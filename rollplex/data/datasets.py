@@ -17,10 +17,14 @@ frame paths (see `_videos_of`). A prompt template (EasyR1's format_prompt,
 
 Rows are read when the dataset is built (so a bad file fails at once, naming the
 file and line) but rendered lazily: images are decoded and the chat template
-applied only when an example is asked for. A row whose prompt is longer than
-`max_prompt_length` tokens (after image expansion), or whose image does not
-decode, is skipped with a warning and counted in `dataset.skipped`; prompts are
-never truncated.
+applied only when an example is asked for. A row that cannot be used (its prompt
+longer than `max_prompt_length` tokens after image expansion, an image that does
+not decode, a missing column, placeholders without their images) is skipped and
+counted in `dataset.skipped`; prompts are never truncated. Warnings come per
+cause, not per row: one at the first row of each reason, then, once every row has
+been read, one summary with a line per reason (how many, the first few file
+lines, the setting that fixes it). A dataset without one usable row is an error
+that holds that summary.
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ from typing import Any
 import numpy as np
 
 from rollplex.data.media import FRAME_EXTENSIONS, MediaLoadError
-from rollplex.data.processing import prepare_prompt, text_to_messages
+from rollplex.data.processing import (
+    IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, PlaceholderMismatch, prepare_prompt, text_to_messages,
+)
 from rollplex.models.inputs import Prompt
 
 FORMATS = ("auto", "easyr1", "verl")
@@ -49,6 +55,7 @@ VERL_PROMPT_KEY = "prompt"
 # Dict keys of an image/video item that may hold a file path (HF datasets: "path";
 # verl / qwen-vl-utils: "image", "video"; rollplex videos: "frames").
 _PATH_KEYS = ("path", "image", "video", "frames")
+_SHOWN_ROWS = 3  # rows named in a skip summary's line, per reason
 
 
 @dataclass
@@ -73,11 +80,38 @@ class RowSkipped(ValueError):
 
 
 class _BadRow(ValueError):
-    """A row that lacks a column or holds the wrong type."""
+    """A row that lacks a column or holds the wrong type; `fix` says what mends rows like it."""
+
+    def __init__(self, message: str, fix: str):
+        super().__init__(message)
+        self.fix = fix
 
 
 class _TooLong(ValueError):
     """The rendered prompt is over max_prompt_length tokens."""
+
+
+@dataclass
+class _SkipGroup:
+    """The rows skipped for one reason and fix: how many, where the first few are, the first one's error."""
+
+    reason: str
+    fix: str
+    error: str
+    places: list[tuple[Path, str]] = field(default_factory=list)  # (file, "line 3" / "row 2")
+    count: int = 0
+
+    def add(self, path: Path, where: str) -> None:
+        self.count += 1
+        if len(self.places) < _SHOWN_ROWS:
+            self.places.append((path, where))
+
+    def line(self) -> str:
+        shown = [where if i and path == self.places[i - 1][0] else f"{path.name}, {where}"
+                 for i, (path, where) in enumerate(self.places)]
+        more = "; ..." if self.count > len(self.places) else ""
+        rows = "row" if self.count == 1 else "rows"
+        return f"  {self.reason}: {self.count} {rows} ({'; '.join(shown)}{more}): {self.error}; {self.fix}"
 
 
 # --------------------------------------------------------------------------------------
@@ -258,9 +292,9 @@ class PromptDataset:
 
     `len(dataset)` counts every row, usable or not. `dataset[i]` renders row i (an
     Example whose index is i) or raises `RowSkipped`; iterating yields the usable
-    rows in file order; `batches` is the training stream. `skipped` counts the
-    skipped rows by reason ("too_long", "bad_image", "bad_video", "bad_row"), each
-    row once however often it comes round.
+    rows in file order (and raises when there is none); `batches` is the training
+    stream. `skipped` counts the skipped rows by reason ("too_long", "bad_image",
+    "bad_video", "bad_row"), each row once however often it comes round.
     """
 
     def __init__(
@@ -307,6 +341,7 @@ class PromptDataset:
         self._bad: dict[int, tuple[str, str]] = {}  # index -> (reason, warning message)
         self._good: set[int] = set()
         self.skipped: Counter[str] = Counter()
+        self._skip_groups: dict[tuple[str, str], _SkipGroup] = {}  # (reason, fix) -> its rows, for the summary
 
     def __len__(self) -> int:
         return self._length
@@ -331,9 +366,14 @@ class PromptDataset:
         prompt = row.get(key)
         is_messages = isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
         if not (isinstance(prompt, str) or is_messages):
-            raise _BadRow(f"column {key!r} must hold a prompt string or chat messages ({{role, content}} dicts)")
+            found = f"holds {type(prompt).__name__}" if key in row else f"is missing; the row's columns: {sorted(row)}"
+            raise _BadRow(f"column {key!r} (data.prompt_key) must hold a prompt string or chat messages "
+                          f"({{role, content}} dicts), but {found}", "set data.prompt_key to the prompt's column")
         if answer is None:
-            raise _BadRow(f"no answer (column {self.answer_key!r} / reward_model.ground_truth)")
+            state = "null" if self.answer_key in row else f"missing; the row's columns: {sorted(row)}"
+            verl = "no reward_model.ground_truth and " if source.layout == "verl" else ""
+            raise _BadRow(f"no answer: {verl}column {self.answer_key!r} (data.answer_key) is {state}",
+                          "set data.answer_key to the answer's column")
         return prompt, str(answer)
 
     def _render(self, index: int) -> Example:
@@ -359,36 +399,75 @@ class PromptDataset:
         if self.template:
             users = [i for i, m in enumerate(messages) if m["role"] == "user"]
             if not users or not isinstance(messages[users[-1]]["content"], str):
-                raise _BadRow("data.format_prompt needs a user message whose content is a string")
+                raise _BadRow("data.format_prompt needs a user message whose content is a string",
+                              "unset data.format_prompt, or give these rows' user message a string content")
             messages[users[-1]] = {**messages[users[-1]], "content": self.template(messages[users[-1]]["content"])}
         if self.system_prompt and not any(m["role"] == "system" for m in messages):
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         return messages
 
-    def _skip(self, index: int, error: Exception) -> None:
+    def _cause(self, error: Exception) -> tuple[str, str]:
+        """(reason, fix) of an unusable row: its key in `skipped`, and what mends rows like it."""
         if isinstance(error, _TooLong):
-            reason = "too_long"
-        elif isinstance(error, MediaLoadError):
+            return "too_long", ("raise data.max_prompt_length, or lower data.max_pixels / data.video_max_pixels "
+                                "(fewer vision tokens)")
+        if isinstance(error, MediaLoadError):
             # processing names a video frame "video i frame j"; anything else is an image.
-            reason = "bad_video" if error.name.startswith("video") else "bad_image"
-        else:
-            reason = "bad_row"
+            kind = "video" if error.name.startswith("video") else "image"
+            return f"bad_{kind}", (f"check the {kind} files and data.{kind}_key (relative paths start from the "
+                                   f"data file's folder)")
+        if isinstance(error, PlaceholderMismatch):
+            placeholder = IMAGE_PLACEHOLDER if error.kind == "image" else VIDEO_PLACEHOLDER
+            key = self.image_key if error.kind == "image" else self.video_key
+            return "bad_row", (f"each {placeholder} of a prompt takes one entry of the column data.{error.kind}_key "
+                               f"names (now {key!r})")
+        if isinstance(error, _BadRow):
+            return "bad_row", error.fix
+        return "bad_row", "mend or drop these rows"
+
+    def _skip(self, index: int, error: Exception) -> None:
+        reason, fix = self._cause(error)
         source, local = self._locate(index)
-        message = f"{source.path}, {source.rows.where(local)}: skipping row {index} ({reason}): {error}"
+        where = source.rows.where(local)
+        message = f"{source.path}, {where}: skipping row {index} ({reason}): {error}"
         self._bad[index] = (reason, message)
         self.skipped[reason] += 1
-        warnings.warn(message)
+        group = self._skip_groups.setdefault((reason, fix), _SkipGroup(reason, fix, str(error)))
+        group.add(source.path, where)
+        if group.count == 1:
+            warnings.warn(f"{message}; {fix}. Later rows like it are not warned about one by one: they are counted "
+                          f"and summed up once every row has been read")
+
+    def _sum_up_skipped(self) -> None:
+        """Every row is known now: one warning for all the skipped ones (when none is usable, the caller's error
+        holds the summary instead)."""
+        if self._bad and self._good:
+            warnings.warn(f"{len(self._bad)} of {self._length} rows of {self._files()} skipped:\n"
+                          f"{self._skip_lines()}")
+
+    def _skip_lines(self) -> str:
+        return "\n".join(group.line() for group in self._skip_groups.values())
+
+    def _files(self) -> str:
+        return ", ".join(str(s.path) for s in self.sources)
+
+    def _no_usable_rows(self) -> ValueError:
+        return ValueError(f"no usable rows in {self._files()}: skipped {dict(self.skipped)}\n{self._skip_lines()}")
 
     def _try(self, index: int) -> Example | None:
         """Row `index` rendered, or None when it is (now known to be) unusable."""
         if index in self._bad:
             return None
+        newly_known = index not in self._good
         try:
             example = self._render(index)
         except (ValueError, TypeError) as e:  # MediaLoadError, _TooLong and _BadRow are ValueErrors
             self._skip(index, e)
-            return None
-        self._good.add(index)
+            example = None
+        else:
+            self._good.add(index)
+        if newly_known and len(self._good) + len(self._bad) == self._length:  # the last row to become known
+            self._sum_up_skipped()
         return example
 
     def __getitem__(self, index: int) -> Example:
@@ -403,6 +482,8 @@ class PromptDataset:
             example = self._try(i)
             if example is not None:
                 yield example
+        if len(self._bad) == self._length:
+            raise self._no_usable_rows()
 
     def _order(self, seed: int) -> Iterator[int]:
         """Row indices, epoch after epoch, each epoch in its own seeded shuffle."""
@@ -420,8 +501,7 @@ class PromptDataset:
             if example is not None:
                 return example if render else None
             if len(self._bad) == self._length:
-                files = ", ".join(str(s.path) for s in self.sources)
-                raise ValueError(f"no usable rows in {files}: skipped {dict(self.skipped)}")
+                raise self._no_usable_rows()
         raise AssertionError("the row order is endless")
 
     def batches(self, batch_size: int, seed: int, start_step: int = 0) -> Iterator[list[Example]]:

@@ -29,6 +29,15 @@ VIDEO_PLACEHOLDER = "<video>"
 _PLACEHOLDER_RE = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})")
 
 
+class PlaceholderMismatch(ValueError):
+    """The prompt's image / video placeholders and the images / videos given do not pair up; `kind` says which
+    ("image" or "video"), so that a dataset can name the column to fix."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
 def _split_placeholders(text: str) -> list[dict[str, Any]]:
     """'<image>a<video>b' -> image item, text item, video item, text item (in order)."""
     content: list[dict[str, Any]] = []
@@ -100,8 +109,8 @@ def _resolve_media(
     if given is not None:
         given = list(given)
         if len(given) != len(items):
-            raise ValueError(
-                f"the prompt has {len(items)} {kind} placeholder(s) ({placeholder} / {kind} content items) "
+            raise PlaceholderMismatch(
+                kind, f"the prompt has {len(items)} {kind} placeholder(s) ({placeholder} / {kind} content items) "
                 f"but {len(given)} {kind}(s) were given"
             )
         return given
@@ -111,8 +120,8 @@ def _resolve_media(
         if isinstance(data, dict) and kind == "image" and "url" in data and len(data) == 1:
             data = data["url"]  # OpenAI-style {"image_url": {"url": ...}}
         if data is None:
-            raise ValueError(
-                f"the prompt has {len(items)} {kind} placeholder(s) but no {kind}s were given "
+            raise PlaceholderMismatch(
+                kind, f"the prompt has {len(items)} {kind} placeholder(s) but no {kind}s were given "
                 f"({kind} item {i} carries no data)"
             )
         found.append(data)
@@ -122,7 +131,8 @@ def _resolve_media(
 def _expand_pads(text: str, pad: str, counts: list[int], kind: str) -> str:
     parts = text.split(pad)
     if len(parts) - 1 != len(counts):
-        raise ValueError(f"the rendered prompt has {len(parts) - 1} {pad} tokens but {len(counts)} {kind}(s)")
+        raise PlaceholderMismatch(kind, f"the rendered prompt has {len(parts) - 1} {pad} tokens but {len(counts)} "
+                                        f"{kind}(s)")
     out = [parts[0]]
     for n, rest in zip(counts, parts[1:]):
         out.append(pad * n)
@@ -159,7 +169,7 @@ def prepare_prompt(
 
     Raises:
         MediaLoadError (a ValueError) naming an image/frame that cannot be decoded;
-        ValueError when placeholders and given media do not match.
+        PlaceholderMismatch (a ValueError) when placeholders and given media do not match.
     """
     tokenizer = processor.tokenizer
     if isinstance(messages_or_text, str):
@@ -178,12 +188,14 @@ def prepare_prompt(
     if image_inputs:
         expanded = _add_images(processor, image_inputs, result, expanded)
     elif IMAGE_PAD in text:
-        raise ValueError(f"the rendered prompt has {text.count(IMAGE_PAD)} {IMAGE_PAD} tokens but no images")
+        raise PlaceholderMismatch("image", f"the rendered prompt has {text.count(IMAGE_PAD)} {IMAGE_PAD} tokens but "
+                                           f"no images")
     if video_inputs:
         natives = _native_rates(native_fps, len(video_inputs))
         expanded = _add_videos(processor, video_inputs, natives, video_fps, result, expanded)
     elif VIDEO_PAD in text:
-        raise ValueError(f"the rendered prompt has {text.count(VIDEO_PAD)} {VIDEO_PAD} tokens but no videos")
+        raise PlaceholderMismatch("video", f"the rendered prompt has {text.count(VIDEO_PAD)} {VIDEO_PAD} tokens but "
+                                           f"no videos")
 
     # The template already holds every special token; Qwen's tokenizer adds none.
     ids = tokenizer(expanded, add_special_tokens=False)["input_ids"]

@@ -31,6 +31,20 @@ from transformers import Qwen2_5_VLProcessor
 from transformers.image_processing_utils import BaseImageProcessor
 
 from rollplex.data.media import is_single_video, sample_video
+from rollplex.models.loader import CONFIG_NAME, check_model_folder, has_file
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return has_file("tokenizer.json")(folder) or all(has_file(f)(folder) for f in ("vocab.json", "merges.txt"))
+
+
+# What load_processor reads of a model folder, each with its test: the files transformers would otherwise
+# look for on the hub, failing with its own errors (the weights: rollplex.models.loader.WEIGHT_FILES).
+PROCESSOR_FILES = {
+    CONFIG_NAME: has_file(CONFIG_NAME),
+    "tokenizer.json (or vocab.json and merges.txt)": _has_tokenizer,
+    "preprocessor_config.json": has_file("preprocessor_config.json"),
+}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -260,6 +274,9 @@ def load_processor(
     machine whether torchvision is installed or not. `image_backend="auto"` lets
     transformers pick the image backend (torchvision when installed).
 
+    `path` must be a local folder holding PROCESSOR_FILES (else a CheckpointError says
+    what it lacks); nothing is looked for on the hub.
+
     Budgets (None: the folder's preprocessor_config.json value): an image is resized,
     keeping its aspect ratio, to between `min_pixels` and `max_pixels` pixels (rounded
     to whole 28x28 merged patches, one vision token each); a video frame to at most
@@ -271,11 +288,13 @@ def load_processor(
     # torchvision even for the PIL backend.
     from transformers.models.auto.image_processing_auto import AutoImageProcessor
 
-    path = Path(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    path = check_model_folder(path, PROCESSOR_FILES)
+    # local_files_only: the folder is checked, and nothing of it is to be looked for on the hub.
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     backend = {} if image_backend == "auto" else {"backend": image_backend}
     image_processor = _within_pixel_budget(
-        functools.partial(AutoImageProcessor.from_pretrained, path, **backend), "image", min_pixels, max_pixels
+        functools.partial(AutoImageProcessor.from_pretrained, path, local_files_only=True, **backend),
+        "image", min_pixels, max_pixels,
     )
     frame_cap = {} if video_max_frames is None else {"max_frames": video_max_frames}
     video_processor = _within_pixel_budget(

@@ -4,7 +4,8 @@ Single-file or sharded safetensors; config.json and the key names are
 converted by the family's `hf` module (rollplex.models.qwen2_5_vl.hf). The
 model is built on the meta device and each tensor is read straight into the
 target dtype and device, so no full fp32 copy exists on the side. Saving writes
-the hub layout.
+the hub layout. A model folder is only ever read from disk: `check_model_folder`
+turns a wrong model.path into one error before anything reads it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -27,6 +30,55 @@ from rollplex.models.qwen2_5_vl.model import Qwen2_5_VL
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+# org/name, as the hub spells a model id; a folder by that name, where one exists, is used instead.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_SHOWN_ENTRIES = 8  # of a folder that is not a model folder, the entries listed to show what it is
+
+
+def check_model_folder(path: str | os.PathLike, needs: Mapping[str, Callable[[Path], bool]]) -> Path:
+    """`path` as a Path, once it is a local folder holding each of `needs` ({what: test of the folder});
+    else one CheckpointError naming model.path, the path and what is wrong. Nothing is looked up on the hub:
+    a hub id gets the command that downloads it."""
+    folder = Path(path)
+    if folder.is_dir():
+        if lacking := [what for what, present in needs.items() if not present(folder)]:
+            raise CheckpointError(f"model.path {folder}: no {', no '.join(lacking)}{_holding(folder)}")
+        return folder
+    if folder.exists():
+        raise CheckpointError(f"model.path {folder}: a file, not a folder; give the folder that holds it "
+                              f"({folder.parent}), with config.json, the tokenizer and the weights")
+    if _HUB_ID.fullmatch(str(path)):
+        raise CheckpointError(f"model.path {path}: no local folder of that name, and it looks like a Hugging Face "
+                              f"hub id; a run loads only local folders and never downloads: download it first, "
+                              f"e.g. huggingface-cli download {path} --local-dir models/{folder.name}, and set "
+                              f"model.path to that folder (models/{folder.name})")
+    relative = "" if folder.is_absolute() else f" (a relative path starts from the working folder, {Path.cwd()})"
+    raise CheckpointError(f"model.path {folder}: no such folder{relative}")
+
+
+def _holding(folder: Path) -> str:
+    """What a folder that is not a model folder holds, to tell which folder it is (e.g. the model's parent)."""
+    entries = sorted(f"{e.name}/" if e.is_dir() else e.name for e in folder.iterdir())
+    if not entries:
+        return " (the folder is empty)"
+    more = ", ..." if len(entries) > _SHOWN_ENTRIES else ""
+    return f" (it holds: {', '.join(entries[:_SHOWN_ENTRIES])}{more})"
+
+
+def has_file(name: str) -> Callable[[Path], bool]:
+    """check_model_folder's test for the file `name`."""
+    return lambda folder: (folder / name).is_file()
+
+
+def _has_weights(folder: Path) -> bool:
+    return any(folder.glob("*.safetensors"))
+
+
+# What from_pretrained reads of a model folder (the processor's files: rollplex.data.processor.PROCESSOR_FILES).
+WEIGHT_FILES = {
+    CONFIG_NAME: has_file(CONFIG_NAME),
+    f"safetensors weights ({SINGLE_NAME} or model-*.safetensors)": _has_weights,
+}
 
 
 def read_hf_config(path: str | os.PathLike) -> dict:
@@ -147,7 +199,9 @@ def build_model(args: ModelArgs, dtype: torch.dtype = torch.float32, device: tor
 
 def from_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
                     device: torch.device | str = "cpu", attn_backend: str = "auto") -> Qwen2_5_VL:
-    """Load a Hugging Face Qwen2.5-VL directory into a Rollplex model."""
+    """Load a Hugging Face Qwen2.5-VL directory into a Rollplex model (a path that is not one: a
+    CheckpointError saying what it lacks, see `check_model_folder`)."""
+    check_model_folder(path, WEIGHT_FILES)
     args = args_from_hf_config(read_hf_config(path), str(Path(path) / CONFIG_NAME))
     with torch.device("meta"):
         model = Qwen2_5_VL(args)
