@@ -5,7 +5,9 @@ object a line, ``{"step": 12, "critic/score/mean": 0.51, ...}``), to a one-line
 console summary and, optionally, to TensorBoard (``<output_dir>/tb``), wandb and
 SwanLab (rollplex.trackers). Sample generations go to
 ``<output_dir>/samples/step_N.jsonl``. Only rank 0 writes; every rank may call
-the logger. ``read_metrics`` reads the metrics file back.
+the logger. ``start_run_files`` makes those files a run's own before it logs (a
+resumed run's cut back to its checkpoint's step, a new run's earlier ones set
+aside). ``read_metrics`` reads the metrics file back.
 
 Metric names follow verl where verl has the metric, so runs can be compared with
 verl's tooling and dashboards:
@@ -55,9 +57,12 @@ A name ending in _total is a running count, not the step's own: a resumed run co
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
+import os
+import re
 import threading
 import time
 import warnings
@@ -74,6 +79,8 @@ from rollplex.trackers import Tracker, open_trackers, require_trackers
 log = logging.getLogger(__name__)
 
 GiB = 1024**3
+METRICS_FILE, SAMPLES_DIR = "metrics.jsonl", "samples"  # in the output folder
+_SAMPLES_FILE = re.compile(r"step_(\d+)\.jsonl")
 
 # (metric, console label, unit suffix) for the console progress line, in print order.
 _CONSOLE_KEYS = (
@@ -113,7 +120,8 @@ class MetricsLogger:
 
     Safe to construct and call on every rank: ranks other than 0 do nothing, so
     the caller needs no rank checks. The JSONL file is opened in append mode so
-    a resumed run continues it (``read_metrics`` drops the steps it supersedes).
+    a resumed run continues it (the trainer first cuts it back to the resumed
+    step: ``start_run_files``).
     """
 
     def __init__(self, output_dir: str | Path, rank: int = 0, console: bool = True, jsonl: bool = True,
@@ -137,7 +145,7 @@ class MetricsLogger:
             return
         if jsonl:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            path = self.output_dir / "metrics.jsonl"
+            path = self.output_dir / METRICS_FILE
             # A run killed mid-write can leave a line without its newline; start on a fresh line
             # so the first record of the resumed run is not glued onto it.
             self._file = path.open("a", encoding="utf-8")
@@ -173,7 +181,7 @@ class MetricsLogger:
         redoes it). Returns the file's path (rank 0), None elsewhere or when there are no records."""
         if not self.active or not records:
             return None
-        path = self.output_dir / "samples" / f"step_{step:08d}.jsonl"  # named as the checkpoints are
+        path = self.output_dir / SAMPLES_DIR / f"step_{step:08d}.jsonl"  # named as the checkpoints are
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a" if step == self._samples_step else "w", encoding="utf-8") as f:
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
@@ -222,7 +230,9 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
     A resumed run restarts at its last checkpoint, so the records a crashed run
     wrote after that checkpoint are superseded: a record with a step at or
-    below the previous one drops the earlier records from that step on. Lines
+    below the previous one drops the earlier records from that step on (the
+    trainer drops them from the file as it resumes; a file appended to by
+    loggers alone, or by earlier versions, still holds them). Lines
     that are not valid JSON (a write cut short by a crash) are skipped with a warning.
     """
     path = Path(path)
@@ -241,6 +251,84 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
             records.pop()
         records.append(record)
     return records
+
+
+def start_run_files(output_dir: str | Path, resumed_step: int | None) -> str | None:
+    """Make a run's metrics.jsonl and samples files hold its own steps, before its logger opens them (rank 0).
+
+    A run that resumes from the checkpoint of `resumed_step` continues them: the records and samples files of
+    later steps (the interrupted run's, after that checkpoint: the resumed run redoes them) are dropped, and so
+    are lines a crash cut short and records a later one supersedes (files appended to by earlier versions); lines
+    without a step are kept. A new run (`resumed_step` None) starts them anew: an earlier run's metrics.jsonl and
+    samples folder are renamed metrics.<time>.jsonl and samples.<time>. Returns a line for the user saying what
+    changed, None when nothing did."""
+    output_dir = Path(output_dir)
+    if resumed_step is None:
+        return _set_aside(output_dir)
+    dropped = _cut_metrics(output_dir / METRICS_FILE, resumed_step)
+    later = [p for step, p in _samples_files(output_dir) if step > resumed_step]
+    for path in later:  # after the metrics: a crash between the two leaves both to cut again at the next start
+        path.unlink()
+    if not dropped and not later:
+        return None
+    return (f"resuming {output_dir} at step {resumed_step}: dropped the steps after it, which the run redoes "
+            f"({dropped} line(s) of {METRICS_FILE}, {len(later)} samples file(s))")
+
+
+def _samples_files(output_dir: Path) -> list[tuple[int, Path]]:
+    folder = output_dir / SAMPLES_DIR
+    found = [(_SAMPLES_FILE.fullmatch(p.name), p) for p in folder.iterdir()] if folder.is_dir() else []
+    return [(int(m.group(1)), p) for m, p in found if m]
+
+
+def _cut_metrics(path: Path, step: int) -> int:
+    """Rewrite `path` with the records up to `step` that no later record supersedes; returns the lines dropped."""
+    if not path.is_file():
+        return 0
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    kept, earliest_after = [], math.inf  # the lowest step logged after the line at hand
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a write a crash cut short
+        at = record.get("step") if isinstance(record, dict) else None
+        if not isinstance(at, int):
+            kept.append(line)  # no step: a header, kept where it is
+            continue
+        if at <= step and at < earliest_after:
+            kept.append(line)
+        earliest_after = min(earliest_after, at)
+    if len(kept) < len(lines):
+        _replace_text(path, "".join(line + "\n" for line in reversed(kept)))
+    return len(lines) - len(kept)
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write `path` anew through a temporary file and a rename: a crash leaves the old file or the new, whole."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _set_aside(output_dir: Path) -> str | None:
+    """An earlier run's metrics.jsonl and samples folder (when not empty), renamed with the time."""
+    earlier = [p for p in (output_dir / METRICS_FILE, output_dir / SAMPLES_DIR)
+               if (p.is_file() and p.stat().st_size) or (p.is_dir() and any(p.iterdir()))]
+    if not earlier:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for tag in itertools.chain([stamp], (f"{stamp}-{n}" for n in itertools.count(2))):  # -2: another this second
+        stamped = {p: p.with_name(f"{p.stem}.{tag}{p.suffix}") for p in earlier}
+        if not any(new.exists() for new in stamped.values()):
+            break
+    for old, new in stamped.items():
+        old.rename(new)
+    kept = ", ".join(f"{old.name} as {new.name}" for old, new in stamped.items())
+    return f"new run in {output_dir}: kept the earlier run's {kept}"
 
 
 def _cuda_sync() -> None:

@@ -2,8 +2,11 @@
 (SIGKILL, injected by ROLLPLEX_KILL_AT_STEP) makes torchrun restart the group,
 and the run resumes from its latest complete checkpoint by itself. Everything
 after the resume point is bitwise what an uninterrupted run gives: every logged
-metric but the timings, and the final parameters."""
+metric but the timings, and the final parameters; metrics.jsonl holds each step once, as the checkpoints do (the
+restart drops the steps the first attempt logged after its last checkpoint), and the restarted rank 0 takes the
+run folder's lock over from the killed one."""
 
+import json
 import os
 import subprocess
 import sys
@@ -15,7 +18,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from rollplex.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS, SAVE_EVERY, KILL = 4, 2, "3:1"  # rank 1 dies as step 3 starts; the group resumes from step 2
+STEPS, SAVE_EVERY, KILL = 4, 2, "4:1"  # rank 1 dies as step 4 starts, step 3 logged; the group resumes from step 2
 
 
 def torchrun(out: Path, **env: str) -> subprocess.CompletedProcess:
@@ -44,6 +47,8 @@ def test_a_killed_rank_restarts_the_group_and_the_run_resumes_exactly(tmp_path):
     assert "at step 2" in killed.stdout  # and the second resumed from step 2's checkpoint
 
     assert untimed(read_metrics(tmp_path / "killed")) == untimed(read_metrics(tmp_path / "plain"))
+    lines = (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, STEPS + 1))
     expected, resumed = final_params(tmp_path / "plain", tmp_path), final_params(tmp_path / "killed", tmp_path)
     assert expected.keys() == resumed.keys()
     for name, value in expected.items():

@@ -314,9 +314,9 @@ class DataConfig(_Section):
     sample (scored 0, counted), not the run. 0 = in the trainer's process, one call after another (no time limit);
     -1 = auto: 0 for a built-in reward, 2 for a user function."""
     reward_timeout_s: float = 60.0
-    """Time limit of one reward call in a worker process: past it, the worker is killed and replaced, and the call's
-    samples score 0 (counted in reward/timeouts). Calls in the trainer's process (reward_workers 0) cannot be
-    time-limited."""
+    """Time limit shared by the reward calls that score a step (with schedule.stream_groups: a finished group) in
+    worker processes: the responses not scored by then score 0 (counted in reward/timeouts), and the workers still
+    in a call are killed and replaced. Calls in the trainer's process (reward_workers 0) cannot be time-limited."""
     reward_kind: Literal["auto", "rollplex", "verl", "easyr1", "easyr1_sequential", "trl"] = "auto"
     """How the reward function is called. auto: from its parameter names. rollplex: fn(response, answer) -> float.
     verl: compute_score(data_source, solution_str, ground_truth, extra_info) -> float or dict. easyr1: batch
@@ -373,7 +373,7 @@ class TrainerConfig(_Section):
     """Passes over data.train_files, instead of total_steps: the run takes ceil(total_epochs x rows / data.batch_size)
     steps. Exactly one of the two is nonzero; a YAML file or command line that sets one sets the other to 0."""
     output_dir: str = "runs/default"
-    """Directory for checkpoints, logs and the tiny model."""
+    """Directory for checkpoints, logs and the tiny model; one live run at a time (it holds <output_dir>/run.lock)."""
     lr: float = 1e-6
     """Peak learning rate (AdamW)."""
     weight_decay: float = 0.0
@@ -438,6 +438,8 @@ class TrainerConfig(_Section):
                       ">= 0 (0 = the memory plan's)")
         self._require(self.device_memory >= 0, "device_memory", ">= 0 (0 = the device's own)")
         self._require(bool(self.resume), "resume", "auto, never or a checkpoint folder")
+        # Empty, the run would write its checkpoints, metrics and tiny model into whatever folder it starts in.
+        self._require(bool(self.output_dir.strip()), "output_dir", "a folder (runs/<name>, say), not empty")
 
 
 @dataclass

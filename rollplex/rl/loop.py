@@ -40,7 +40,7 @@ from rollplex.config import Config, config_to_dict, save_config
 from rollplex.data.prefetch import Prefetcher
 from rollplex.data.reward_scoring import RewardScorer, RewardScores
 from rollplex.dist import ParallelDims, all_gather_objects, build_mesh, init_distributed
-from rollplex.metrics import GpuSampler, MetricsLogger, Timer
+from rollplex.metrics import GpuSampler, MetricsLogger, Timer, start_run_files
 from rollplex.models import Prompt, VisionEmbeds, from_pretrained
 from rollplex.rl.disagg import DisaggExchange, DisaggLayout, WeightBroadcast
 from rollplex.rl.memory import GiB, PrefixKind
@@ -52,6 +52,7 @@ from rollplex.rl.setup import PromptSource, load_run_processor, model_path, plan
 from rollplex.rl.step_metrics import (PhaseMeter, combine_updates, gather_metrics, memory_metrics, prefix_metrics,
                                       speed_metrics, stop_if_every_reward_failed, summed_over_ranks)
 from rollplex.rl.weights import SharedWeights
+from rollplex.run_lock import RunLock, claim_run_folder
 from rollplex.train.actor import Actor, ActorConfig, PolicyBatch, lr_schedule
 from rollplex.train.checkpoint import export_hf, load_checkpoint, save_checkpoint
 from rollplex.train.loss import group_advantages
@@ -69,12 +70,23 @@ def _kill_if_asked(step: int, rank: int) -> None:
 
 class RLTrainer:
     def __init__(self, cfg: Config):
+        self.run_lock: RunLock | None = None  # rank 0's, on trainer.output_dir (rollplex.run_lock)
+        try:
+            self._set_up(cfg)
+        except BaseException:
+            self._release_run_folder()  # a run that fails to start leaves its folder free for the next try
+            raise
+
+    def _set_up(self, cfg: Config) -> None:
+        """The trainer's start-up: the run folder claimed, the resume point found, then the weights and engine."""
         self.cfg = cfg
         self.rank, self.world, self.device = init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
         torch.manual_seed(cfg.trainer.seed)
         self.out = Path(cfg.trainer.output_dir)
+        # Before anything reads or writes the folder: a second run started there stops here, naming the first.
+        self.run_lock = claim_run_folder(self.out, self.rank, self.world)
         self.start = resume_point(cfg, self.out, self.rank, self.world)
         self.step = self.start.step
         # disagg: the last schedule.rollout_ranks ranks only generate (rollplex/rl/disagg.py); the rest train.
@@ -100,6 +112,10 @@ class RLTrainer:
         self.total_steps = self.data.run_steps(cfg.trainer)
         if self.complete:
             return  # no weights to load: fit() says the run is done
+        if self.rank == 0:  # before the logger opens them: the metrics and samples files hold this run's steps
+            resumed_step = self.start.step if self.start.checkpoint is not None else None
+            if changed := start_run_files(self.out, resumed_step):
+                print(f"rollplex: {changed}", flush=True)
         log = cfg.logging  # before any weights load: a tracker that is not installed stops the run here
         self.logger = MetricsLogger(self.out, rank=self.rank, console=log.console, jsonl=log.jsonl,
                                     tensorboard=log.tensorboard, total_steps=self.total_steps, wandb=log.wandb,
@@ -190,6 +206,17 @@ class RLTrainer:
         return self.start.checkpoint is not None and self.start.step >= self.total_steps
 
     def fit(self) -> None:
+        """Train from the resume point to the run's length, then give the output folder up, however it ends."""
+        try:
+            self._fit()
+        finally:
+            self._release_run_folder()
+
+    def _release_run_folder(self) -> None:
+        if self.run_lock is not None:
+            self.run_lock.release()
+
+    def _fit(self) -> None:
         cfg = self.cfg
         if self.complete:
             if self.rank == 0:
