@@ -38,7 +38,7 @@ Rollplex's own (no verl equivalent):
     val/score                      mean validation reward
     data/skipped_total             training rows found unusable (too long, unreadable) since the process started
     reward/errors                  responses whose reward call failed (raised, returned no finite score, or its
-                                   worker died); reward/timeouts those whose call ran past data.reward_timeout_s
+                                   worker died); reward/timeouts those not scored within data.reward_timeout_s
     reward/<name>/mean             each number of a dict reward's result (its components)
     timing_s/data                  what the step waited for its batch (prepared a step ahead; in timing_s/step)
     actor/skipped_steps_total      optimizer steps skipped (a non-finite loss, gradient or logprob) since the
