@@ -161,13 +161,29 @@ class MetricsLogger:
         record = {"step": int(step), **{k: _clean(v) for k, v in metrics.items()}}
         if self._file is not None:
             # allow_nan=False: _clean already mapped non-finite values to null, this guards the guarantee.
-            self._file.write(json.dumps(record, allow_nan=False) + "\n")
-            self._file.flush()  # a crash loses at most the step being logged
+            self._write_record(json.dumps(record, allow_nan=False) + "\n")
         scalars = {k: v for k, v in record.items() if k != "step" and v is not None}
         for tracker in self._trackers:
             tracker.log(record["step"], scalars)
         if self.console:
             print(self._progress_line(step, record), flush=True)
+
+    def _write_record(self, line: str) -> None:
+        try:
+            self._file.write(line)
+            self._file.flush()  # a crash loses at most the step being logged
+        except OSError as error:  # a full disk, say: raised naming the file, whose unwritten record is dropped
+            self._drop_file()
+            path = self.output_dir / METRICS_FILE
+            raise OSError(error.errno, error.strerror, str(path)) from error
+
+    def _drop_file(self) -> None:
+        """Close the metrics file, giving up what it could not write, so that `close` does not fail on it again."""
+        file, self._file = self._file, None
+        try:
+            file.close()  # flushes the record once more
+        except OSError:
+            pass  # the caller raises the error that made it give the file up
 
     def message(self, text: str) -> None:
         """A line for the user on the console (rank 0): the start-up summary, a save, an evaluation."""

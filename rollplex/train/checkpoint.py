@@ -11,8 +11,9 @@ A training checkpoint is a torch.distributed.checkpoint (DCP) directory:
 Every rank writes into `root/.tmp-step_00000100`; after all ranks are done,
 rank 0 writes COMPLETE.json and renames the folder. A crash mid-save leaves a
 `.tmp-` folder, which `latest_checkpoint` skips, never a `step_` folder that
-looks valid. A save that fails on any rank (a full disk, say) raises on every
-rank and leaves the earlier checkpoints as they were. `root` must be on a
+looks valid (the next run's `remove_unfinished_saves` deletes it). A save that
+fails on any rank (a full disk, say) raises on every rank, deletes its `.tmp-`
+folder and leaves the earlier checkpoints as they were. `root` must be on a
 filesystem every rank sees, where renaming a directory is atomic (a local disk
 or a POSIX shared filesystem, not an object store).
 
@@ -157,13 +158,18 @@ def save_checkpoint(root: str | Path, step: int, model: torch.nn.Module, optimiz
     if rank() == 0 and tmp.exists():
         shutil.rmtree(tmp)  # left by a crashed save of this step; may hold shards of another world size
     _barrier(group)
-    _every_rank_or_raise(lambda: _write_shards(tmp, model, optimizer, lr_scheduler, group), root, step, group)
 
     def publish() -> None:  # every rank's files are on disk: rank 0 lists them in the marker, renames the folder
         if rank() == 0:
             _publish(tmp, final, marker, keep_last)
 
-    _every_rank_or_raise(publish, root, step, group)  # no rank returns (and, say, loads it) before the rename
+    try:
+        _every_rank_or_raise(lambda: _write_shards(tmp, model, optimizer, lr_scheduler, group), root, step, group)
+        _every_rank_or_raise(publish, root, step, group)  # no rank returns (and, say, loads it) before the rename
+    except CheckpointSaveError:
+        if rank() == 0:  # every rank has stopped writing: the half-written folder goes, not to keep a full disk full
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final
 
 
@@ -277,6 +283,16 @@ def _prune(root: Path, step: int, keep_last: int) -> None:
     for old, p in partial:
         if p.name.startswith(TMP_PREFIX) and old < step:
             shutil.rmtree(p)
+
+
+def remove_unfinished_saves(root: str | Path) -> list[Path]:
+    """Delete the temporary folders of saves that never finished under `root`, and return them. Only for the
+    holder of the run folder's lock (rank 0, before the run's first save): then no live writer is left to finish
+    them, and a save that died of a full disk would otherwise keep its space taken."""
+    unfinished = [p for _, p in _scan(Path(root))[1] if p.name.startswith(TMP_PREFIX)]
+    for folder in unfinished:
+        shutil.rmtree(folder)
+    return unfinished
 
 
 # ----------------------------------------------------------------------------- load
