@@ -9,6 +9,7 @@ import pytest
 from rollplex.config import load_config, load_config_file
 from rollplex.rl.loop import RLTrainer
 from rollplex.rl.setup import ResumeRefused
+from rollplex.train.checkpoint import latest_checkpoint
 from test_rl_loop import FAST, run
 
 
@@ -92,3 +93,15 @@ def test_every_rank_gets_rank_zeros_refusal(old_run):
     from distributed import run_distributed
 
     run_distributed(refused_on_every_rank, 2, str(old_run))
+
+
+def test_a_minimal_config_file_leaves_the_final_weights_in_a_checkpoint(tmp_path):
+    """A file naming only what it changes gets a checkpoint at the last step (trainer.save_every's default
+    saves every 50 steps and at the end): the run's final weights, which a rerun takes as complete."""
+    out = tmp_path / "run"
+    config = tmp_path / "mine.yaml"
+    config.write_text(f"data:\n  batch_size: 2\n  val_size: 0\nrollout:\n  n: 2\n  max_tokens: 2\n"
+                      f"trainer:\n  output_dir: {out}\n  total_steps: 2\n  eval_every: 0\nlogging:\n  console: false\n")
+    RLTrainer(load_config(["--config", str(config)])).fit()
+    assert latest_checkpoint(out / "checkpoints") == out / "checkpoints" / "step_00000002"
+    assert RLTrainer(load_config(["--config", str(config)])).complete

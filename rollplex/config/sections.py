@@ -387,8 +387,9 @@ class TrainerConfig(_Section):
     max_tokens_per_micro_batch: int = 0
     """Token budget of one forward/backward micro-batch; 0 = the memory plan's: the most tokens whose pass leaves
     the update as much room for kept prompt state as the decode window has, at least one sequence."""
-    save_every: int = 0
-    """Save a checkpoint every this many steps; 0 = never."""
+    save_every: int = 50
+    """Save a checkpoint every this many steps, and at the last step (the final weights, resumable, exportable
+    with tools/export_hf.py); 0 = never."""
     keep_last: int = 2
     """Checkpoints kept on disk; 0 = keep all."""
     save_hf: bool = False
