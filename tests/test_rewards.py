@@ -186,6 +186,18 @@ def test_reward_files_in_two_folders_each_import_their_own_module(tmp_path, rest
         assert sys.path.count(str((tmp_path / folder).resolve())) == 1
 
 
+def test_a_module_beside_a_reward_file_never_shadows_the_standard_librarys(tmp_path, restore_imports):
+    """A long-lived process (and its reward workers, which copy its sys.path) goes on importing the
+    library's modules after a reward file beside a colorsys.py was loaded."""
+    reward = write_reward_folder(tmp_path / "rewards", bonus=0.5)
+    (tmp_path / "rewards" / "colorsys.py").write_text("shadowed = True\n")
+    load_reward(reward)
+    sys.modules.pop("colorsys", None)
+    import colorsys
+
+    assert hasattr(colorsys, "rgb_to_hsv") and not hasattr(colorsys, "shadowed")
+
+
 def test_raising_user_function_from_file_is_counted(tmp_path):
     path = tmp_path / "user_reward.py"
     path.write_text(textwrap.dedent("""

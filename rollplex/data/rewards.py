@@ -236,12 +236,16 @@ def _top_level_home(name: str, module: Any) -> Path | None:
 
 
 def _import_beside(folder: Path) -> None:
-    """Make the modules beside a reward file importable, first on sys.path, as a script's
-    folder is for `python script.py`."""
+    """Make the modules beside a reward file importable, as a script's folder is for
+    `python script.py`, but after the interpreter's own sys.path entries: in a process
+    that lives on, a math.py beside the reward (or in a worker, which copies this
+    sys.path) must not shadow the standard library's for everything imported later.
+    Before the folders of reward files loaded earlier, so that its modules win over theirs."""
     entry = str(folder)
     if entry in sys.path:
-        sys.path.remove(entry)  # loaded before: first again, not twice
-    sys.path.insert(0, entry)
+        sys.path.remove(entry)  # loaded before: placed again, not twice
+    earlier = [i for i, e in enumerate(sys.path) if Path(e) in _REWARD_FOLDERS - {folder}]
+    sys.path.insert(earlier[0] if earlier else len(sys.path), entry)
     _forget_other_reward_folders_modules(folder)
     _REWARD_FOLDERS.add(folder)
 
@@ -279,8 +283,9 @@ def _load_file(path: Path, spec: str):
 
 def load_reward(spec: str) -> RewardFn:
     """A reward function by name ("exact_match", "math", "format") or a user function as
-    `package.module:function` or `path/to/file.py:function` (its folder goes first on
-    sys.path, so that the file imports the modules beside it)."""
+    `package.module:function` or `path/to/file.py:function` (its folder goes on sys.path,
+    after the standard library and the installed packages, so that the file imports the
+    modules beside it)."""
     if ":" not in spec:
         if spec not in BUILTIN_REWARDS:
             raise ValueError(
