@@ -17,18 +17,13 @@ import torch.distributed as dist
 from rollplex.config import load_config
 from rollplex.rl.loop import RLTrainer
 from rollplex.run_errors import run_ends_in_one_line
-from rollplex.train.checkpoint import remove_unfinished_saves
 
 
 def main(argv: list[str] | None = None) -> None:
     with run_ends_in_one_line() as run:
         cfg = load_config(argv)
         run.output_dir = Path(cfg.trainer.output_dir)
-        trainer = RLTrainer(cfg)
-        if trainer.run_lock is not None:  # rank 0, holding the folder: no live run writes in it but this one
-            for stale in remove_unfinished_saves(run.output_dir / "checkpoints"):
-                print(f"rollplex: removed {stale}, an earlier run's unfinished checkpoint save", flush=True)
-        trainer.fit()
+        RLTrainer(cfg).fit()
     if dist.is_initialized():
         dist.barrier()  # no rank tears its groups down while another still talks on them
         dist.destroy_process_group()

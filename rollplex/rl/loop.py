@@ -54,7 +54,7 @@ from rollplex.rl.step_metrics import (PhaseMeter, combine_updates, gather_metric
 from rollplex.rl.weights import SharedWeights
 from rollplex.run_lock import RunLock, claim_run_folder
 from rollplex.train.actor import Actor, ActorConfig, PolicyBatch, lr_schedule
-from rollplex.train.checkpoint import export_hf, load_checkpoint, save_checkpoint
+from rollplex.train.checkpoint import export_hf, load_checkpoint, remove_unfinished_saves, save_checkpoint
 from rollplex.train.loss import group_advantages
 from rollplex.train.parallelize import apply_tp, parallelize
 
@@ -87,6 +87,9 @@ class RLTrainer:
         self.out = Path(cfg.trainer.output_dir)
         # Before anything reads or writes the folder: a second run started there stops here, naming the first.
         self.run_lock = claim_run_folder(self.out, self.rank, self.world)
+        if self.run_lock is not None:  # rank 0, holding the folder: no live run is left to finish these saves
+            for stale in remove_unfinished_saves(self.out / "checkpoints"):
+                print(f"rollplex: removed {stale}, an earlier run's unfinished checkpoint save", flush=True)
         self.start = resume_point(cfg, self.out, self.rank, self.world)
         self.step = self.start.step
         # disagg: the last schedule.rollout_ranks ranks only generate (rollplex/rl/disagg.py); the rest train.
