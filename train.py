@@ -1,6 +1,6 @@
 """Rollplex entry point: config -> distributed init -> RLTrainer(...).fit().
 
-    python train.py                                   # the built-in default (configs/tiny.yaml)
+    python train.py                                   # the tiny CPU demo (rollplex/presets/tiny.yaml)
     python train.py --config configs/x.yaml --rollout.n 4
     torchrun --nproc-per-node 8 train.py --config configs/x.yaml --parallel.tp 2
     python train.py --help                            # every option

@@ -21,8 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import bench_schedules  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = ["--config", str(Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"), "--steps", "1",
-        "--data.task", "direction", "--data.batch_size", "2", "--rollout.n", "2", "--rollout.min_tokens", "1",
+TINY = ["--steps", "1", "--data.task", "direction", "--data.batch_size", "2", "--rollout.n", "2", "--rollout.min_tokens", "1",
         "--rollout.max_tokens", "4",
         "--algorithm.kl_coef", "0.01", "--rollout.kv_cache_memory", "16e6", "--trainer.num_threads", "1"]
 

@@ -9,7 +9,8 @@ import torch
 import yaml
 
 from rollplex.config import (
-    DEFAULT_CONFIG_PATH,
+    TEMPLATE_PATH,
+    TINY_PRESET_PATH,
     Config,
     ConfigError,
     DataConfig,
@@ -34,10 +35,9 @@ def write_yaml(path: Path, data: dict | str) -> Path:
 # ----------------------------------------------------------------------------- defaults
 
 
-def test_default_loads_tiny_yaml():
-    assert DEFAULT_CONFIG_PATH.is_file()
-    raw = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
-    assert list(raw) == SECTIONS
+def test_bare_run_loads_the_tiny_demo_preset():
+    raw = yaml.safe_load(TINY_PRESET_PATH.read_text())
+    assert list(raw) == [s for s in SECTIONS if s in raw]  # a preset names only the sections it changes
 
     cfg = load_config([])
     assert cfg.model.path == "" and cfg.model.dtype == "float32"
@@ -50,9 +50,10 @@ def test_default_loads_tiny_yaml():
     assert (t.eval_every, t.save_every, t.num_threads, t.grad_clip) == (50, 50, 1, 1.0)
 
 
-def test_tiny_yaml_lists_every_field():
-    # The default file doubles as a template, so it should stay complete.
-    raw = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
+def test_the_template_lists_every_key_at_its_default():
+    """One set of defaults: the real run's template, a file of one's own and --help agree (the demo preset is the
+    only file that differs, and only where it says)."""
+    raw = yaml.safe_load(TEMPLATE_PATH.read_text())
 
     def keys(d: dict, prefix: str = "") -> set[str]:
         out = set()
@@ -60,14 +61,30 @@ def test_tiny_yaml_lists_every_field():
             out |= keys(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k}
         return out
 
+    assert list(raw) == SECTIONS
     assert keys(raw) == keys(config_to_dict(Config()))
+    assert load_config_file(TEMPLATE_PATH) == Config()
+    preset = keys(yaml.safe_load(TINY_PRESET_PATH.read_text()))
+    demo, defaults = config_to_dict(load_config([])), config_to_dict(Config())
+    differ = {f"{s}.{k}" for s in SECTIONS for k in defaults[s] if demo[s][k] != defaults[s][k]}
+    assert differ <= preset  # every other key of the demo is the default
 
 
-def test_dataclass_defaults():
+def test_dataclass_defaults_are_a_real_run_s():
     cfg = Config()
     assert cfg.parallel.dp_shard == -1 and cfg.rollout.n == 8 and cfg.trainer.lr == 1e-6
+    assert cfg.model.dtype == "bfloat16" and cfg.rollout.max_tokens == 2048 and cfg.rollout.kv_cache_memory == 0
+    assert cfg.trainer.save_every > 0 and cfg.trainer.max_tokens_per_micro_batch == 0  # checkpoints; the plan's
     assert cfg.model.tiny == TinyModelConfig()
     assert cfg.data.train_files == [] and cfg.data.train_files is not Config().data.train_files
+
+
+def test_a_minimal_file_gets_the_defaults_not_the_demo_s(tmp_path):
+    path = write_yaml(tmp_path / "mine.yaml", {"data": {"batch_size": 32}, "trainer": {"output_dir": "runs/mine"}})
+    cfg = load_config(["--config", str(path)])
+    expected = Config()
+    expected.data.batch_size, expected.trainer.output_dir = 32, "runs/mine"
+    assert cfg == expected
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -137,7 +154,7 @@ def test_config_flag(tmp_path):
         cfg = load_config(argv)
         assert cfg.rollout.n == 3
         assert cfg.trainer.lr == 2.0 and isinstance(cfg.trainer.lr, float)  # int accepted for float
-        assert cfg.trainer.total_steps == 100  # not in other.yaml: dataclass default, not tiny.yaml
+        assert cfg.trainer.total_steps == 100  # not in other.yaml: the dataclass default, not the demo's 500
     assert load_config(["--config", str(path), "--rollout.n", "6"]).rollout.n == 6
 
 
@@ -267,6 +284,22 @@ def test_help_lists_options_with_descriptions(capsys, monkeypatch):
         assert text in out, text
 
 
+def test_help_shows_what_a_file_of_one_s_own_gets(capsys, monkeypatch, tmp_path):
+    """Bare --help shows the dataclass defaults and names the demo preset's changes; with --config, that file's."""
+    monkeypatch.setenv("COLUMNS", "200")
+
+    def help_text(argv: list[str]) -> str:
+        with pytest.raises(SystemExit):
+            load_config(argv + ["--help"])
+        return capsys.readouterr().out
+
+    bare = help_text([])
+    assert "(default: 2048)" in bare and "(default: 1)" not in bare.split("--rollout.max_tokens")[1][:400]
+    assert "rollout.max_tokens 1" in bare and str(TINY_PRESET_PATH) in bare  # what the bare run changes
+    mine = help_text(["--config", str(write_yaml(tmp_path / "m.yaml", {"rollout": {"max_tokens": 77}}))])
+    assert "(default: 77)" in mine
+
+
 def test_dict_round_trip(tmp_path):
     cfg = load_config(["--rollout.n", "3", "--data.train_files", "a", "b", "--model.tiny.vocab", "bytes"])
     d = config_to_dict(cfg)
@@ -316,7 +349,7 @@ def test_a_config_saved_with_a_boolean_resume_still_loads():
 def test_total_steps_or_total_epochs_the_later_source_decides(tmp_path):
     """One of the two gives the run's length: a source that names only one sets the other to 0, over the
     dataclass defaults (YAML) or over the YAML file (command line); one that gives both nonzero is refused."""
-    epochs = load_config(["--trainer.total_epochs", "3"]).trainer  # over tiny.yaml's total_steps: 500
+    epochs = load_config(["--trainer.total_epochs", "3"]).trainer  # over the demo preset's total_steps: 500
     assert (epochs.total_steps, epochs.total_epochs) == (0, 3)
     assert load_config(["--trainer.total-epochs=3"]).trainer.total_steps == 0
     assert config_from_dict({"trainer": {"total_epochs": 2}}).trainer.total_steps == 0  # not the default 100

@@ -100,7 +100,7 @@ def test_a_minimal_config_file_leaves_the_final_weights_in_a_checkpoint(tmp_path
     saves every 50 steps and at the end): the run's final weights, which a rerun takes as complete."""
     out = tmp_path / "run"
     config = tmp_path / "mine.yaml"
-    config.write_text(f"data:\n  batch_size: 2\n  val_size: 0\nrollout:\n  n: 2\n  max_tokens: 2\n"
+    config.write_text(f"data:\n  batch_size: 4\n  val_size: 0\nrollout:\n  n: 2\n  max_tokens: 2\n"  # 4: one per update
                       f"trainer:\n  output_dir: {out}\n  total_steps: 2\n  eval_every: 0\nlogging:\n  console: false\n")
     RLTrainer(load_config(["--config", str(config)])).fit()
     assert latest_checkpoint(out / "checkpoints") == out / "checkpoints" / "step_00000002"

@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the schedules; returns the report on rank 0 and {} on the other ranks."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                      epilog="other --section.field value options go to every schedule's config")
-    parser.add_argument("--config", help="YAML config (default: configs/tiny.yaml)")
+    parser.add_argument("--config", help="YAML config (default: the tiny demo preset)")
     parser.add_argument("--steps", type=int, default=2, help="measured steps per schedule (after 1 warm-up)")
     parser.add_argument("--schedules", nargs="+", metavar="NAME",
                         help="the schedules to run, in this order (default: every one this world size has)")

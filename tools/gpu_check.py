@@ -476,7 +476,7 @@ def _bench(device: str, steps: int, out: str, *options: str) -> dict:
     if _cuda(device):
         argv = ["--config", str(REPO / "configs/bench_h200_video.yaml")]
     else:
-        argv = ["--config", str(REPO / "configs/tiny.yaml"), "--data.task", "direction", "--data.batch_size", "4",
+        argv = ["--data.task", "direction", "--data.batch_size", "4",
                 "--rollout.n", "2", "--rollout.min_tokens", "1", "--rollout.max_tokens", "16",
                 "--algorithm.kl_coef", "0.01", "--algorithm.updates_per_batch", "1",
                 "--rollout.kv_cache_memory", "16e6", "--trainer.device", "cpu"]

@@ -3,7 +3,7 @@
 Order of precedence (last wins):
 
 1. dataclass defaults below,
-2. the YAML file (``--config PATH``; default ``<repo>/configs/tiny.yaml``),
+2. the YAML file (``--config PATH``; default the tiny CPU demo, ``rollplex/presets/tiny.yaml``),
 3. command-line flags with dotted names, parsed by tyro (``--rollout.n 4``).
 
 Command-line syntax (tyro 1.0, ``use_underscores=True``; hyphens are accepted too)::
@@ -20,7 +20,7 @@ YAML is strict: unknown keys and wrongly typed values raise :class:`ConfigError`
 the dotted key and the file, so a typo never silently falls back to a default.
 """
 
-from rollplex.config.loader import (DEFAULT_CONFIG_PATH, config_from_dict, config_to_dict, load_config,
+from rollplex.config.loader import (TEMPLATE_PATH, TINY_PRESET_PATH, config_from_dict, config_to_dict, load_config,
                                     load_config_file, save_config)
 from rollplex.config.sections import (AlgorithmConfig, Config, ConfigError, DataConfig, LoggingConfig, ModelConfig,
                                       ParallelConfig, RolloutConfig, ScheduleConfig, TinyModelConfig, TrainerConfig)
@@ -37,7 +37,8 @@ __all__ = [
     "ScheduleConfig",
     "LoggingConfig",
     "Config",
-    "DEFAULT_CONFIG_PATH",
+    "TINY_PRESET_PATH",
+    "TEMPLATE_PATH",
     "load_config",
     "load_config_file",
     "config_from_dict",

@@ -16,8 +16,11 @@ import yaml
 
 from rollplex.config.sections import Config, ConfigError, field_types
 
-# The built-in default lives beside the package: <repo>/configs/tiny.yaml.
-DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+# Files in the package: the tiny CPU demo a bare `python train.py` runs (it names what it changes from the
+# dataclass defaults), and the real run's template that lists every key at its default.
+PRESETS = Path(__file__).resolve().parents[1] / "presets"
+TINY_PRESET_PATH = PRESETS / "tiny.yaml"
+TEMPLATE_PATH = PRESETS / "template.yaml"
 
 
 # --------------------------------------------------------------------------- dict / YAML
@@ -259,37 +262,52 @@ def _rewrite_bool_values(args: list[str]) -> list[str]:
     return out
 
 
-def _description(source: str) -> str:
+def _description(source: str | None) -> str:
+    if source is None:
+        loaded = ("Defaults shown below are the dataclass defaults: a config file of your own gets them for every key\n"
+                  f"it leaves out ({TEMPLATE_PATH} lists them all). Without --config, python train.py runs the\n"
+                  f"tiny CPU demo, {TINY_PRESET_PATH}, which sets {_preset_values(TINY_PRESET_PATH)}.")
+    else:
+        loaded = f"Defaults shown below are this run's: the dataclass defaults, then {source}."
     return (
         "rollplex: RL post-training for vision-language models.\n\n"
-        "Values come from a YAML file; command-line options override them.\n"
-        "  --config PATH                       YAML config file (default: configs/tiny.yaml)\n"
-        f"                                      loaded now: {source}\n"
+        "Values come from the dataclass defaults, then a YAML file, then command-line options.\n"
+        "  --config PATH                       YAML config file (default: the tiny demo preset)\n"
         "  --rollout.n 4                       set any field by its dotted name\n"
         "  --parallel.freeze_vision            bool on  (also: --parallel.freeze_vision true)\n"
         "  --parallel.no_freeze_vision         bool off (also: --parallel.freeze_vision false)\n"
-        "  --data.train_files a.jsonl b.jsonl  lists take several values\n\n"
-        "Defaults shown below are the values after loading the YAML file."
+        "  --data.train_files a.jsonl b.jsonl  lists take several values\n\n" + loaded
     )
 
 
-def load_config(argv: list[str] | None = None) -> Config:
-    """Load the config: YAML file (``--config PATH`` or configs/tiny.yaml), then CLI overrides.
+def _preset_values(path: Path) -> str:
+    """The dotted keys and values a preset file sets, e.g. 'rollout.max_tokens 1, trainer.lr 0.0001'."""
+    def flat(d: dict, prefix: str = "") -> list[str]:
+        return [item for k, v in d.items()
+                for item in (flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k} {v}"])]
 
-    `argv` defaults to ``sys.argv[1:]``. ``--help`` prints every option and raises
-    SystemExit(0); a bad command-line value makes tyro print an error and raise
-    SystemExit(2). Errors in the YAML file raise ConfigError.
+    return ", ".join(flat(yaml.load(path.read_text(encoding="utf-8"), Loader=_YamlLoader) or {}))
+
+
+def load_config(argv: list[str] | None = None) -> Config:
+    """Load the config: the dataclass defaults, a YAML file over them (``--config PATH``, else the tiny demo
+    preset), then command-line overrides.
+
+    `argv` defaults to ``sys.argv[1:]``. ``--help`` prints every option and raises SystemExit(0): with the
+    values of ``--config PATH`` when given, else the dataclass defaults (a user file's, not the demo's). A bad
+    command-line value makes tyro print an error and raise SystemExit(2). Errors in the YAML file raise
+    ConfigError.
     """
     import tyro  # imported here so that config_from_dict works without tyro's import cost
 
     argv = list(sys.argv[1:] if argv is None else argv)
     path, rest = _pop_config_arg(argv)
-    if path is not None:
-        base, source = load_config_file(path), str(path)
-    elif DEFAULT_CONFIG_PATH.is_file():
-        base, source = load_config_file(DEFAULT_CONFIG_PATH), str(DEFAULT_CONFIG_PATH)
-    else:  # e.g. installed as a wheel without the configs/ folder
-        base, source = Config(), "built-in dataclass defaults (configs/tiny.yaml not found)"
+    asks_help = any(a in ("-h", "--help") for a in rest)
+    if path is None and asks_help:
+        base, source = Config(), None
+    else:
+        source = str(path if path is not None else TINY_PRESET_PATH)
+        base = load_config_file(source)
     trainer_options = {a.split("=", 1)[0].removeprefix("--trainer.").replace("-", "_")
                        for a in rest if a.startswith("--trainer.")}
     if other := _other_run_length(trainer_options):

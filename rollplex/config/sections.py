@@ -127,7 +127,7 @@ class ModelConfig(_Section):
 
     path: str = ""
     """Hugging Face Qwen2.5-VL directory. Empty: build the tiny model (model.tiny) into <trainer.output_dir>/tiny_model."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     """Compute dtype: of the weights forwards and the engine read (FSDP gathers them in it), activations, the KV
     cache and the reference model. The trainer's master weights, gradients and AdamW state stay fp32 (one GPU too)."""
     attn_backend: Literal["auto", "torch", "flash"] = "auto"
@@ -174,7 +174,7 @@ class RolloutConfig(_Section):
     """Nucleus sampling threshold; 1.0 = off."""
     top_k: int = -1
     """Top-k sampling; -1 = off."""
-    max_tokens: int = 16
+    max_tokens: int = 2048
     """Maximum new tokens per response."""
     min_tokens: int = 0
     """0 = every prompt's limit is max_tokens; else each prompt's limit is drawn in [min_tokens, max_tokens] from
@@ -235,7 +235,7 @@ class AlgorithmConfig(_Section):
     """KL estimator."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
-    updates_per_batch: int = 1
+    updates_per_batch: int = 4
     """Optimizer steps per rollout batch: its groups are split into this many mini-batches, one step each,
     every sample used once (verl: train_batch_size / ppo_mini_batch_size; not PPO epochs)."""
     recompute_old_logprobs: bool = False
@@ -285,9 +285,9 @@ class DataConfig(_Section):
     system_prompt: str = ""
     """System message of every prompt (a chat-message row with its own keeps it). Data files only; empty = the chat
     template's default."""
-    max_prompt_length: int = 1024
+    max_prompt_length: int = 2048
     """Longer prompts (in tokens, images included) are dropped."""
-    batch_size: int = 16
+    batch_size: int = 128
     """Prompts per step (each gets rollout.n responses)."""
     val_size: int = 64
     """Validation prompts per evaluation."""
@@ -397,7 +397,7 @@ class TrainerConfig(_Section):
     and processor files) that transformers loads, to hf_dir. tools/export_hf.py does the same for any checkpoint."""
     hf_dir: str = ""
     """Where save_hf writes; "" = <output_dir>/hf. Weight files already there are replaced."""
-    eval_every: int = 0
+    eval_every: int = 50
     """Evaluate every this many steps; 0 = never."""
     val_before_train: bool = False
     """Evaluate once before the first step of a fresh run, logged as step 0."""
