@@ -74,12 +74,12 @@ from typing import Any
 
 import torch
 
-from rollplex.trackers import Tracker, open_trackers, require_trackers
+from rollplex.trackers import TENSORBOARD_DIR, Tracker, open_trackers, require_trackers
 
 log = logging.getLogger(__name__)
 
 GiB = 1024**3
-METRICS_FILE, SAMPLES_DIR = "metrics.jsonl", "samples"  # in the output folder
+METRICS_FILE, SAMPLES_DIR, CONFIG_FILE = "metrics.jsonl", "samples", "config.yaml"  # in the output folder
 _SAMPLES_FILE = re.compile(r"step_(\d+)\.jsonl")
 
 # (metric, console label, unit suffix) for the console progress line, in print order.
@@ -127,9 +127,10 @@ class MetricsLogger:
     def __init__(self, output_dir: str | Path, rank: int = 0, console: bool = True, jsonl: bool = True,
                  tensorboard: bool = False, total_steps: int | None = None, wandb: bool = False,
                  swanlab: bool = False, project: str = "rollplex", run_name: str = "",
-                 run_config: dict[str, Any] | None = None):
+                 run_config: dict[str, Any] | None = None, resumed_step: int | None = None):
         """`wandb`, `swanlab`: log to those trackers too (rollplex.trackers), as run `run_name` (empty: the
-        output folder's name) of `project`, with `run_config` (the run's config) as the run's config."""
+        output folder's name) of `project`, with `run_config` (the run's config) as the run's config.
+        `resumed_step`: the checkpoint's step a resumed run continues from (None: a new run)."""
         self.output_dir = Path(output_dir)
         self.total_steps = total_steps
         self.active = rank == 0
@@ -153,7 +154,9 @@ class MetricsLogger:
                 self._file.write("\n")
         if extras:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._trackers = open_trackers(self.output_dir, tensorboard, extras, project, run_name, run_config or {})
+        first_step = None if resumed_step is None else resumed_step + 1
+        self._trackers = open_trackers(self.output_dir, tensorboard, extras, project, run_name, run_config or {},
+                                       first_step)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.active:
@@ -275,9 +278,10 @@ def start_run_files(output_dir: str | Path, resumed_step: int | None) -> str | N
     A run that resumes from the checkpoint of `resumed_step` continues them: the records and samples files of
     later steps (the interrupted run's, after that checkpoint: the resumed run redoes them) are dropped, and so
     are lines a crash cut short and records a later one supersedes (files appended to by earlier versions); lines
-    without a step are kept. A new run (`resumed_step` None) starts them anew: an earlier run's metrics.jsonl and
-    samples folder are renamed metrics.<time>.jsonl and samples.<time>. Returns a line for the user saying what
-    changed, None when nothing did."""
+    without a step are kept. A new run (`resumed_step` None) starts them anew: an earlier run's metrics.jsonl,
+    samples folder, config.yaml and TensorBoard folder are renamed metrics.<time>.jsonl, samples.<time>,
+    config.<time>.yaml and tb.<time>. (A resumed run's TensorBoard events are cut by its writer: MetricsLogger.)
+    Returns a line for the user saying what changed, None when nothing did."""
     output_dir = Path(output_dir)
     if resumed_step is None:
         return _set_aside(output_dir)
@@ -331,8 +335,9 @@ def _replace_text(path: Path, text: str) -> None:
 
 
 def _set_aside(output_dir: Path) -> str | None:
-    """An earlier run's metrics.jsonl and samples folder (when not empty), renamed with the time."""
-    earlier = [p for p in (output_dir / METRICS_FILE, output_dir / SAMPLES_DIR)
+    """An earlier run's files (those not empty), renamed with the time."""
+    earlier = [output_dir / name for name in (METRICS_FILE, SAMPLES_DIR, CONFIG_FILE, TENSORBOARD_DIR)]
+    earlier = [p for p in earlier
                if (p.is_file() and p.stat().st_size) or (p.is_dir() and any(p.iterdir()))]
     if not earlier:
         return None

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 EXTRA_TRACKERS = ("wandb", "swanlab")  # name = its package = its rollplex extra
+TENSORBOARD_DIR = "tb"  # in the output folder
 
 
 class Tracker(Protocol):
@@ -38,10 +39,12 @@ def require_trackers(names: list[str]) -> None:
 
 
 class TensorBoardTracker:
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, first_step: int | None = None):
+        """`first_step`: the step a resumed run logs first; TensorBoard then hides the interrupted run's events
+        from it on (which the resumed run redoes), so each step shows once."""
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=first_step)
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         for key, value in scalars.items():
@@ -82,13 +85,14 @@ class SwanlabTracker:
 
 
 def open_trackers(output_dir: Path, tensorboard: bool, extras: list[str], project: str, run_name: str,
-                  config: dict[str, Any]) -> list[Tracker]:
+                  config: dict[str, Any], first_step: int | None = None) -> list[Tracker]:
     """The trackers a run asked for (rank 0 only). TensorBoard, which ships with most torch installs, is skipped
-    with a warning when missing; `extras` (wandb, swanlab) were checked by `require_trackers`."""
+    with a warning when missing; `extras` (wandb, swanlab) were checked by `require_trackers`. `first_step`:
+    a resumed run's first step (TensorBoardTracker)."""
     trackers: list[Tracker] = []
     if tensorboard:
         try:
-            trackers.append(TensorBoardTracker(output_dir / "tb"))
+            trackers.append(TensorBoardTracker(output_dir / TENSORBOARD_DIR, first_step))
         except ImportError:
             warnings.warn("logging.tensorboard is on but the tensorboard package is not installed "
                           "(pip install tensorboard); TensorBoard logging is off", stacklevel=3)

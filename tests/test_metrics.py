@@ -90,6 +90,31 @@ def test_missing_tensorboard_warns_and_logging_goes_on(tmp_path, monkeypatch):
     assert lines(tmp_path) == [{"step": 1, "actor/lr": 1.0}]
 
 
+def test_a_resumed_runs_tensorboard_events_start_after_its_checkpoint(tmp_path, monkeypatch):
+    """TensorBoard's writer hides the interrupted run's events from the resumed run's first step on (purge_step),
+    as metrics.jsonl is cut back to the checkpoint: each step shows once."""
+    writers = []
+
+    class RecordingWriter:  # the SummaryWriter interface the tracker uses
+        def __init__(self, log_dir, purge_step=None):
+            self.log_dir, self.purge_step, self.scalars = log_dir, purge_step, []
+            writers.append(self)
+
+        def add_scalar(self, key, value, global_step):
+            self.scalars.append((global_step, key, value))
+
+        def close(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=RecordingWriter))
+    with MetricsLogger(tmp_path, console=False, tensorboard=True, resumed_step=60) as logger:
+        logger.log(61, {"actor/lr": 1.0})
+    with MetricsLogger(tmp_path / "new", console=False, tensorboard=True):
+        pass
+    assert [(w.log_dir, w.purge_step) for w in writers] == [(str(tmp_path / "tb"), 61), (str(tmp_path / "new/tb"), None)]
+    assert writers[0].scalars == [(61, "actor/lr", 1.0)]
+
+
 def test_samples_of_a_step_go_to_its_file_and_a_resumed_run_replaces_it(tmp_path):
     train = {"split": "train", "prompt": "What colour?", "response": "rouge ✓", "answer": "red", "score": 0.0}
     val = {**train, "split": "val", "score": 1.0}

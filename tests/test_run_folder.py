@@ -15,7 +15,7 @@ import pytest
 
 from distributed import run_distributed
 from rollplex import metrics as M
-from rollplex.config import ConfigError, TrainerConfig, config_from_dict, load_config
+from rollplex.config import ConfigError, TrainerConfig, config_from_dict, load_config, load_config_file
 from rollplex.metrics import start_run_files
 from rollplex.rl.loop import RLTrainer
 from rollplex.run_lock import LOCK_FILE, LockHolder, RunFolderInUse, RunLock
@@ -81,16 +81,24 @@ def test_a_sigkilled_run_restarts_in_its_folder_with_each_step_logged_once(tmp_p
 
 
 def test_a_new_run_keeps_an_earlier_runs_files_aside(tmp_path, capsys):
-    run(tmp_path, "--trainer.log_samples_every", "1")
+    run(tmp_path, "--trainer.log_samples_every", "1", "--rollout.temperature", "0.9")
+    (tmp_path / "tb").mkdir()
+    (tmp_path / "tb" / "events.out.tfevents.1").write_bytes(b"x")  # as logging.tensorboard leaves them
     run(tmp_path, "--trainer.log_samples_every", "1")  # no checkpoint to resume: a new run
     assert logged_steps(tmp_path) == [1, 2]
     [old_metrics] = tmp_path.glob("metrics.*.jsonl")
     [old_samples] = tmp_path.glob("samples.*")
-    assert old_metrics.name.removeprefix("metrics.").removesuffix(".jsonl") == old_samples.suffix[1:]  # one time
+    [old_config] = tmp_path.glob("config.*.yaml")
+    [old_events] = tmp_path.glob("tb.*")
+    stamp = old_metrics.name.removeprefix("metrics.").removesuffix(".jsonl")
+    assert stamp == old_samples.suffix[1:] == old_config.name.split(".")[1] == old_events.suffix[1:]  # one time
     assert [json.loads(line)["step"] for line in old_metrics.read_text().splitlines()] == [1, 2]
     assert sorted(p.name for p in old_samples.iterdir()) == sorted(p.name for p in (tmp_path / "samples").iterdir())
+    assert load_config_file(old_config).rollout.temperature == 0.9  # the earlier run's, kept
+    assert load_config_file(tmp_path / "config.yaml").rollout.temperature == 1.0
     assert (f"rollplex: new run in {tmp_path}: kept the earlier run's metrics.jsonl as {old_metrics.name}, "
-            f"samples as {old_samples.name}") in capsys.readouterr().out
+            f"samples as {old_samples.name}, config.yaml as {old_config.name}, tb as {old_events.name}"
+            ) in capsys.readouterr().out
 
 
 def test_a_resumed_runs_metrics_are_cut_back_to_its_checkpoint_through_a_new_file(tmp_path, monkeypatch):

@@ -40,7 +40,7 @@ from rollplex.config import Config, config_to_dict, save_config
 from rollplex.data.prefetch import Prefetcher
 from rollplex.data.reward_scoring import RewardScorer, RewardScores
 from rollplex.dist import ParallelDims, all_gather_objects, build_mesh, init_distributed
-from rollplex.metrics import GpuSampler, MetricsLogger, Timer, start_run_files
+from rollplex.metrics import CONFIG_FILE, GpuSampler, MetricsLogger, Timer, start_run_files
 from rollplex.models import Prompt, VisionEmbeds, from_pretrained
 from rollplex.rl.disagg import DisaggExchange, DisaggLayout, WeightBroadcast
 from rollplex.rl.memory import GiB, PrefixKind
@@ -115,15 +115,15 @@ class RLTrainer:
         self.total_steps = self.data.run_steps(cfg.trainer)
         if self.complete:
             return  # no weights to load: fit() says the run is done
+        resumed_step = self.start.step if self.start.checkpoint is not None else None
         if self.rank == 0:  # before the logger opens them: the metrics and samples files hold this run's steps
-            resumed_step = self.start.step if self.start.checkpoint is not None else None
             if changed := start_run_files(self.out, resumed_step):
                 print(f"rollplex: {changed}", flush=True)
         log = cfg.logging  # before any weights load: a tracker that is not installed stops the run here
         self.logger = MetricsLogger(self.out, rank=self.rank, console=log.console, jsonl=log.jsonl,
                                     tensorboard=log.tensorboard, total_steps=self.total_steps, wandb=log.wandb,
                                     swanlab=log.swanlab, project=log.project, run_name=log.run_name,
-                                    run_config=config_to_dict(cfg))
+                                    run_config=config_to_dict(cfg), resumed_step=resumed_step)
         # Before any weights load: a run whose shapes cannot fit fails here, naming what does not fit.
         self.memory = plan_run_memory(cfg, path, next(self._batches(0)), self.dims, self.device, self.compute_dtype)
         # On CPU, trainer.device_memory stands for a GPU's: each phase's peak live tensor bytes are measured too.
@@ -232,7 +232,7 @@ class RLTrainer:
         self._resume()
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.out / "config.yaml")
+            save_config(cfg, self.out / CONFIG_FILE)
         if cfg.trainer.val_before_train and self.step == 0 and (before := self.evaluate()):
             self.logger.log(0, before)  # the starting point of the val/score curve
         try:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from rollplex.config import Config, ConfigError, DataConfig, TrainerConfig, config_to_dict, load_config_file
 from rollplex.dist import ParallelDims, all_reduce_values
 from rollplex.device import free_memory
+from rollplex.metrics import CONFIG_FILE
 from rollplex.models.loader import read_hf_config
 from rollplex.models.qwen2_5_vl.hf import args_from_hf_config
 from rollplex.tiny import TinySpec, make_tiny_checkpoint
@@ -87,8 +88,8 @@ def _decide_resume(cfg: Config, out: Path) -> ResumePoint:
         latest = latest_checkpoint(checkpoints)
         if latest is None:
             return ResumePoint()
-        if (out / "config.yaml").is_file():
-            _require_same_run(load_config_file(out / "config.yaml"), cfg, out, latest)
+        if (out / CONFIG_FILE).is_file():
+            _require_same_run(load_config_file(out / CONFIG_FILE), cfg, out, latest)
     else:
         latest = Path(resume)
         if not (latest / MARKER).is_file():
