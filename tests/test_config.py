@@ -41,7 +41,7 @@ def test_bare_run_loads_the_tiny_demo_preset():
 
     cfg = load_config([])
     assert cfg.model.path == "" and cfg.model.dtype == "float32"
-    assert cfg.rollout.n == 8 and cfg.rollout.max_tokens == 1 and cfg.rollout.temperature == 1.0
+    assert cfg.rollout.n == 16 and cfg.rollout.max_tokens == 1 and cfg.rollout.temperature == 1.0
     assert cfg.algorithm.entropy_coef == 0.03 and cfg.algorithm.updates_per_batch == 2
     assert cfg.algorithm.kl_coef == 0.0
     assert cfg.data.task == "color" and cfg.data.batch_size == 16 and cfg.data.val_size == 64
