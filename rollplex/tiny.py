@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollplex.models.registry import family_named
+
 # --------------------------------------------------------------------------------------
 # Special tokens, in Qwen's order (151643 ... 151656 in the real vocabulary).
 # --------------------------------------------------------------------------------------
@@ -94,8 +96,9 @@ IMAGE_STD = [0.26862954, 0.26130258, 0.27577711]
 
 @dataclass
 class TinySpec:
-    """Shape of a tiny Qwen2.5-VL. Defaults give a ~0.2M-parameter model."""
+    """Shape of a tiny model of a family. Defaults give a ~0.2M-parameter Qwen2.5-VL."""
 
+    family: str = "qwen2_5_vl"  # a model_type of rollplex.models.registry.FAMILIES
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 4
@@ -136,12 +139,18 @@ class TinySpec:
         """The tiny model a run builds, from its config section (rollplex.config.TinyModelConfig,
         whose fields are some of these, by the same names, plus the weights' seed). A 0 there
         means this spec's rule: a vision MLP twice the vision width, the tokenizer's vocabulary.
-        The M-RoPE sections follow the head size."""
+        The M-RoPE sections follow the head size; the rest is the family's (`of`)."""
         shared = {f.name: getattr(section, f.name) for f in dataclasses.fields(cls) if hasattr(section, f.name)}
-        return cls(**{**shared,
+        return cls.of(**{**shared,
                       "vision_intermediate_size": section.vision_intermediate_size or 2 * section.vision_hidden_size,
                       "vocab_size": section.vocab_size or None,
                       "mrope_section": default_mrope_section(section.hidden_size // section.num_heads)})
+
+    @classmethod
+    def of(cls, family: str = "qwen2_5_vl", **fields: Any) -> TinySpec:
+        """A spec of `family` (a model_type): its own tiny shape (`ModelFamily.tiny_spec`,
+        e.g. Qwen3-VL's 16 px patches) under the given `fields`."""
+        return cls(family=family, **{**family_named(family).tiny_spec, **fields})
 
     def __post_init__(self) -> None:
         self.fullatt_block_indexes = tuple(self.fullatt_block_indexes)
@@ -454,126 +463,38 @@ def video_preprocessor_config(spec: TinySpec) -> dict[str, Any]:
 # config.json
 # --------------------------------------------------------------------------------------
 def _resolve_ids(special_token_ids: dict[str, Any]) -> dict[str, int]:
-    # Accept the whole dict write_tokenizer_and_processor returned, or its
-    # "special_token_ids" part.
+    """The tokenizer's ids by the config.json key that holds each (image_token_id, ..., eos_token_id)."""
+    # Accept the whole dict write_tokenizer_and_processor returned, or its "special_token_ids" part.
     ids = special_token_ids.get("special_token_ids", special_token_ids)
     missing = [t for t in SPECIAL_TOKENS if t not in ids]
     if missing:
         raise ValueError(f"special_token_ids lacks {missing}")
-    return {t: int(ids[t]) for t in SPECIAL_TOKENS}
+    return {key: int(ids[token]) for key, token in (
+        ("image_token_id", IMAGE_PAD), ("video_token_id", VIDEO_PAD), ("vision_start_token_id", VISION_START),
+        ("vision_end_token_id", VISION_END), ("vision_pad_token_id", VISION_PAD), ("bos_token_id", ENDOFTEXT),
+        ("eos_token_id", IM_END), ("pad_token_id", ENDOFTEXT))}
 
 
-def _vision_config(spec: TinySpec) -> dict[str, Any]:
-    return {
-        "depth": spec.vision_depth,
-        "hidden_act": "silu",
-        "hidden_size": spec.vision_hidden_size,
-        "intermediate_size": spec.vision_intermediate_size,
-        "num_heads": spec.vision_num_heads,
-        "in_channels": 3,
-        "out_hidden_size": spec.hidden_size,
-        "patch_size": spec.patch_size,
-        "spatial_merge_size": spec.spatial_merge_size,
-        "temporal_patch_size": spec.temporal_patch_size,
-        "tokens_per_second": spec.tokens_per_second,
-        "window_size": spec.vision_window_size,
-        "fullatt_block_indexes": list(spec.fullatt_block_indexes),
-        "initializer_range": 0.02,
-    }
-
-
-def _text_fields(spec: TinySpec, vocab_size: int, ids: dict[str, int]) -> dict[str, Any]:
-    return {
-        "vocab_size": vocab_size,
-        "hidden_size": spec.hidden_size,
-        "intermediate_size": spec.intermediate_size,
-        "num_hidden_layers": spec.num_layers,
-        "num_attention_heads": spec.num_heads,
-        "num_key_value_heads": spec.num_kv_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": spec.max_position_embeddings,
-        "initializer_range": 0.02,
-        "rms_norm_eps": spec.rms_norm_eps,
-        "use_cache": True,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": spec.num_layers,
-        "attention_dropout": 0.0,
-        "bos_token_id": ids[ENDOFTEXT],
-        "eos_token_id": ids[IM_END],
-        "pad_token_id": ids[ENDOFTEXT],
-    }
-
-
-def hf_config_dict(
-    spec: TinySpec, vocab_size: int, special_token_ids: dict[str, Any], dtype: str = "float32"
-) -> dict[str, Any]:
-    """config.json in the nested style transformers 5 writes (text_config / vision_config).
+def hf_config_dict(spec: TinySpec, vocab_size: int, special_token_ids: dict[str, Any], dtype: str = "float32",
+                   style: str = "nested") -> dict[str, Any]:
+    """config.json of the tiny model, as its family writes it (`ModelFamily.tiny_hf_config`;
+    style "nested" as transformers 5 writes it, "flat" as the hub's Qwen2.5-VL files).
 
     `vocab_size` is the tokenizer length; the config gets `model_vocab_size(spec, vocab_size)`
     rows (padded to spec.pad_vocab_multiple, or spec.vocab_size).
     """
-    ids = _resolve_ids(special_token_ids)
-    text = _text_fields(spec, model_vocab_size(spec, vocab_size), ids)
-    text["model_type"] = "qwen2_5_vl_text"
-    text["rope_parameters"] = {
-        "rope_type": "default",
-        "rope_theta": spec.rope_theta,
-        "mrope_section": list(spec.mrope_section),
-    }
-    text["layer_types"] = ["full_attention"] * spec.num_layers
-    text["dtype"] = dtype
-    vision = _vision_config(spec)
-    vision["model_type"] = "qwen2_5_vl_vision"
-    return {
-        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
-        "model_type": "qwen2_5_vl",
-        "dtype": dtype,
-        "text_config": text,
-        "vision_config": vision,
-        "image_token_id": ids[IMAGE_PAD],
-        "video_token_id": ids[VIDEO_PAD],
-        "vision_start_token_id": ids[VISION_START],
-        "vision_end_token_id": ids[VISION_END],
-        "tie_word_embeddings": spec.tie_word_embeddings,
-    }
-
-
-def flat_hf_config_dict(
-    spec: TinySpec, vocab_size: int, special_token_ids: dict[str, Any], dtype: str = "float32"
-) -> dict[str, Any]:
-    """config.json in the flat style of the hub's Qwen2.5-VL checkpoints (transformers 4.x).
-
-    Text fields at top level, `rope_theta` + `rope_scaling: {"type": "mrope", ...}`,
-    vision_config nested without a model_type (as the hub files have it).
-    """
-    ids = _resolve_ids(special_token_ids)
-    cfg: dict[str, Any] = {
-        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
-        "model_type": "qwen2_5_vl",
-        "torch_dtype": dtype,
-        **_text_fields(spec, model_vocab_size(spec, vocab_size), ids),
-        "rope_theta": spec.rope_theta,
-        "rope_scaling": {"type": "mrope", "mrope_section": list(spec.mrope_section)},
-        "vision_start_token_id": ids[VISION_START],
-        "vision_end_token_id": ids[VISION_END],
-        "vision_token_id": ids[VISION_PAD],
-        "image_token_id": ids[IMAGE_PAD],
-        "video_token_id": ids[VIDEO_PAD],
-        "tie_word_embeddings": spec.tie_word_embeddings,
-        "vision_config": _vision_config(spec),
-    }
-    cfg["sliding_window"] = spec.max_position_embeddings  # the hub files carry a number here
-    return cfg
+    family = family_named(spec.family)
+    return family.tiny_hf_config(spec, model_vocab_size(spec, vocab_size), _resolve_ids(special_token_ids),
+                                 style, dtype)
 
 
 def generation_config_dict(special_token_ids: dict[str, Any]) -> dict[str, Any]:
     """generation_config.json as Qwen2.5-VL-Instruct ships it (ids remapped)."""
     ids = _resolve_ids(special_token_ids)
     return {
-        "bos_token_id": ids[ENDOFTEXT],
-        "eos_token_id": [ids[IM_END], ids[ENDOFTEXT]],
-        "pad_token_id": ids[ENDOFTEXT],
+        "bos_token_id": ids["bos_token_id"],
+        "eos_token_id": [ids["eos_token_id"], ids["pad_token_id"]],
+        "pad_token_id": ids["pad_token_id"],
         "do_sample": True,
         "temperature": 1.0,
         "top_p": 1.0,
@@ -584,12 +505,7 @@ def write_config(
     out_dir: str | os.PathLike, spec: TinySpec, info: dict[str, Any], style: str = "nested", dtype: str = "float32"
 ) -> dict[str, Any]:
     """Write config.json (style "nested" or "flat") and generation_config.json; return the config dict."""
-    if style == "nested":
-        cfg = hf_config_dict(spec, info["vocab_size"], info, dtype=dtype)
-    elif style == "flat":
-        cfg = flat_hf_config_dict(spec, info["vocab_size"], info, dtype=dtype)
-    else:
-        raise ValueError(f"config style must be 'nested' or 'flat', got {style!r}")
+    cfg = hf_config_dict(spec, info["vocab_size"], info, dtype=dtype, style=style)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "config.json", cfg)
@@ -628,11 +544,12 @@ def make_tiny_checkpoint(out_dir: str | os.PathLike, spec: TinySpec | None = Non
     fp32 weights (built by Rollplex's own model), tokenizer with the Qwen special
     tokens and chat template, and the image/video preprocessor configs."""
     from rollplex.models.loader import build_model, save_pretrained
-    from rollplex.models.qwen2_5_vl.hf import args_from_hf_config
 
+    spec = spec or TinySpec()
     info = write_tiny_files(out_dir, spec, style=style)
     # Fan-in init: with transformers' N(0, 0.02) the first policy is so uniform that the
     # tiny RL demo saw no reward in 185 steps; with fan-in it learns the answer format.
-    model = build_model(args_from_hf_config(info["config"]), seed=seed, init_std=None)
+    model = build_model(family_named(spec.family).args_from_hf_config(info["config"], str(out_dir)), seed=seed,
+                        init_std=None)
     save_pretrained(model, out_dir, hf_config=info["config"])
     return Path(out_dir)

@@ -20,7 +20,8 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from distributed import run_distributed
-from rollplex.models import ModelArgs, Prompt, build_model, from_pretrained, pack_sequences
+from rollplex.models import Prompt, build_model, from_pretrained, pack_sequences
+from rollplex.models.qwen2_5_vl import ModelArgs
 from rollplex.dist import ParallelDims, build_mesh
 from rollplex.tiny import make_tiny_checkpoint
 from rollplex.train.checkpoint import (MARKER, CheckpointSaveError, export_hf, latest_checkpoint, load_checkpoint,

@@ -18,7 +18,6 @@ from rollplex.tiny import (
     TAG_TOKENS,
     VIDEO_PAD,
     TinySpec,
-    flat_hf_config_dict,
     hf_config_dict,
     model_vocab_size,
     write_config,
@@ -210,7 +209,7 @@ def test_config_dict_accepts_info_or_ids(tiny_dirs):
     a = hf_config_dict(TinySpec(), info["vocab_size"], info)
     b = hf_config_dict(TinySpec(), info["vocab_size"], info["special_token_ids"])
     assert a == b
-    assert flat_hf_config_dict(TinySpec(), info["vocab_size"], info)["image_token_id"] == a["image_token_id"]
+    assert hf_config_dict(TinySpec(), info["vocab_size"], info, style="flat")["image_token_id"] == a["image_token_id"]
     with pytest.raises(ValueError, match="special_token_ids"):
         hf_config_dict(TinySpec(), 64, {"<|im_end|>": 2})
     with pytest.raises(ValueError, match="style"):

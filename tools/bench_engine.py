@@ -27,7 +27,7 @@ second, and the tokens it computed including that padding.
 - Rollplex: `Engine.generate` on all requests at once (continuous batching),
   with at most `--batch-size` x `--n` sequences decoding together and a KV pool
   sized to hold every sequence at full length (so nothing is preempted).
-- transformers: `Qwen2_5_VLForConditionalGeneration.generate`, one call per
+- transformers: the family's `...ForConditionalGeneration.generate`, one call per
   `--batch-size` prompts, left-padded, `num_return_sequences=n`, as a user would.
 
 Each side runs the whole workload once to warm up (not timed), then `--repeats`
@@ -83,7 +83,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rollplex.engine import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
-from rollplex.models import Prompt, Qwen2_5_VL, from_pretrained  # noqa: E402
+from rollplex.models import Prompt, VisionLanguageModel, family_of_config, from_pretrained  # noqa: E402
+from rollplex.models.loader import read_hf_config  # noqa: E402
 from rollplex.tiny import TinySpec, default_mrope_section, make_tiny_checkpoint  # noqa: E402
 
 RANDOM_WEIGHTS_NOTE = "weights are random: the figures are timings only, the generated text means nothing"
@@ -209,15 +210,14 @@ def build_checkpoint(out_dir: Path, a: argparse.Namespace, layers: int) -> Path:
 
 
 def load_transformers(path: Path, dtype: torch.dtype, device: str):
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    return Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device).eval()
+    hf_class = family_of_config(read_hf_config(path), str(path)).transformers_class()
+    return hf_class.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
 # ------------------------------------------------------------------------------------------------ prompts
 
 
-def random_requests(model: Qwen2_5_VL, wl: Workload) -> list[Request]:
+def random_requests(model: VisionLanguageModel, wl: Workload) -> list[Request]:
     """Prompts as token ids: each image as <vision_start> <image_pad> x tokens <vision_end>,
     then `prompt_len` random byte tokens; pixel rows are random (as tests/test_model.py builds them)."""
     args, g = model.args, torch.Generator().manual_seed(SEED)
@@ -294,7 +294,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def make_engine(model: Qwen2_5_VL, requests: list[Request], wl: Workload, a: argparse.Namespace,
+def make_engine(model: VisionLanguageModel, requests: list[Request], wl: Workload, a: argparse.Namespace,
                 enforce_eager: bool = False, shared_prefix_decode: bool = False) -> Engine:
     # A pool that holds every sequence at full length, without sharing: the benchmark
     # measures throughput, not how the scheduler copes with a tight pool.
@@ -386,7 +386,7 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 10)
     return 2 * nbytes * iters / seconds
 
 
-def decode_weight_bytes(model: Qwen2_5_VL) -> int:
+def decode_weight_bytes(model: VisionLanguageModel) -> int:
     """Bytes of the weights one decode step reads: the language model and its head.
     The vision tower does not run in decode; of the input embedding only a few rows are
     read, unless it is tied to the head, which reads all of it."""
@@ -399,7 +399,7 @@ def decode_weight_bytes(model: Qwen2_5_VL) -> int:
     return total
 
 
-def kv_bytes_per_decode_step(model: Qwen2_5_VL, requests: list[Request], wl: Workload, decode_steps: int) -> float:
+def kv_bytes_per_decode_step(model: VisionLanguageModel, requests: list[Request], wl: Workload, decode_steps: int) -> float:
     """Mean KV bytes the decode attention must read per step: a sample's step that feeds
     its k-th generated token attends to prompt + k tokens (k = 1 .. L-1). Each sample
     reads its group's shared prompt KV for itself."""
@@ -411,7 +411,7 @@ def kv_bytes_per_decode_step(model: Qwen2_5_VL, requests: list[Request], wl: Wor
     return per_token * tokens / max(decode_steps, 1)
 
 
-def decode_step_report(model: Qwen2_5_VL, requests: list[Request], wl: Workload, a: argparse.Namespace,
+def decode_step_report(model: VisionLanguageModel, requests: list[Request], wl: Workload, a: argparse.Namespace,
                        device: torch.device) -> dict:
     """Decode step time of the engine against the memory-bandwidth floor, with and without CUDA graphs.
 
@@ -728,7 +728,7 @@ def format_shared_prefix(report: dict) -> str:
     return "\n".join(lines)
 
 
-def model_summary(model: Qwen2_5_VL) -> dict:
+def model_summary(model: VisionLanguageModel) -> dict:
     text = model.args.text
     params = sum(p.numel() for p in model.parameters())
     return {"hidden": text.hidden_size, "layers": text.num_hidden_layers, "heads": text.num_attention_heads,
@@ -737,7 +737,7 @@ def model_summary(model: Qwen2_5_VL) -> dict:
                        f"{text.num_key_value_heads} heads, vocab {text.vocab_size}, {params / 1e6:.2f}M params"}
 
 
-def side_by_side(model: Qwen2_5_VL, hf, requests: list[Request], wl: Workload, a: argparse.Namespace,
+def side_by_side(model: VisionLanguageModel, hf, requests: list[Request], wl: Workload, a: argparse.Namespace,
                  device: torch.device) -> dict:
     """The throughput comparison: both sides' results, their ratio and the engine's stats."""
     engine = make_engine(model, requests, wl, a)
@@ -773,7 +773,7 @@ def comparison_report(a: argparse.Namespace, wl: Workload, device: torch.device,
     return report
 
 
-def build_requests(path: Path, model: Qwen2_5_VL, wl: Workload) -> list[Request]:
+def build_requests(path: Path, model: VisionLanguageModel, wl: Workload) -> list[Request]:
     return processor_requests(path, wl) if wl.prompt_source == "processor" else random_requests(model, wl)
 
 

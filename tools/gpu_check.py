@@ -50,7 +50,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))  # sibling tools (bench_schedules, bench_sampler)
 
-from rollplex.models import ModelArgs, TextArgs, VisionArgs, build_model, from_pretrained, save_pretrained  # noqa: E402
+from rollplex.models import build_model, family_of, from_pretrained, save_pretrained  # noqa: E402
+from rollplex.models.qwen2_5_vl import ModelArgs, TextArgs, VisionArgs  # noqa: E402
 from rollplex.models.inputs import Prompt  # noqa: E402
 from rollplex.models.packing import pack_sequences  # noqa: E402
 
@@ -592,15 +593,14 @@ def check_bench_serial_naive(device: str) -> dict:
 def check_model_parity_bf16(device: str) -> dict:
     """Rollplex vs transformers in bf16, both measured against an fp32 transformers
     reference computed with TF32 off (transformers' Conv3d would use cuDNN TF32)."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     args = _tiny_args()
     with tempfile.TemporaryDirectory() as d:
         save_pretrained(build_model(args, seed=0, init_std=None), d)
-        hf32 = Qwen2_5_VLForConditionalGeneration.from_pretrained(d, dtype=torch.float32).to(device).eval()
-        hf16 = Qwen2_5_VLForConditionalGeneration.from_pretrained(d, dtype=torch.bfloat16).to(device).eval()
+        hf_class = family_of(args).transformers_class()
+        hf32 = hf_class.from_pretrained(d, dtype=torch.float32).to(device).eval()
+        hf16 = hf_class.from_pretrained(d, dtype=torch.bfloat16).to(device).eval()
         ours32 = from_pretrained(d, dtype=torch.float32, device=device)
         ours16 = from_pretrained(d, dtype=torch.bfloat16, device=device)
     seq = _multimodal_prompt(args, device, video_thw=(2, 16, 16))

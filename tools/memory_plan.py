@@ -7,8 +7,9 @@ micro-batch, prefix budget) where they are not given.
         --prompt-tokens 256 --vision-tokens 1024 --response-tokens 1024 --ref-model --activation-checkpointing
     python tools/memory_plan.py --model /path/to/checkpoint/config.json ...
 
-Presets: qwen2.5-vl-3b, -7b, -32b, -72b (their hub config.json values), or any
-Qwen2.5-VL config.json (or the directory holding it). The plan comes from
+Presets: every family's named sizes (their hub config.json values; the list is in
+--help), or the config.json of any supported family (or the directory holding
+it). The plan comes from
 rollplex.rl.memory.plan_memory, as a run's does; the printed notes say which
 figures are exact and which are estimates.
 """
@@ -23,9 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from rollplex.models.loader import read_hf_config  # noqa: E402
-from rollplex.models.qwen2_5_vl.hf import args_from_hf_config  # noqa: E402
-from rollplex.models.qwen2_5_vl import ModelArgs  # noqa: E402
+from rollplex.models.family import FamilyArgs  # noqa: E402
+from rollplex.models.loader import read_model_args  # noqa: E402
 from rollplex.rl.memory import (GiB, PRESETS, SCHEDULES, BatchShape, MemoryOptions, MemoryPlan,  # noqa: E402
                                 ParallelLayout, format_plan, plan_memory)
 
@@ -41,12 +41,12 @@ PUBLISHED_OPTIONS = MemoryOptions(ref_model=True, activation_checkpointing=True,
                                   kv_pool=0.4, prefix_budget=16 * GiB, device_memory=80 * GiB)
 
 
-def load_model_args(model: str) -> ModelArgs:
+def load_model_args(model: str) -> FamilyArgs:
     if model in PRESETS:
         return PRESETS[model]
     path = Path(model)
     if path.is_dir() or path.name == "config.json":
-        return args_from_hf_config(read_hf_config(path if path.is_dir() else path.parent), str(path))
+        return read_model_args(path if path.is_dir() else path.parent)
     raise SystemExit(f"--model {model!r}: not a preset ({', '.join(PRESETS)}) nor a config.json or its directory")
 
 
@@ -68,7 +68,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--published", action="store_true",
                    help="print the published Qwen2.5-VL-32B / 32-GPU case (other flags are ignored)")
-    p.add_argument("--model", default="qwen2.5-vl-7b", help="preset name, or a config.json or its directory")
+    p.add_argument("--model", default="qwen2.5-vl-7b",
+                   help=f"preset name ({', '.join(PRESETS)}), or a config.json or its directory")
     g = p.add_argument_group("layout")
     g.add_argument("--nodes", type=int, default=1)
     g.add_argument("--gpus-per-node", type=int, default=8)

@@ -65,10 +65,12 @@ def field_types(cls: type) -> dict[str, Any]:
 
 @dataclass
 class TinyModelConfig(_Section):
-    """Size of the tiny Qwen2.5-VL built from scratch when model.path is empty."""
+    """Family and size of the tiny model built from scratch when model.path is empty."""
 
     _section: ClassVar[str] = "model.tiny"
 
+    family: str = "qwen2_5_vl"
+    """Model family (a config.json model_type): qwen2_5_vl or qwen3_vl."""
     hidden_size: int = 64
     """Text decoder hidden size."""
     num_layers: int = 2
@@ -98,6 +100,9 @@ class TinyModelConfig(_Section):
     """Seed for the random initial weights."""
 
     def _check_ranges(self) -> None:
+        from rollplex.models.registry import FAMILIES
+
+        self._require(self.family in FAMILIES, "family", f"one of {', '.join(FAMILIES)}")
         for name in (
             "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
             "vision_hidden_size", "vision_depth", "vision_num_heads",
@@ -126,7 +131,8 @@ class ModelConfig(_Section):
     _section: ClassVar[str] = "model"
 
     path: str = ""
-    """Hugging Face Qwen2.5-VL directory. Empty: build the tiny model (model.tiny) into <trainer.output_dir>/tiny_model."""
+    """Hugging Face model directory (Qwen2.5-VL or Qwen3-VL; its config.json's model_type says which). Empty: build
+    the tiny model (model.tiny) into <trainer.output_dir>/tiny_model."""
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     """Compute dtype: of the weights forwards and the engine read (FSDP gathers them in it), activations, the KV
     cache and the reference model. The trainer's master weights, gradients and AdamW state stay fp32 (one GPU too)."""

@@ -66,8 +66,7 @@ def first_nonfinite_stage(model: VisionLanguageModel, forward: Callable[[], torc
     finally:
         for handle in handles:
             handle.remove()
-    nonfinite["vision"] = not all(_finite(t) for v in vision if v is not None for t in (v.image, v.video)
-                                  if t is not None)
+    nonfinite["vision"] = not all(_finite(t) for v in vision if v is not None for t in v.tensors())
     nonfinite["head"] = not _finite(logits[logit_rows])
     order = ["embedding", "vision", *list(stages)[1:], "head"]
     return next((name for name in order if nonfinite.get(name)),

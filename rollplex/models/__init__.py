@@ -1,14 +1,17 @@
-"""The model families (Qwen2.5-VL today), what callers may call on them
-(`protocol`), the prompt types every layer shares (`inputs`), the checkpoint
-loader and packing helpers."""
+"""The model families (one package each, found through `registry`), what
+callers may call on a model (`protocol`) and know of its family (`family`), the
+prompt types every layer shares (`inputs`), the checkpoint loader and packing
+helpers. Nothing here names a family."""
 
-from rollplex.models.inputs import Group, Prompt, Sample, VisionEmbeds
-from rollplex.models.loader import build_model, from_pretrained, save_pretrained
+from rollplex.models.family import ModelFamily
+from rollplex.models.inputs import Group, Prompt, Sample, VisionEmbeds, VisionSlots
+from rollplex.models.loader import build_model, from_pretrained, read_model_args, save_pretrained
 from rollplex.models.packing import PackedBatch, pack_sequences
 from rollplex.models.protocol import VisionLanguageModel
-from rollplex.models.qwen2_5_vl import ModelArgs, Qwen2_5_VL, TextArgs, VisionArgs
+from rollplex.models.registry import FAMILIES, family_named, family_of, family_of_config
 
 __all__ = [
-    "Group", "ModelArgs", "PackedBatch", "Prompt", "Qwen2_5_VL", "Sample", "TextArgs", "VisionArgs", "VisionEmbeds",
-    "VisionLanguageModel", "build_model", "from_pretrained", "pack_sequences", "save_pretrained",
+    "FAMILIES", "Group", "ModelFamily", "PackedBatch", "Prompt", "Sample", "VisionEmbeds", "VisionLanguageModel",
+    "VisionSlots", "build_model", "family_named", "family_of", "family_of_config", "from_pretrained",
+    "pack_sequences", "read_model_args", "save_pretrained",
 ]

@@ -36,17 +36,53 @@ class Prompt:
 @dataclass
 class VisionEmbeds:
     """Merged vision features of a batch, kept so that later passes reuse them
-    instead of running the tower again. Rows follow the order of the pad tokens."""
+    instead of running the tower again. Rows follow the order of the pad tokens.
+
+    A family with DeepStack (Qwen3-VL) also keeps, per kind, the merged features
+    of some early vision blocks, (levels, rows, hidden): the decoder adds level i
+    to its hidden states at the pad tokens after decoder layer i. None elsewhere."""
 
     image: torch.Tensor | None = None
     video: torch.Tensor | None = None
+    image_deepstack: torch.Tensor | None = None
+    video_deepstack: torch.Tensor | None = None
 
     @classmethod
     def concat(cls, parts: list[VisionEmbeds | None]) -> VisionEmbeds:
         """Several prompts' features, prompt after prompt (the order of their pad tokens)."""
-        images = [p.image for p in parts if p is not None and p.image is not None]
-        videos = [p.video for p in parts if p is not None and p.video is not None]
-        return cls(torch.cat(images) if images else None, torch.cat(videos) if videos else None)
+        present = [p for p in parts if p is not None]
+
+        def cat(name: str, dim: int) -> torch.Tensor | None:
+            tensors = [getattr(p, name) for p in present if getattr(p, name) is not None]
+            return torch.cat(tensors, dim) if tensors else None
+
+        return cls(cat("image", 0), cat("video", 0), cat("image_deepstack", 1), cat("video_deepstack", 1))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor held (to check or move them all)."""
+        return [t for t in (self.image, self.video, self.image_deepstack, self.video_deepstack) if t is not None]
+
+
+@dataclass
+class VisionSlots:
+    """Where a packed input's vision features go: the token rows of its image and
+    of its video pad tokens (prompt tokens only), as index tensors on the input's device."""
+
+    image: torch.Tensor
+    video: torch.Tensor
+
+    @classmethod
+    def find(cls, args, input_ids: torch.Tensor, prompt_mask: torch.Tensor | None = None) -> VisionSlots:
+        """The pad tokens of `args.image_token_id` and `args.video_token_id`. Reads the
+        token ids on the host (nonzero): a prompt forward that must not wait on the
+        device finds its slots before it starts."""
+        rows = []
+        for token_id in (args.image_token_id, args.video_token_id):
+            mask = input_ids == token_id
+            if prompt_mask is not None:
+                mask &= prompt_mask
+            rows.append(mask.nonzero().flatten())
+        return cls(*rows)
 
 
 @dataclass

@@ -1,7 +1,8 @@
-"""Read and write Hugging Face Qwen2.5-VL checkpoint directories.
+"""Read and write Hugging Face checkpoint directories of every model family.
 
-Single-file or sharded safetensors; config.json and the key names are
-converted by the family's `hf` module (rollplex.models.qwen2_5_vl.hf). The
+Single-file or sharded safetensors; the family comes from config.json's
+`model_type` (rollplex.models.registry), and config.json and the key names are
+converted by the family's functions (rollplex.models.family). The
 model is built on the meta device and each tensor is read straight into the
 target dtype and device, so no full fp32 copy exists on the side. Saving writes
 the hub layout. A model folder is only ever read from disk: `check_model_folder`
@@ -22,10 +23,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from rollplex.dist import full_tensor, rank
-from rollplex.models.protocol import CheckpointError
-from rollplex.models.qwen2_5_vl.args import ModelArgs
-from rollplex.models.qwen2_5_vl.hf import args_from_hf_config, hf_config_from_args, hf_key_to_params, param_to_hf_key
-from rollplex.models.qwen2_5_vl.model import Qwen2_5_VL
+from rollplex.models.family import FamilyArgs
+from rollplex.models.protocol import CheckpointError, VisionLanguageModel
+from rollplex.models.registry import family_of, family_of_config
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -84,7 +84,7 @@ WEIGHT_FILES = {
 def read_hf_config(path: str | os.PathLike) -> dict:
     file = Path(path) / CONFIG_NAME
     if not file.is_file():
-        raise CheckpointError(f"{file} not found: a Qwen2.5-VL checkpoint directory needs a config.json")
+        raise CheckpointError(f"{file} not found: a checkpoint directory needs a config.json")
     try:
         return json.loads(file.read_text())
     except json.JSONDecodeError as e:
@@ -115,10 +115,13 @@ def _weight_files(path: Path) -> dict[str, Path]:
     return out
 
 
-def load_weights(model: Qwen2_5_VL, path: str | os.PathLike, dtype: torch.dtype, device: torch.device | str) -> None:
+def load_weights(model: VisionLanguageModel, path: str | os.PathLike, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
     """Read every tensor of the checkpoint into `model` (on meta or materialised),
     converted to `dtype` on `device` one tensor at a time."""
     path = Path(path)
+    family = family_of(model)
+    hf_key_to_params, param_to_hf_key = family.hf_key_to_params, family.param_to_hf_key
     files = _weight_files(path)
     expected = dict(model.named_parameters())
     by_file: dict[Path, list[tuple[str, list[str]]]] = {}
@@ -158,12 +161,12 @@ def load_weights(model: Qwen2_5_VL, path: str | os.PathLike, dtype: torch.dtype,
     model.load_state_dict(state, strict=True, assign=True)
 
 
-def build_model(args: ModelArgs, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                seed: int | None = None, init_std: float | None = 0.02) -> Qwen2_5_VL:
+def build_model(args: FamilyArgs, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                seed: int | None = None, init_std: float | None = 0.02) -> VisionLanguageModel:
     """A randomly initialised model (for tests, tiny checkpoints and benchmarks),
     built on the meta device and materialised once in `dtype` on `device`.
 
-    Default: as transformers initialises Qwen2.5-VL, weights ~ N(0, init_std),
+    Default: as transformers initialises the Qwen VL models, weights ~ N(0, init_std),
     biases 0, norm scales 1 (small weights give a near-uniform first policy,
     which a model trained from scratch by RL needs in order to explore).
     init_std=None: weights ~ N(0, 1/fan_in) and random biases, so every layer
@@ -172,8 +175,9 @@ def build_model(args: ModelArgs, dtype: torch.dtype = torch.float32, device: tor
     The values are drawn on `device` (a 3B model's weights take minutes with CPU
     randn), so a seed gives the same weights on every device of one type, not
     across types."""
+    family = family_of(args)
     with torch.device("meta"):
-        model = Qwen2_5_VL(args)
+        model = family.model_class(args)
     model = model.to(dtype=dtype).to_empty(device=device)
     device = torch.device(device)
     gen = torch.Generator(device=device)
@@ -181,8 +185,8 @@ def build_model(args: ModelArgs, dtype: torch.dtype = torch.float32, device: tor
     params = dict(model.named_parameters())
     with torch.no_grad():
         # Drawn per hub tensor (a vision qkv as one), so a seed gives the weights it gave a fused model.
-        for key in dict.fromkeys(param_to_hf_key(name) for name in params):
-            parts = [params[name] for name in hf_key_to_params(key)]
+        for key in dict.fromkeys(family.param_to_hf_key(name) for name in params):
+            parts = [params[name] for name in family.hf_key_to_params(key)]
             shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
             if key.endswith(("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight", "layernorm.weight")):
                 value = torch.ones(shape, device=device)
@@ -197,20 +201,27 @@ def build_model(args: ModelArgs, dtype: torch.dtype = torch.float32, device: tor
     return model
 
 
+def read_model_args(path: str | os.PathLike) -> FamilyArgs:
+    """The model args of a checkpoint directory's config.json, read by its family."""
+    cfg, source = read_hf_config(path), str(Path(path) / CONFIG_NAME)
+    return family_of_config(cfg, source).args_from_hf_config(cfg, source)
+
+
 def from_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
-                    device: torch.device | str = "cpu", attn_backend: str = "auto") -> Qwen2_5_VL:
-    """Load a Hugging Face Qwen2.5-VL directory into a Rollplex model (a path that is not one: a
-    CheckpointError saying what it lacks, see `check_model_folder`)."""
+                    device: torch.device | str = "cpu", attn_backend: str = "auto") -> VisionLanguageModel:
+    """Load a Hugging Face checkpoint directory of any supported family (config.json's
+    model_type picks it) into a Rollplex model (a path that is not one: a CheckpointError
+    saying what it lacks, see `check_model_folder`)."""
     check_model_folder(path, WEIGHT_FILES)
-    args = args_from_hf_config(read_hf_config(path), str(Path(path) / CONFIG_NAME))
+    args = read_model_args(path)
     with torch.device("meta"):
-        model = Qwen2_5_VL(args)
+        model = family_of(args).model_class(args)
     load_weights(model, path, dtype, device)
     model.set_attn_backend(attn_backend)
     return model.eval()
 
 
-def save_pretrained(model: Qwen2_5_VL, path: str | os.PathLike, max_shard_bytes: int = 4 << 30,
+def save_pretrained(model: VisionLanguageModel, path: str | os.PathLike, max_shard_bytes: int = 4 << 30,
                     hf_config: dict | None = None) -> None:
     """Write config.json and safetensors (sharded with an index past `max_shard_bytes`)
     in the hub layout. `hf_config` replaces the config.json generated from the
@@ -218,17 +229,18 @@ def save_pretrained(model: Qwen2_5_VL, path: str | os.PathLike, max_shard_bytes:
     gathered first, so every rank must call this; only rank 0 (or a
     non-distributed process) writes."""
     path = Path(path)
+    family = family_of(model)
     ours = {}
     for name, p in model.state_dict().items():
         ours[name] = full_tensor(p).detach().to("cpu").contiguous()  # collective for a DTensor
     tensors = {}
-    for key in {param_to_hf_key(name) for name in ours}:
-        parts = [ours.pop(name) for name in hf_key_to_params(key)]
+    for key in {family.param_to_hf_key(name) for name in ours}:
+        parts = [ours.pop(name) for name in family.hf_key_to_params(key)]
         tensors[key] = torch.cat(parts) if len(parts) > 1 else parts[0]
     if rank() != 0:
         return
     path.mkdir(parents=True, exist_ok=True)
-    config = hf_config if hf_config is not None else hf_config_from_args(model.args)
+    config = hf_config if hf_config is not None else family.hf_config_from_args(model.args)
     (path / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     index = hub_file_index({key: tensors[key] for key in sorted(tensors)}, max_shard_bytes)
     shards: list[dict[str, torch.Tensor]] = [{} for _ in range(max(index.values()))]

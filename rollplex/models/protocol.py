@@ -1,6 +1,6 @@
 """What the engine, the trainer and the RL loop may call on a model, whatever
-its family (rollplex.models.qwen2_5_vl is the one today), and what reading a
-family's checkpoint raises.
+its family (each family's package is one implementation; rollplex.models.family
+says what else a family provides), and what reading a family's checkpoint raises.
 
 A model takes packed tokens (no padding) and an attention backend from
 rollplex.ops.attention; it holds no parallelism (each family's `tp_plan` splits
@@ -10,11 +10,11 @@ model runs unchanged.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Protocol, runtime_checkable
+from typing import Any, Callable, Iterator, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from rollplex.models.inputs import VisionEmbeds
+from rollplex.models.inputs import VisionEmbeds, VisionSlots
 from rollplex.models.rope import RopeIndexSpec
 from rollplex.ops.attention import AttentionBackend
 
@@ -24,6 +24,25 @@ Positions = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 class CheckpointError(ValueError):
     """A checkpoint directory that cannot be read: the message says what is wrong and where."""
+
+
+_Method = TypeVar("_Method", bound=Callable)
+_FSDP_ENTRY = "_rollplex_fsdp_entry"
+
+
+def fsdp_entry(method: _Method) -> _Method:
+    """Marks a model method that the engine or trainer calls from outside and that
+    reads the root module's own parameters (not only those of its blocks): FSDP2
+    must gather the root there as it does in `forward` (rollplex.train.parallelize
+    registers every marked method). Mark only methods that call no other entry:
+    when entries nest, the outer one's end reshards the root."""
+    setattr(method, _FSDP_ENTRY, True)
+    return method
+
+
+def fsdp_entry_methods(model_class: type) -> list[str]:
+    """The names of the methods `fsdp_entry` marked on a model class (its bases included)."""
+    return sorted(name for name in dir(model_class) if getattr(getattr(model_class, name), _FSDP_ENTRY, False))
 
 
 class RopeArgs(Protocol):
@@ -48,6 +67,9 @@ class VisionLanguageModel(Protocol):
     @property
     def device(self) -> torch.device: ...
 
+    def set_attn_backend(self, name: str) -> None:
+        """auto / torch / flash (rollplex.ops.attention), resolved for the model's device, for every attention."""
+
     @property
     def dtype(self) -> torch.dtype:
         """The weights' dtype (the engine's KV cache is kept in it)."""
@@ -61,10 +83,17 @@ class VisionLanguageModel(Protocol):
                  vision: VisionEmbeds | None = None, prompt_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Packed prompt tokens (T,) with their vision features at the pad tokens -> final hidden states (prefill)."""
 
-    def layer_by_layer(self, h: torch.Tensor, position_ids: Positions,
-                       attn: AttentionBackend) -> Iterator[torch.Tensor]:
+    def embed_prompts(self, input_ids: torch.Tensor, vision: VisionEmbeds | None,
+                      slots: VisionSlots) -> torch.Tensor:
+        """Prompt token embeddings with the vision features at their slots (a prompt
+        forward that runs layer by layer starts here)."""
+
+    def layer_by_layer(self, h: torch.Tensor, position_ids: Positions, attn: AttentionBackend,
+                       vision: VisionEmbeds | None = None,
+                       slots: VisionSlots | None = None) -> Iterator[torch.Tensor]:
         """Embedded tokens through the decoder one layer at a time: the hidden state
-        after each layer, then the final normed state."""
+        after each layer, then the final normed state. A family that adds vision
+        features inside the decoder (DeepStack) reads them from `vision` at `slots`."""
 
     def forward_generated(self, input_ids: torch.Tensor, position_ids: Positions,
                           attn: AttentionBackend) -> torch.Tensor:

@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 from rollplex.dist import all_reduce_values
 from rollplex.models.inputs import Prompt, VisionEmbeds
-from rollplex.models.qwen2_5_vl import Qwen2_5_VL
+from rollplex.models.protocol import VisionLanguageModel
 from rollplex.rl.memory import MemoryPlan, PrefixKind, admitted, prefix_items, prefix_state
 from rollplex.train.kept_prefix import KeptPrefix, PromptChunk, prepare_prompts, prompt_forward
 
@@ -72,7 +72,7 @@ class PrefixWork:
 
     kind: PrefixKind
     chunk: int
-    model: Qwen2_5_VL
+    model: VisionLanguageModel
     prompts: list[Prompt]
     vision: VisionEmbeds | None  # cached features of the prompts, or None: the item runs the tower
     keep_graph: bool
@@ -241,8 +241,8 @@ class PrefixPlanner:
     keeps, and the byte budget the scheduler admits them by."""
 
     plan: MemoryPlan
-    actor: Qwen2_5_VL
-    ref: Qwen2_5_VL | None  # the reference model (kl_coef > 0)
+    actor: VisionLanguageModel
+    ref: VisionLanguageModel | None  # the reference model (kl_coef > 0)
     tp: int  # the trainer's
     dp_shard: int
     dp_group: dist.ProcessGroup | None

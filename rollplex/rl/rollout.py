@@ -22,7 +22,7 @@ from rollplex.dist import all_gather_objects, all_reduce_values
 from rollplex.engine import Engine, EngineConfig, Request, SamplingParams
 from rollplex.engine.sampler import mix_seed
 from rollplex.models.inputs import Group, Sample, VisionEmbeds
-from rollplex.models.qwen2_5_vl import Qwen2_5_VL
+from rollplex.models.protocol import VisionLanguageModel
 from rollplex.rl.prefix import PrefixScheduler
 from rollplex.rl.stream import GroupStream
 from rollplex.rl.weights import SharedWeights
@@ -113,7 +113,7 @@ class RolloutSampler:
     """This rank's engine as the loop drives it: requests with the prompts' seeds
     and limits, sampled (rollout.*) or greedy (evaluation), on the trainer's weights."""
 
-    def __init__(self, engine: Engine, weights: SharedWeights, model: Qwen2_5_VL, tokenizer, r: RolloutConfig,
+    def __init__(self, engine: Engine, weights: SharedWeights, model: VisionLanguageModel, tokenizer, r: RolloutConfig,
                  seed: int, tp_group: dist.ProcessGroup | None = None):
         """`tp_group`: the engine's TP group when it spans several dp ranks (rollout.tp >
         parallel.tp); the group then generates all its ranks' requests together."""

@@ -19,8 +19,7 @@ from rollplex.config import Config, ConfigError, DataConfig, TrainerConfig, conf
 from rollplex.dist import ParallelDims, all_reduce_values
 from rollplex.device import free_memory
 from rollplex.metrics import CONFIG_FILE
-from rollplex.models.loader import read_hf_config
-from rollplex.models.qwen2_5_vl.hf import args_from_hf_config
+from rollplex.models.loader import read_model_args
 from rollplex.tiny import TinySpec, make_tiny_checkpoint
 from rollplex.ops.attention import resolve_backend
 from rollplex.rl.memory import BatchShape, MemoryOptions, MemoryPlan, ParallelLayout, plan_memory
@@ -223,7 +222,7 @@ def plan_run_memory(cfg: Config, path: Path, examples: list, dims: ParallelDims,
     trainer.device_memory or the device's own (the least of any rank's, so that
     every rank sizes alike), and gives each phase's peak. disagg is planned as
     if colocated, which over-counts each side."""
-    args = args_from_hf_config(read_hf_config(path), str(path))
+    args = read_model_args(path)
     vision = sum(int((e.prompt.input_ids == t).sum()) for e in examples
                  for t in (args.image_token_id, args.video_token_id)) // len(examples)
     lengths = [len(e.prompt.input_ids) for e in examples]

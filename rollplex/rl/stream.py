@@ -54,7 +54,7 @@ import torch
 from rollplex.config import Config
 from rollplex.data.reward_scoring import RewardScorer, RewardScores
 from rollplex.models.inputs import Group
-from rollplex.models.qwen2_5_vl import Qwen2_5_VL
+from rollplex.models.protocol import VisionLanguageModel
 from rollplex.rl.memory import PrefixKind
 from rollplex.rl.prefix import PrefixScheduler, update_chunks
 from rollplex.train.actor import Actor, PolicyBatch, PolicyUpdate
@@ -138,7 +138,7 @@ class GroupStream:
     tokenizer: object
     scorer: RewardScorer
     actor: Actor
-    ref_model: Qwen2_5_VL | None
+    ref_model: VisionLanguageModel | None
     prefix: PrefixScheduler
     plan: StreamPlan
     max_passes_per_step: int = 8

@@ -4,7 +4,7 @@ At rollout start every FSDP2 unit of the trainer's model is unsharded (its
 parameters gathered over the dp_shard dimension). After rollout the units
 reshard, freeing the gathered memory before the training passes.
 
-The engine runs on `engine_model`: a second Qwen2_5_VL built on the meta
+The engine runs on `engine_model`: a second model of the family built on the meta
 device (no weight memory), split by `apply_tp` over an engine TP mesh of its own
 when rollout.tp > 1, and free of FSDP's hooks. That is what lets decode be
 captured in CUDA graphs: FSDP's pre-forward hook makes its all-gather streams
@@ -65,7 +65,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from rollplex.dist import all_reduce_values, full_tensor, local_tensor
-from rollplex.models.qwen2_5_vl import Qwen2_5_VL
+from rollplex.models.protocol import VisionLanguageModel
+from rollplex.models.registry import family_of
 from rollplex.train.parallelize import apply_tp, fsdp_units, hold_gathered, release_gathered
 
 
@@ -98,7 +99,7 @@ class _Binding:
 
 
 class SharedWeights:
-    def __init__(self, model: Qwen2_5_VL, trainer_tp: int = 1, engine_tp: int = 1):
+    def __init__(self, model: VisionLanguageModel, trainer_tp: int = 1, engine_tp: int = 1):
         self.model = model
         self.units = fsdp_units(model)
         self.report = SharingReport()
@@ -117,7 +118,7 @@ class SharedWeights:
                     self._release()
 
     @property
-    def engine_model(self) -> Qwen2_5_VL:
+    def engine_model(self) -> VisionLanguageModel:
         """The model to build the Engine on (inside `for_rollout`). It has no FSDP hooks."""
         return self.model if self._engine_model is None else self._engine_model
 
@@ -206,18 +207,17 @@ class SharedWeights:
             else:
                 _set_param(b.engine_module, b.name, local_tensor(trainer_param)[b.block], b.layout)
         # Copied each rollout, so a backend chosen on the trainer's model later still applies.
-        self._engine_model.attn_backend = self.model.attn_backend
-        self._engine_model.visual.attn_backend = self.model.visual.attn_backend
+        self._engine_model.set_attn_backend(self.model.attn_backend)
 
 
-def _engine_skeleton(model: Qwen2_5_VL, engine_tp: int) -> tuple[Qwen2_5_VL, dist.ProcessGroup | None]:
+def _engine_skeleton(model: VisionLanguageModel, engine_tp: int) -> tuple[VisionLanguageModel, dist.ProcessGroup | None]:
     """The engine's hook-free model on the meta device, split over an engine TP mesh
     of its own when engine_tp > 1; with its TP group (None without TP)."""
     world = dist.get_world_size()
     if world % engine_tp:
         raise ValueError(f"rollout.tp={engine_tp} does not divide the world size {world}")
     with torch.device("meta"):
-        skeleton = Qwen2_5_VL(model.args).eval()
+        skeleton = family_of(model).model_class(model.args).eval()
     if engine_tp == 1:
         return skeleton, None
     mesh = init_device_mesh(model.device.type, (world // engine_tp, engine_tp), mesh_dim_names=("replica", "tp"))

@@ -23,7 +23,7 @@ from rollplex.device import to_device
 from rollplex.dist import all_reduce_values, full_tensor, local_tensor
 from rollplex.models.inputs import Group, VisionEmbeds
 from rollplex.models.packing import TrainBatch, pack_groups
-from rollplex.models.qwen2_5_vl import Qwen2_5_VL
+from rollplex.models.protocol import VisionLanguageModel
 from rollplex.train.flops import forward_flops, suffix_flops
 from rollplex.train.kept_prefix import KeptPrefix, SuffixUnit, suffix_hidden
 from rollplex.train.loss import agg_loss, entropy_from_logits, kl_penalty, policy_loss
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from rollplex.config import Config
 
 
-def response_logprobs(model: Qwen2_5_VL, batch: TrainBatch, vision: VisionEmbeds | None = None,
+def response_logprobs(model: VisionLanguageModel, batch: TrainBatch, vision: VisionEmbeds | None = None,
                       with_entropy: bool = False, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob (float32) of every response token of the batch, flat in target
     order, and optionally the entropy of each predicting distribution, both at
@@ -42,7 +42,7 @@ def response_logprobs(model: Qwen2_5_VL, batch: TrainBatch, vision: VisionEmbeds
     return token_logprobs(model, hidden[batch.target_index], batch.target_ids, with_entropy, temperature)
 
 
-def token_logprobs(model: Qwen2_5_VL, hidden: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False,
+def token_logprobs(model: VisionLanguageModel, hidden: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False,
                    temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob (float32) of `targets[i]` under softmax(logits / temperature) of `hidden[i]`, and
     optionally that distribution's entropy: the policy the rollout sampled from at that temperature
@@ -204,7 +204,7 @@ class PolicyUpdate:
 
 
 class Actor:
-    def __init__(self, model: Qwen2_5_VL, config: ActorConfig, dp_group: dist.ProcessGroup | None = None,
+    def __init__(self, model: VisionLanguageModel, config: ActorConfig, dp_group: dist.ProcessGroup | None = None,
                  lr_lambda=None):
         self.model, self.config, self.dp_group = model, config, dp_group
         params = [p for p in model.parameters() if p.requires_grad]
@@ -279,7 +279,7 @@ class Actor:
     # ------------------------------------------------------------------ passes
 
     @torch.no_grad()
-    def logprobs(self, model: Qwen2_5_VL, groups: list[Group], kept: KeptPrefix | None = None,
+    def logprobs(self, model: VisionLanguageModel, groups: list[Group], kept: KeptPrefix | None = None,
                  positions: list[int] | None = None, skip: frozenset[int] = frozenset(), agree: bool = True,
                  to_host: bool = True) -> list[torch.Tensor | None]:
         """Per-response logprobs under `model` (the actor, or the reference model), None
@@ -298,7 +298,7 @@ class Actor:
                 out[i] = piece.float().cpu() if to_host else piece.float()
         return out
 
-    def _pass(self, model: Qwen2_5_VL, units: list[_Unit], kept: KeptPrefix | None,
+    def _pass(self, model: VisionLanguageModel, units: list[_Unit], kept: KeptPrefix | None,
               with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None, list[int], float]:
         """Logprobs (and entropy) of the units' response tokens, their response
         lengths and the pass's forward FLOPs: a suffix-only pass over kept prompts,

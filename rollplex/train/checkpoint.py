@@ -61,9 +61,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 from rollplex.dist import all_reduce_values, full_tensor, rank
-from rollplex.models import Qwen2_5_VL
 from rollplex.models.loader import CONFIG_NAME, INDEX_NAME, hub_file_index
-from rollplex.models.qwen2_5_vl.hf import hf_config_from_args, hf_key_to_params, param_to_hf_key
+from rollplex.models.protocol import VisionLanguageModel
+from rollplex.models.registry import family_of
 
 MARKER = "COMPLETE.json"
 TMP_PREFIX = ".tmp-"
@@ -377,10 +377,10 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
 # ----------------------------------------------------------------------------- Hugging Face export
 
 
-def export_hf(model: Qwen2_5_VL, out_dir: str | Path, source_dir: str | Path | None = None,
+def export_hf(model: VisionLanguageModel, out_dir: str | Path, source_dir: str | Path | None = None,
               dtype: torch.dtype | None = None, group: dist.ProcessGroup | None = None,
               max_file_bytes: int = HF_FILE_BYTES) -> Path:
-    """Write `model` as a Hugging Face Qwen2.5-VL directory: safetensors files of
+    """Write `model` as a Hugging Face directory of its family: safetensors files of
     at most `max_file_bytes` (a tensor larger than that gets a file of its own)
     with model.safetensors.index.json, in `dtype` (default: the parameters'),
     config.json generated from the model, and the tokenizer, processor, chat
@@ -409,7 +409,7 @@ def export_hf(model: Qwen2_5_VL, out_dir: str | Path, source_dir: str | Path | N
         dcp.save(tensors, storage_writer=writer, process_group=group)  # consolidates on rank 0 before returning
     if rank() == 0:
         shutil.rmtree(shards)
-        config = {**hf_config_from_args(model.args), "torch_dtype": str(dtype).removeprefix("torch.")}
+        config = {**family_of(model).hf_config_from_args(model.args), "torch_dtype": str(dtype).removeprefix("torch.")}
         (out_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         for name in HF_ASSET_FILES if source_dir is not None else ():
             if (Path(source_dir) / name).is_file():
@@ -418,14 +418,15 @@ def export_hf(model: Qwen2_5_VL, out_dir: str | Path, source_dir: str | Path | N
     return out_dir
 
 
-def _hf_tensors(model: Qwen2_5_VL, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _hf_tensors(model: VisionLanguageModel, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The model's weights under the hub's keys, in `dtype`, each rank's shards
     left as they are (DTensors), except the fused qkv keys (see `export_hf`).
     Collective when the model is sharded."""
     ours = get_model_state_dict(model)
+    family = family_of(model)
     tensors = {}
-    for key in sorted({param_to_hf_key(name) for name in ours}):
-        parts = [ours[name] for name in hf_key_to_params(key)]
+    for key in sorted({family.param_to_hf_key(name) for name in ours}):
+        parts = [ours[name] for name in family.hf_key_to_params(key)]
         tensor = torch.cat([full_tensor(p) for p in parts]) if len(parts) > 1 else parts[0]
         tensors[key] = tensor.detach().to(dtype)
     return tensors

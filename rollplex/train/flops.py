@@ -12,7 +12,8 @@ frames give its pairs); the LM head counts only where logits are computed.
 from __future__ import annotations
 
 from rollplex.models.packing import PackedBatch, TrainBatch
-from rollplex.models.qwen2_5_vl import ModelArgs
+from rollplex.models.family import FamilyArgs
+from rollplex.models.registry import family_of
 
 # Dense bf16 peak per device (FLOP/s), for MFU. Unknown devices report no MFU.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "B200": 2250e12}
@@ -25,35 +26,20 @@ def peak_flops(device_name: str) -> float | None:
     return None
 
 
-def lm_linear_params(args: ModelArgs) -> int:
-    t = args.text
-    attn = t.hidden_size * (t.num_attention_heads + 2 * t.num_key_value_heads) * t.head_dim \
-        + t.num_attention_heads * t.head_dim * t.hidden_size
-    return t.num_hidden_layers * (attn + 3 * t.hidden_size * t.intermediate_size)
-
-
-def vision_linear_params(args: ModelArgs) -> int:
-    v = args.vision
-    block = 4 * v.hidden_size**2 + 3 * v.hidden_size * v.intermediate_size
-    merged = v.hidden_size * v.spatial_merge_size**2
-    return v.depth * block + merged * merged + merged * v.out_hidden_size + \
-        v.in_channels * v.temporal_patch_size * v.patch_size**2 * v.hidden_size
-
-
-def forward_flops(args: ModelArgs, batch: TrainBatch) -> float:
+def forward_flops(args: FamilyArgs, batch: TrainBatch) -> float:
     """Forward matmul FLOPs of one pass over a packed training batch."""
     p = batch.packed
     return _flops(args, p.input_ids.numel(), batch.target_ids.numel(), _lm_pairs(batch),
                   (p.image_grid_thw, p.video_grid_thw))
 
 
-def prompt_flops(args: ModelArgs, packed: PackedBatch, with_vision: bool) -> float:
+def prompt_flops(args: FamilyArgs, packed: PackedBatch, with_vision: bool) -> float:
     """Forward FLOPs of a kept-prompt pass (causal prompts, no logits)."""
     grids = (packed.image_grid_thw, packed.video_grid_thw) if with_vision else ()
     return _flops(args, packed.input_ids.numel(), 0, sum(n * (n + 1) // 2 for n in packed.lengths), grids)
 
 
-def suffix_flops(args: ModelArgs, groups: list[tuple[int, list[int]]]) -> float:
+def suffix_flops(args: FamilyArgs, groups: list[tuple[int, list[int]]]) -> float:
     """Forward FLOPs of a suffix-only pass: (prompt length, response lengths) per
     group; each response token attends to its prompt and its own past."""
     tokens = sum(sum(lens) for _, lens in groups)
@@ -61,15 +47,16 @@ def suffix_flops(args: ModelArgs, groups: list[tuple[int, list[int]]]) -> float:
     return _flops(args, tokens, tokens, pairs, ())
 
 
-def _flops(args: ModelArgs, tokens: int, targets: int, pairs: int, grids) -> float:
+def _flops(args: FamilyArgs, tokens: int, targets: int, pairs: int, grids) -> float:
     t, v = args.text, args.vision
-    flops = 2 * lm_linear_params(args) * tokens + 2 * t.hidden_size * t.vocab_size * targets
+    linear = family_of(args).linear_params(args)
+    flops = 2 * linear.decoder * tokens + 2 * t.hidden_size * t.vocab_size * targets
     flops += 4 * t.head_dim * t.num_attention_heads * t.num_hidden_layers * pairs
     for grid in grids:
         if grid is None:
             continue
         patches = int(grid.prod(-1).sum())
-        flops += 2 * vision_linear_params(args) * patches
+        flops += 2 * linear.vision * patches
         # Upper bound of the windowed blocks: full attention within each frame for every block.
         frame_pairs = sum(int(ti) * (int(h) * int(w)) ** 2 for ti, h, w in grid.tolist())
         flops += 4 * v.hidden_size * v.depth * frame_pairs

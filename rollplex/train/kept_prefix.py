@@ -26,14 +26,14 @@ which must never wait on the GPU (rollplex.rl.prefix).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
 from rollplex.device import to_device
-from rollplex.models.inputs import Group, Prompt, VisionEmbeds
+from rollplex.models.inputs import Group, Prompt, VisionEmbeds, VisionSlots
 from rollplex.models.packing import pack_sequences
-from rollplex.models.qwen2_5_vl import Qwen2_5_VL, VisionInputs, VisionSlots
+from rollplex.models.protocol import VisionLanguageModel
 from rollplex.models.rope import generated_positions
 from rollplex.ops.attention import GroupLayout, KeptPrefixAttention, PackedSegments
 from rollplex.train.flops import prompt_flops
@@ -118,11 +118,11 @@ class PromptChunk:
     attention: PackedSegments  # causal within each prompt
     last: torch.Tensor  # (prompts,) each prompt's last token
     cached_vision: VisionEmbeds | None  # the prompts' cached features, or None: the forward runs the tower
-    tower_inputs: VisionInputs | None  # the tower's inputs when it runs
+    tower_inputs: Any  # the tower's inputs when it runs (the family's `prepare_vision`), or None
     flops: float
 
 
-def prepare_prompts(model: Qwen2_5_VL, prompts: list[Prompt],
+def prepare_prompts(model: VisionLanguageModel, prompts: list[Prompt],
                     vision: VisionEmbeds | None = None) -> PromptChunk:
     """Pack `prompts` and build their device tensors (host reads and
     host-to-device copies happen here). The forward runs the vision tower unless
@@ -141,7 +141,7 @@ def prepare_prompts(model: Qwen2_5_VL, prompts: list[Prompt],
         flops=prompt_flops(model.args, batch, with_vision=vision is None))
 
 
-def prompt_forward(model: Qwen2_5_VL, chunk: PromptChunk) -> Iterator[KeptPrefix | None]:
+def prompt_forward(model: VisionLanguageModel, chunk: PromptChunk) -> Iterator[KeptPrefix | None]:
     """The forward of a prepared chunk of prompts in slices: yields None after
     the vision tower (when it runs), after the embedding and after each decoder
     layer, and the `KeptPrefix` last. Grad mode is the caller's."""
@@ -152,7 +152,7 @@ def prompt_forward(model: Qwen2_5_VL, chunk: PromptChunk) -> Iterator[KeptPrefix
     h = model.embed_prompts(chunk.input_ids, vision, chunk.slots)
     yield None
     capture = _CaptureKV(chunk.attention)
-    for h in model.layer_by_layer(h, chunk.position_ids, capture):
+    for h in model.layer_by_layer(h, chunk.position_ids, capture, vision, chunk.slots):
         yield None
     yield KeptPrefix(capture.keys, capture.values, h[chunk.last], chunk.lengths, chunk.rope_deltas, chunk.flops)
 
@@ -165,7 +165,7 @@ class SuffixUnit:
     group: Group
 
 
-def suffix_hidden(model: Qwen2_5_VL, kept: KeptPrefix, units: list[SuffixUnit]) -> torch.Tensor:
+def suffix_hidden(model: VisionLanguageModel, kept: KeptPrefix, units: list[SuffixUnit]) -> torch.Tensor:
     """Hidden states that predict each response token, in response order (a
     response's first token is predicted by its prompt's last hidden state)."""
     device = model.device

@@ -7,8 +7,9 @@ parameters FSDP shards are the fp32 master weights, and each unit gathers them
 in the compute dtype (MixedPrecisionPolicy.param_dtype) for its forward and
 backward, reducing gradients in fp32.
 
-The tensor-parallel plan is the model family's (rollplex.models.qwen2_5_vl.tp_plan);
-`parallelize` applies it.
+What is sharded, split and recomputed is the model family's to say
+(rollplex.models.family: its TP plan, its repeated blocks, its vision tower);
+the methods FSDP2 must gather the root for are the model's `fsdp_entry` ones.
 """
 
 from __future__ import annotations
@@ -20,28 +21,32 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-from rollplex.models.qwen2_5_vl import Qwen2_5_VL
-from rollplex.models.qwen2_5_vl.tp_plan import apply_tp
+from rollplex.models.protocol import VisionLanguageModel, fsdp_entry_methods
+from rollplex.models.registry import family_of
 
 # Each FSDP unit's reshard_after_forward, as apply_fsdp set it: FSDP2 can set it at runtime but has no public getter.
 _RESHARD_AFTER_FORWARD: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
-def apply_fsdp(model: Qwen2_5_VL, dp_mesh: DeviceMesh, compute_dtype: torch.dtype) -> Qwen2_5_VL:
-    """FSDP2: every vision block and decoder layer is its own shard unit (gathered
+def apply_tp(model: VisionLanguageModel, tp_mesh: DeviceMesh) -> VisionLanguageModel:
+    """The family's tensor-parallel plan over `tp_mesh`, in place (parameters become DTensors)."""
+    return family_of(model).apply_tp(model, tp_mesh)
+
+
+def apply_fsdp(model: VisionLanguageModel, dp_mesh: DeviceMesh, compute_dtype: torch.dtype) -> VisionLanguageModel:
+    """FSDP2: every vision block and decoder layer (the family's repeated blocks) is its own shard unit (gathered
     just before it runs, freed after), the rest of the model the root unit (kept
     gathered from its forward to its backward, which needs it first: FSDP2's
     root default, stated here so that `reshard_after_forward` can report it).
     Parameters are gathered in `compute_dtype`, gradients reduced in fp32."""
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    for unit in (*model.visual.blocks, *model.language_model.layers):
-        _fully_shard(unit, dp_mesh, mp, reshard_after_forward=True)
+    for blocks in family_of(model).repeated_blocks(model):
+        for unit in blocks:
+            _fully_shard(unit, dp_mesh, mp, reshard_after_forward=True)
     _fully_shard(model, dp_mesh, mp, reshard_after_forward=False)
-    # The model is also entered through these methods; each must gather the root's parameters. Only methods
-    # that call no other entry: when entries nest, the outer one's end reshards the root (the inner one left
-    # FSDP's state idle). forward_packed, hf_forward and encode_vision reach the parameters through the
-    # entries they call.
-    for method in ("forward_generated", "encode_prepared", "embed_prompts", "logits"):
+    # The model is also entered through the methods its class marks as entries (rollplex.models.protocol
+    # .fsdp_entry); each must gather the root's parameters.
+    for method in fsdp_entry_methods(type(model)):
         register_fsdp_forward_method(model, method)
     return model
 
@@ -83,19 +88,19 @@ def release_gathered(units: list[FSDPModule], through_backward: bool = False) ->
             unit.set_reshard_after_backward(True, recurse=False)  # FSDP's default, which apply_fsdp keeps
 
 
-def apply_activation_checkpointing(model: Qwen2_5_VL) -> None:
+def apply_activation_checkpointing(model: VisionLanguageModel) -> None:
     """Recompute each decoder layer's and vision block's activations in backward."""
-    for blocks in (model.language_model.layers, model.visual.blocks):
+    for blocks in family_of(model).repeated_blocks(model):
         for i, block in enumerate(blocks):
             blocks[i] = checkpoint_wrapper(block)
 
 
-def parallelize(model: Qwen2_5_VL, mesh: DeviceMesh, activation_checkpointing: bool = False,
-                freeze_vision: bool = False, compute_dtype: torch.dtype = torch.float32) -> Qwen2_5_VL:
+def parallelize(model: VisionLanguageModel, mesh: DeviceMesh, activation_checkpointing: bool = False,
+                freeze_vision: bool = False, compute_dtype: torch.dtype = torch.float32) -> VisionLanguageModel:
     """TP over mesh["tp"] (when > 1), activation checkpointing, then FSDP2 over
     mesh["dp_shard"], computing in `compute_dtype` (the model holds the master weights)."""
     if freeze_vision:
-        model.visual.requires_grad_(False)
+        family_of(model).vision_tower(model).requires_grad_(False)
     if mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"])
     if activation_checkpointing:

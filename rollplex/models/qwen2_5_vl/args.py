@@ -1,10 +1,12 @@
-"""Qwen2.5-VL's shape: the args dataclasses and the named sizes (a tiny one for
-tests, the hub's 3B, 7B, 32B and 72B)."""
+"""Qwen2.5-VL's shape: the args dataclasses, the named sizes (a tiny one for
+tests, the hub's 3B, 7B, 32B and 72B) and the parameter counts the memory plan
+and FLOP counts read."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rollplex.models.family import LinearParams, ParamCounts
 from rollplex.models.rope import RopeIndexSpec
 
 
@@ -95,3 +97,37 @@ PRESETS: dict[str, ModelArgs] = {
     "qwen2.5-vl-32b": _hub_size(152064, 5120, 27648, 64, 40, 8, tie=False, vision_inter=3456),
     "qwen2.5-vl-72b": _hub_size(152064, 8192, 29568, 80, 64, 8, tie=False, vision_inter=3456),
 }
+
+
+def count_params(args: ModelArgs) -> ParamCounts:
+    """Parameter counts from the layer shapes of `model` (the tests check them against a built model and the
+    hub's totals). Counted, not built: a meta-device build pulls in torch._dynamo (~5 s)."""
+    v, t = args.vision, args.text
+    w, inter, merged = v.hidden_size, v.intermediate_size, v.hidden_size * v.spatial_merge_size ** 2
+    # two norms, qkv and proj (with biases), gate/up/down (with biases)
+    vision_block = 2 * w + (w + 1) * 3 * w + (w + 1) * w + 2 * (w + 1) * inter + (inter + 1) * w
+    # patch embedding (no bias), merger norm and its two linears: in the root unit
+    vision_root = w * v.in_channels * v.temporal_patch_size * v.patch_size ** 2 + \
+        w + (merged + 1) * merged + (merged + 1) * v.out_hidden_size
+    q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
+    # q/k/v (with biases), o, gate/up/down: what apply_tp splits; the two norms stay replicated
+    split_layer = (t.hidden_size + 1) * (q + 2 * kv) + q * t.hidden_size + 3 * t.hidden_size * t.intermediate_size
+    embeddings = t.vocab_size * t.hidden_size * (1 if args.tie_word_embeddings else 2)  # + the head when untied
+    root_split = 0 if args.tie_word_embeddings else embeddings
+    tp_split = t.num_hidden_layers * split_layer + root_split
+    root = vision_root + t.hidden_size + embeddings
+    total = v.depth * vision_block + t.num_hidden_layers * (split_layer + 2 * t.hidden_size) + root
+    return ParamCounts(total, tp_split, v.depth * vision_block + vision_root, root, root_split, split_layer,
+                       2 * t.hidden_size)
+
+
+def linear_params(args: ModelArgs) -> LinearParams:
+    """The matmul weights a text token and a patch go through (biases and norms left out)."""
+    t, v = args.text, args.vision
+    attn = t.hidden_size * (t.num_attention_heads + 2 * t.num_key_value_heads) * t.head_dim \
+        + t.num_attention_heads * t.head_dim * t.hidden_size
+    block = 4 * v.hidden_size**2 + 3 * v.hidden_size * v.intermediate_size
+    merged = v.hidden_size * v.spatial_merge_size**2
+    vision = v.depth * block + merged * merged + merged * v.out_hidden_size + \
+        v.in_channels * v.temporal_patch_size * v.patch_size**2 * v.hidden_size
+    return LinearParams(t.num_hidden_layers * (attn + 3 * t.hidden_size * t.intermediate_size), vision)

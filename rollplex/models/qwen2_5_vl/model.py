@@ -24,8 +24,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from rollplex.dist import local_tensor
-from rollplex.models.inputs import VisionEmbeds
+from rollplex.models.inputs import VisionEmbeds, VisionSlots
 from rollplex.models.packing import PackedBatch, pack_padded
+from rollplex.models.protocol import fsdp_entry
 from rollplex.models.qwen2_5_vl.args import ModelArgs, TextArgs, VisionArgs
 from rollplex.models.rope import MRotaryEmbedding, apply_rotary, vision_positions, vision_rotary
 from rollplex.ops.attention import (AttentionBackend, PackedSegments, SharedPrefixAttention, VarlenAttention,
@@ -296,27 +297,6 @@ class VisionInputs:
         self.image, self.video = image, video
 
 
-@dataclass
-class VisionSlots:
-    """Where a packed input's vision features go: the token rows of its image and
-    of its video pad tokens (prompt tokens only), as index tensors on the input's device."""
-
-    image: torch.Tensor
-    video: torch.Tensor
-
-    @classmethod
-    def find(cls, args: ModelArgs, input_ids: torch.Tensor, prompt_mask: torch.Tensor | None = None) -> "VisionSlots":
-        """Reads the token ids on the host (nonzero): a prompt forward that must not
-        wait on the device finds its slots before it starts."""
-        rows = []
-        for token_id in (args.image_token_id, args.video_token_id):
-            mask = input_ids == token_id
-            if prompt_mask is not None:
-                mask &= prompt_mask
-            rows.append(mask.nonzero().flatten())
-        return cls(*rows)
-
-
 class Qwen2_5_VL(nn.Module):
     """Qwen2.5-VL for causal LM.
 
@@ -380,6 +360,7 @@ class Qwen2_5_VL(nn.Module):
             inputs.video = (pixel_values_videos.to(self.device), self.visual.plan(video_grid_thw.to(self.device)))
         return inputs
 
+    @fsdp_entry
     def encode_prepared(self, inputs: VisionInputs) -> VisionEmbeds:
         """The vision tower on inputs from `prepare_vision`."""
         return VisionEmbeds(*(None if kind is None else self.visual(*kind) for kind in (inputs.image, inputs.video)))
@@ -410,10 +391,11 @@ class Qwen2_5_VL(nn.Module):
                 h = h.index_copy(0, rows, feats.to(h.dtype))
         return h
 
+    @fsdp_entry
     def embed_prompts(self, input_ids: torch.Tensor, vision: VisionEmbeds | None,
                       slots: VisionSlots) -> torch.Tensor:
         """`embed` as an entry of its own (FSDP2 gathers the root's parameters
-        there, see rollplex.train.parallelize): a prompt forward
+        there, see `fsdp_entry`): a prompt forward
         (rollplex.train.kept_prefix) may start here, with cached vision features,
         and its last slice reads the root's final norm."""
         return self.embed(input_ids, vision, slots=slots)
@@ -424,8 +406,10 @@ class Qwen2_5_VL(nn.Module):
         return self.language_model(self.embed(input_ids, vision, prompt_mask), position_ids, attn)
 
     def layer_by_layer(self, h: torch.Tensor, position_ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-                       attn: AttentionBackend) -> Iterator[torch.Tensor]:
-        """`LanguageModel.layer_by_layer` of embedded tokens `h` (see `embed_prompts`)."""
+                       attn: AttentionBackend, vision: VisionEmbeds | None = None,
+                       slots: VisionSlots | None = None) -> Iterator[torch.Tensor]:
+        """`LanguageModel.layer_by_layer` of embedded tokens `h` (see `embed_prompts`);
+        Qwen2.5-VL adds no vision features inside the decoder, so `vision` and `slots` go unread."""
         return self.language_model.layer_by_layer(h, position_ids, attn)
 
     def kv_heads_per_rank(self) -> int:
@@ -434,6 +418,7 @@ class Qwen2_5_VL(nn.Module):
         weight = self.language_model.layers[0].self_attn.k_proj.weight
         return local_tensor(weight).shape[0] // self.args.text.head_dim
 
+    @fsdp_entry
     def forward_generated(self, input_ids: torch.Tensor,
                           position_ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                           attn: AttentionBackend) -> torch.Tensor:
@@ -442,6 +427,7 @@ class Qwen2_5_VL(nn.Module):
         position_ids as `LanguageModel.layer_by_layer` takes them."""
         return self.language_model(self.language_model.embed_tokens(input_ids), position_ids, attn)
 
+    @fsdp_entry
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
             return F.linear(hidden, self.language_model.embed_tokens.weight)

@@ -25,16 +25,18 @@ the same weight.
 
 from __future__ import annotations
 
+import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from rollplex.models.qwen2_5_vl.args import ModelArgs
 from rollplex.models.qwen2_5_vl.model import Qwen2_5_VL
 
 
-def check_tp(model: Qwen2_5_VL, tp: int) -> None:
+def check_tp(args: ModelArgs, tp: int) -> None:
     """Raise before any work starts when the model cannot be split `tp` ways."""
-    t = model.args.text
+    t = args.text
     for name, value in (("num_attention_heads", t.num_attention_heads), ("num_key_value_heads",
                         t.num_key_value_heads), ("intermediate_size", t.intermediate_size),
                         ("vocab_size", t.vocab_size)):
@@ -42,16 +44,16 @@ def check_tp(model: Qwen2_5_VL, tp: int) -> None:
             raise ValueError(f"tensor parallel size {tp} does not divide the model's {name} ({value})")
 
 
-def vision_splits(model: Qwen2_5_VL, tp: int) -> bool:
+def vision_splits(args: ModelArgs, tp: int) -> bool:
     """Whether the vision tower can be split `tp` ways (else it stays replicated)."""
-    v = model.args.vision
+    v = args.vision
     return v.num_heads % tp == 0 and v.intermediate_size % tp == 0
 
 
 def apply_tp(model: Qwen2_5_VL, tp_mesh: DeviceMesh) -> Qwen2_5_VL:
     """Shard the language model and, when it divides, the vision tower (but its
     patch embedding) over `tp_mesh` in place (parameters become DTensors)."""
-    check_tp(model, tp_mesh.size())
+    check_tp(model.args, tp_mesh.size())
     vision_block_plan = {
         "attn.q": ColwiseParallel(),
         "attn.k": ColwiseParallel(),
@@ -61,7 +63,7 @@ def apply_tp(model: Qwen2_5_VL, tp_mesh: DeviceMesh) -> Qwen2_5_VL:
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(),
     }
-    if vision_splits(model, tp_mesh.size()):
+    if vision_splits(model.args, tp_mesh.size()):
         for block in model.visual.blocks:
             parallelize_module(block, tp_mesh, vision_block_plan)
         parallelize_module(model.visual.merger, tp_mesh, {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
@@ -81,3 +83,14 @@ def apply_tp(model: Qwen2_5_VL, tp_mesh: DeviceMesh) -> Qwen2_5_VL:
                            {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())})
         parallelize_module(model, tp_mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
     return model
+
+
+def repeated_blocks(model: Qwen2_5_VL) -> list[nn.ModuleList]:
+    """The vision blocks and the decoder layers: each block is an FSDP unit of its own
+    and what activation checkpointing recomputes (rollplex.train.parallelize)."""
+    return [model.visual.blocks, model.language_model.layers]
+
+
+def vision_tower(model: Qwen2_5_VL) -> nn.Module:
+    """What model.freeze_vision freezes: the tower and its merger."""
+    return model.visual

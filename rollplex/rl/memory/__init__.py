@@ -9,7 +9,7 @@ their sum. Rollplex holds each class only within its lifetime, so each phase
 pays only for what it uses. This package computes both, for a model shape, a
 parallel layout and a batch:
     inputs     the parallel layout, the batch and the options (the model shapes of
-               the published sizes, PRESETS, come from rollplex.models.qwen2_5_vl)
+               the published sizes, PRESETS, are every family's, rollplex.models.registry)
     estimates  one estimator per tensor class, used by the plan and by the run
                itself (the prefix scheduler admits prompt work by them)
     plan       each phase's bytes, the sizes the plan decides, the loop's phases
@@ -19,7 +19,7 @@ parallel layout and a batch:
 
 from rollplex.rl.memory.estimates import (PrefixItem, PrefixKind, admitted, count_params, kv_bytes_per_token,
                                           micro_batch, prefix_items, prefix_state)
-from rollplex.models.qwen2_5_vl import PRESETS
+from rollplex.models.registry import PRESETS
 from rollplex.rl.memory.inputs import GiB, SCHEDULES, UNCOUNTED_FRACTION, BatchShape, MemoryOptions, ParallelLayout
 from rollplex.rl.memory.measure import PHASE_MARK, CpuPhasePeaks, live_tensor_bytes
 from rollplex.rl.memory.plan import (PHASES, TENSOR_CLASSES, MemoryPlan, MemoryPlanError, loop_phase_bytes,

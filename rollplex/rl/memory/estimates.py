@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 import torch
 
-from rollplex.models.qwen2_5_vl import ModelArgs, TextArgs, VisionArgs
+from rollplex.models.family import FamilyArgs, ParamCounts
+from rollplex.models.registry import family_of
 from rollplex.rl.memory.inputs import BatchShape, MemoryOptions
 
 FP32 = 4  # bytes: RMSNorm and the loss work in float32 whatever the model's dtype
@@ -24,53 +26,12 @@ FP32 = 4  # bytes: RMSNorm and the loss work in float32 whatever the model's dty
 # ----------------------------------------------------------------------------- exact counts
 
 
-@dataclass(frozen=True)
-class ParamCounts:
-    """Parameter elements by how tensor parallelism and FSDP treat them
-    (rollplex.train.parallelize)."""
-
-    total: int
-    tp_split: int  # decoder q/k/v/o and MLP linears, embedding and head when untied: 1/tp per rank
-    vision: int  # vision tower and merger: replicated over tp
-    root: int  # FSDP's root unit (all but decoder layers and vision blocks), at tp 1
-    root_tp_split: int  # of which split by tp (the embedding and head when untied)
-    layer_tp_split: int  # one decoder layer's tp-split elements (the rest are its two norms)
-
-    def per_tp_rank(self, tp: int) -> int:
-        """Elements one rank holds once gathered over dp_shard."""
-        return self.tp_split // tp + self.total - self.tp_split
-
-    def root_per_tp_rank(self, tp: int) -> int:
-        """The root unit's elements on one rank once gathered over dp_shard."""
-        return self.root_tp_split // tp + self.root - self.root_tp_split
-
-    def layer_per_tp_rank(self, tp: int, text: TextArgs) -> int:
-        """One decoder layer's elements on one rank once gathered over dp_shard."""
-        return self.layer_tp_split // tp + 2 * text.hidden_size
+def count_params(args: FamilyArgs) -> ParamCounts:
+    """The model's parameter counts, from its family's layer shapes (rollplex.models.family)."""
+    return family_of(args).count_params(args)
 
 
-def count_params(args: ModelArgs) -> ParamCounts:
-    """Parameter counts from the layer shapes of rollplex.models.qwen2_5_vl (the tests check them against a
-    built model and the hub's totals). Counted, not built: a meta-device build pulls in torch._dynamo (~5 s)."""
-    v, t = args.vision, args.text
-    w, inter, merged = v.hidden_size, v.intermediate_size, v.hidden_size * v.spatial_merge_size ** 2
-    # two norms, qkv and proj (with biases), gate/up/down (with biases)
-    vision_block = 2 * w + (w + 1) * 3 * w + (w + 1) * w + 2 * (w + 1) * inter + (inter + 1) * w
-    # patch embedding (no bias), merger norm and its two linears: in the root unit
-    vision_root = w * v.in_channels * v.temporal_patch_size * v.patch_size ** 2 + \
-        w + (merged + 1) * merged + (merged + 1) * v.out_hidden_size
-    q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
-    # q/k/v (with biases), o, gate/up/down: what apply_tp splits; the two norms stay replicated
-    split_layer = (t.hidden_size + 1) * (q + 2 * kv) + q * t.hidden_size + 3 * t.hidden_size * t.intermediate_size
-    embeddings = t.vocab_size * t.hidden_size * (1 if args.tie_word_embeddings else 2)  # + the head when untied
-    root_split = 0 if args.tie_word_embeddings else embeddings
-    tp_split = t.num_hidden_layers * split_layer + root_split
-    root = vision_root + t.hidden_size + embeddings
-    total = v.depth * vision_block + t.num_hidden_layers * (split_layer + 2 * t.hidden_size) + root
-    return ParamCounts(total, tp_split, v.depth * vision_block + vision_root, root, root_split, split_layer)
-
-
-def kv_bytes_per_token(args: ModelArgs, dtype: torch.dtype = torch.bfloat16, tp: int = 1) -> int:
+def kv_bytes_per_token(args: FamilyArgs, dtype: torch.dtype = torch.bfloat16, tp: int = 1) -> int:
     """Keys and values of one token in every decoder layer, on one of `tp` ranks."""
     t = args.text
     if t.num_key_value_heads % tp:
@@ -78,7 +39,7 @@ def kv_bytes_per_token(args: ModelArgs, dtype: torch.dtype = torch.bfloat16, tp:
     return 2 * t.num_hidden_layers * (t.num_key_value_heads // tp) * t.head_dim * dtype.itemsize
 
 
-def kv_pool_need(args: ModelArgs, batch: BatchShape, prompts: int, options: MemoryOptions, tp: int) -> int:
+def kv_pool_need(args: FamilyArgs, batch: BatchShape, prompts: int, options: MemoryOptions, tp: int) -> int:
     """The KV pool a generation of `prompts` prompts could fill: every sample's blocks at
     full length, plus the sink block."""
     blocks = prompts * batch.n * -(-batch.sequence_len // options.block_size)
@@ -101,7 +62,7 @@ def _attention_bytes(q_dim: int, kv_dim: int, size: int, attention: str) -> int:
     return (3 * q_dim + 2 * kv_dim if attention == "torch" else 2 * q_dim + 2 * kv_dim) * size
 
 
-def decoder_layer_bytes(t: TextArgs, size: int, tp: int = 1, attention: str = "torch") -> int:
+def decoder_layer_bytes(t: Any, size: int, tp: int = 1, attention: str = "torch") -> int:
     """Bytes per token one decoder layer keeps for backward: its two norms, its
     attention, and the SwiGLU's gate, silu(gate), up and their product."""
     q, kv, inter = (t.num_attention_heads * t.head_dim // tp, t.num_key_value_heads * t.head_dim // tp,
@@ -109,19 +70,21 @@ def decoder_layer_bytes(t: TextArgs, size: int, tp: int = 1, attention: str = "t
     return 2 * _norm_bytes(t.hidden_size, size) + _attention_bytes(q, kv, size, attention) + 4 * inter * size
 
 
-def vision_patch_bytes(v: VisionArgs, size: int, checkpointing: bool, attention: str = "torch") -> int:
+def vision_patch_bytes(args: FamilyArgs, size: int, checkpointing: bool, attention: str = "torch") -> int:
     """Bytes per patch the vision tower keeps for backward: every block (its input
-    alone with checkpointing) and the merger (its norm, and its two linears'
-    inputs: 4 x width per merged token, a quarter of the patches). The patch
-    embedding keeps its input, the prepared pixels, which the plan counts with the
-    batch's inputs (not at all)."""
-    w = v.hidden_size
+    alone with checkpointing; else its two norms, its attention and the MLP's
+    intermediates, as many as the family's MLP keeps) and the merger (its norm,
+    and its two linears' inputs: 4 x width per merged token, a quarter of the
+    patches). The patch embedding keeps its input, the prepared pixels, which the
+    plan counts with the batch's inputs (not at all)."""
+    v = args.vision
+    w, kept = v.hidden_size, family_of(args).vision_mlp_widths[0]
     block = w * size if checkpointing else \
-        2 * _norm_bytes(w, size) + _attention_bytes(w, w, size, attention) + 4 * v.intermediate_size * size
+        2 * _norm_bytes(w, size) + _attention_bytes(w, w, size, attention) + kept * v.intermediate_size * size
     return v.depth * block + _norm_bytes(w, size) + 2 * w * size
 
 
-def _decoder_saved(t: TextArgs, size: int, tp: int, options: MemoryOptions) -> int:
+def _decoder_saved(t: Any, size: int, tp: int, options: MemoryOptions) -> int:
     """Per token, what the decoder stack and the final norm keep from forward to
     backward: every layer's saved tensors, or with checkpointing every layer's input."""
     layer = t.hidden_size * size if options.activation_checkpointing else \
@@ -129,18 +92,20 @@ def _decoder_saved(t: TextArgs, size: int, tp: int, options: MemoryOptions) -> i
     return t.num_hidden_layers * layer + (FP32 + size) * t.hidden_size
 
 
-def _layer_forward_bytes(t: TextArgs, size: int, tp: int) -> int:
+def _layer_forward_bytes(t: Any, size: int, tp: int) -> int:
     """Per token, the working memory of one decoder layer's forward without a
     graph: the residual, its norm in float32, and three SwiGLU intermediates."""
     return (FP32 + size) * t.hidden_size + 3 * t.intermediate_size // tp * size
 
 
-def _vision_forward_bytes(v: VisionArgs, size: int) -> int:
-    """Per patch, the working memory of one vision block's forward without a graph."""
-    return (FP32 + size) * v.hidden_size + 3 * v.intermediate_size * size
+def _vision_forward_bytes(args: FamilyArgs, size: int) -> int:
+    """Per patch, the working memory of one vision block's forward without a graph:
+    the residual, its norm in float32, and the MLP's intermediates live at once."""
+    v = args.vision
+    return (FP32 + size) * v.hidden_size + family_of(args).vision_mlp_widths[1] * v.intermediate_size * size
 
 
-def _logits_bytes(args: ModelArgs, grad: bool, entropy: bool) -> int:
+def _logits_bytes(args: FamilyArgs, grad: bool, entropy: bool) -> int:
     """Per response token, the peak of the logits and the loss over them (measured
     with the torch profiler on CPU, in float32 and bfloat16 alike): a pass without
     gradients holds two float32 vocabulary rows (the logits and their
@@ -213,7 +178,7 @@ class PrefixState:
         return self.kv + self.graph
 
 
-def prefix_state(args: ModelArgs, item: PrefixItem, prompts: int, tokens: int, patches: int,
+def prefix_state(args: FamilyArgs, item: PrefixItem, prompts: int, tokens: int, patches: int,
                  options: MemoryOptions, tp: int = 1) -> PrefixState:
     """The estimate the prefix scheduler admits by and the plan sums, for `prompts`
     prompts of `tokens` tokens in all and `patches` vision patches. The K/V are
@@ -227,7 +192,7 @@ def prefix_state(args: ModelArgs, item: PrefixItem, prompts: int, tokens: int, p
         t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim // tp * size
     graph = tokens * (_decoder_saved(t, size, tp, options) - shared_kv)
     if not (item.reuses_vision or options.freeze_vision):
-        graph += patches * vision_patch_bytes(args.vision, size, options.activation_checkpointing, options.attention)
+        graph += patches * vision_patch_bytes(args, size, options.activation_checkpointing, options.attention)
     return PrefixState(kv, graph)
 
 
@@ -256,7 +221,7 @@ class MicroBatch:
     patches: int  # through the vision tower
 
 
-def micro_batch(args: ModelArgs, batch: BatchShape, budget: int, groups: int, share_prefix: bool,
+def micro_batch(args: FamilyArgs, batch: BatchShape, budget: int, groups: int, share_prefix: bool,
                 kept: bool) -> MicroBatch:
     """A budget counts a unit's prompt once with its responses (share_prefix) or once
     per response, and kept prompts too, though a pass over them computes responses
@@ -278,7 +243,7 @@ def micro_batch(args: ModelArgs, batch: BatchShape, budget: int, groups: int, sh
                       prompts * batch.vision_patches(args))
 
 
-def micro_batch_bytes(args: ModelArgs, mb: MicroBatch, batch: BatchShape, options: MemoryOptions, tp: int,
+def micro_batch_bytes(args: FamilyArgs, mb: MicroBatch, batch: BatchShape, options: MemoryOptions, tp: int,
                       grad: bool) -> int:
     """Peak working memory of one micro-batch's pass: with gradients, every token's
     saved activations (the vision tower's too when it trains), then the larger of
@@ -288,11 +253,11 @@ def micro_batch_bytes(args: ModelArgs, mb: MicroBatch, batch: BatchShape, option
     t, size = args.text, options.param_dtype.itemsize
     logits = mb.responses * _logits_bytes(args, grad, options.entropy)
     if not grad:
-        vision = mb.patches * _vision_forward_bytes(args.vision, size)
+        vision = mb.patches * _vision_forward_bytes(args, size)
         return max(mb.tokens * _layer_forward_bytes(t, size, tp), logits, vision) + mb.tokens * t.hidden_size * size
     saved = mb.tokens * _decoder_saved(t, size, tp, options)
     if not options.freeze_vision:
-        saved += mb.patches * vision_patch_bytes(args.vision, size, options.activation_checkpointing,
+        saved += mb.patches * vision_patch_bytes(args, size, options.activation_checkpointing,
                                                  options.attention)
     if options.attention == "torch" and options.share_prefix:
         saved += mb.sequences * batch.prompt_len * t.num_hidden_layers * \

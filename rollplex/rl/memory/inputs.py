@@ -1,6 +1,6 @@
 """The memory plan's inputs: where the trainer and the engine live, one step's
 batch, and the run's options. (The model shapes of the published sizes,
-`PRESETS`, are rollplex.models.qwen2_5_vl.args's.)"""
+`PRESETS`, are the families', rollplex.models.registry.)"""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollplex.models.qwen2_5_vl import ModelArgs
+from rollplex.models.family import FamilyArgs
 
 GiB = 1 << 30
 
@@ -77,7 +77,7 @@ class BatchShape:
         """The fewest tokens a micro-batch may hold: the actor never splits a sequence."""
         return max(self.longest_prompt, self.prompt_len) + self.response_tokens
 
-    def vision_patches(self, args: ModelArgs) -> int:
+    def vision_patches(self, args: FamilyArgs) -> int:
         return self.vision_tokens * args.vision.spatial_merge_size ** 2
 
 

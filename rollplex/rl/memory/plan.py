@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from rollplex.engine.engine import EngineConfig
-from rollplex.models.qwen2_5_vl import ModelArgs
+from rollplex.models.family import FamilyArgs
 from rollplex.rl.memory.estimates import (FP32, MicroBatch, ParamCounts, PrefixItem, PrefixKind, PrefixState,
                                           _layer_forward_bytes, _vision_forward_bytes, admitted, count_params,
                                           decoder_layer_bytes, kv_bytes_per_token, kv_pool_need, micro_batch,
@@ -88,7 +88,7 @@ class MemoryPlan:
     """The inputs, the sizes the plan decided, the parameter counts, and both
     schedules' bytes per GPU."""
 
-    args: ModelArgs
+    args: FamilyArgs
     layout: ParallelLayout
     batch: BatchShape
     options: MemoryOptions
@@ -130,7 +130,7 @@ class _Shapes:
     """One rank's quantities for options whose sizes are all set, and the bytes of
     each class in the phases that hold it."""
 
-    def __init__(self, args: ModelArgs, layout: ParallelLayout, batch: BatchShape, options: MemoryOptions,
+    def __init__(self, args: FamilyArgs, layout: ParallelLayout, batch: BatchShape, options: MemoryOptions,
                  params: ParamCounts):
         self.args, self.layout, self.batch, self.o, self.params = args, layout, batch, options, params
         self.size = options.param_dtype.itemsize
@@ -177,7 +177,7 @@ class _Shapes:
 
     def pass_weights(self, dtype: torch.dtype) -> int:
         """Gathered weights during a training or logprob pass: the root unit and the decoder layer computing."""
-        layer = self.params.layer_per_tp_rank(self.layout.tp, self.args.text)
+        layer = self.params.layer_per_tp_rank(self.layout.tp)
         return self.root_weights(dtype) + layer * dtype.itemsize
 
     def vision_embeds(self) -> int:
@@ -194,7 +194,7 @@ class _Shapes:
         prompts = max(1, min(self.prompts_per_engine, PREFILL_TOKENS // b.prompt_len))
         prefill = prompts * b.prompt_len * _layer_forward_bytes(self.args.text, size, self.layout.engine_tp)
         if not self.o.share_prefix:
-            prefill = max(prefill, prompts * self.patches * _vision_forward_bytes(self.args.vision, size))
+            prefill = max(prefill, prompts * self.patches * _vision_forward_bytes(self.args, size))
         decode = min(self.o.max_num_seqs, self.prompts_per_engine * b.n) * self.args.text.vocab_size * 4 * FP32
         return max(prefill, decode)
 
@@ -206,7 +206,7 @@ class _Shapes:
         if not no_graph:
             return 0
         vision = 0 if all(i.reuses_vision for i in no_graph) else \
-            self.chunk_prompts * self.patches * _vision_forward_bytes(self.args.vision, self.size)
+            self.chunk_prompts * self.patches * _vision_forward_bytes(self.args, self.size)
         tokens = self.chunk_prompts * self.batch.prompt_len
         return max(tokens * _layer_forward_bytes(self.args.text, self.size, self.layout.tp), vision)
 
@@ -379,7 +379,7 @@ def _size_micro_batch(s: _Shapes, usable: int) -> int:
                     lambda tokens: usable - _total(train(tokens)) >= target)
 
 
-def size_memory(args: ModelArgs, layout: ParallelLayout, batch: BatchShape, options: MemoryOptions,
+def size_memory(args: FamilyArgs, layout: ParallelLayout, batch: BatchShape, options: MemoryOptions,
                 params: ParamCounts | None = None) -> MemorySizes:
     """The sizes `options` leaves to the plan (None), within `usable_bytes`, in this order:
     - the KV pool, held all run: what the batch needs at full length, at most what
@@ -410,7 +410,7 @@ def size_memory(args: ModelArgs, layout: ParallelLayout, batch: BatchShape, opti
     return MemorySizes(usable, kv_pool, micro, prefix_room, usable - _total(fixed["train"]), budget)
 
 
-def plan_memory(args: ModelArgs, layout: ParallelLayout, batch: BatchShape, options: MemoryOptions,
+def plan_memory(args: FamilyArgs, layout: ParallelLayout, batch: BatchShape, options: MemoryOptions,
                 params: ParamCounts | None = None, model_name: str = "") -> MemoryPlan:
     """Both schedules' per-GPU bytes, with the sizes `options` leaves to the plan
     decided first (`size_memory`). Sizes the run set are taken as given: when they
