@@ -14,6 +14,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+MAX_ERROR_CHARS = 8000  # per rank; two ranks' stay well within a pipe's 64 KiB
+
+
 def _worker(rank: int, world: int, port: int, fn, args, errors) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -23,7 +26,9 @@ def _worker(rank: int, world: int, port: int, fn, args, errors) -> None:
         # No rank tears its groups down while another still talks on them.
         dist.barrier()
     except Exception:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        # The queue is read after every rank exits: a message larger than the pipe's buffer would block this
+        # rank's exit for good, so only the traceback's end (where the error is) goes through.
+        errors.put(f"rank {rank}:\n{traceback.format_exc()[-MAX_ERROR_CHARS:]}")
         raise
     finally:
         dist.destroy_process_group()
