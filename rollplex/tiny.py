@@ -115,7 +115,7 @@ class TinySpec:
     temporal_patch_size: int = 2
     spatial_merge_size: int = 2
     tokens_per_second: int = 2
-    mrope_section: tuple[int, ...] = (2, 3, 3)
+    mrope_section: tuple[int, ...] | None = None  # None: the family's split of head_dim / 2 (t, h, w)
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
@@ -139,12 +139,11 @@ class TinySpec:
         """The tiny model a run builds, from its config section (rollplex.config.TinyModelConfig,
         whose fields are some of these, by the same names, plus the weights' seed). A 0 there
         means this spec's rule: a vision MLP twice the vision width, the tokenizer's vocabulary.
-        The M-RoPE sections follow the head size; the rest is the family's (`of`)."""
+        The M-RoPE sections follow the head size, as the family splits it; the rest is the family's (`of`)."""
         shared = {f.name: getattr(section, f.name) for f in dataclasses.fields(cls) if hasattr(section, f.name)}
         return cls.of(**{**shared,
                       "vision_intermediate_size": section.vision_intermediate_size or 2 * section.vision_hidden_size,
-                      "vocab_size": section.vocab_size or None,
-                      "mrope_section": default_mrope_section(section.hidden_size // section.num_heads)})
+                      "vocab_size": section.vocab_size or None})
 
     @classmethod
     def of(cls, family: str = "qwen2_5_vl", **fields: Any) -> TinySpec:
@@ -154,6 +153,8 @@ class TinySpec:
 
     def __post_init__(self) -> None:
         self.fullatt_block_indexes = tuple(self.fullatt_block_indexes)
+        if self.mrope_section is None:
+            self.mrope_section = family_named(self.family).tiny_mrope_section(self.head_dim)
         self.mrope_section = tuple(self.mrope_section)
         self.extra_words = tuple(self.extra_words)
         self.validate()
@@ -386,7 +387,7 @@ def write_tokenizer_and_processor(out_dir: str | os.PathLike, spec: TinySpec) ->
         # The generic fast tokenizer loads tokenizer.json as is. Naming Qwen2Tokenizer
         # here would make transformers 5 rebuild a BPE model from vocab/merges.
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "processor_class": "Qwen2_5_VLProcessor",
+        "processor_class": family_named(spec.family).hf_processor,
         "model_max_length": spec.max_position_embeddings,
         "bos_token": None,
         "eos_token": IM_END,
@@ -408,55 +409,13 @@ def write_tokenizer_and_processor(out_dir: str | os.PathLike, spec: TinySpec) ->
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     _write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
 
-    _write_json(out / "preprocessor_config.json", preprocessor_config(spec))
-    _write_json(out / "video_preprocessor_config.json", video_preprocessor_config(spec))
+    for name, content in family_named(spec.family).tiny_processor_files(spec).items():
+        _write_json(out / name, content)
     return {
         "vocab_size": vocab_len,
         "model_vocab_size": model_vocab_size(spec, vocab_len),
         "special_token_ids": ids,
     }
-
-
-def _pixel_pipeline(spec: TinySpec, min_pixels: int, max_pixels: int) -> dict[str, Any]:
-    """What the image and video processors share: resize, normalise, patchify."""
-    return {
-        "processor_class": "Qwen2_5_VLProcessor",
-        "do_resize": True,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "do_convert_rgb": True,
-        "image_mean": IMAGE_MEAN,
-        "image_std": IMAGE_STD,
-        "resample": 3,  # bicubic
-        "patch_size": spec.patch_size,
-        "temporal_patch_size": spec.temporal_patch_size,
-        "merge_size": spec.spatial_merge_size,
-        "min_pixels": min_pixels,
-        "max_pixels": max_pixels,
-        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
-    }
-
-
-def preprocessor_config(spec: TinySpec) -> dict[str, Any]:
-    """preprocessor_config.json for the PIL (torchvision-free) Qwen2-VL image processor.
-
-    Pinned to the PIL backend: "Qwen2VLImageProcessor" is transformers 5's
-    torchvision backend (AutoImageProcessor falls back to PIL only when
-    torchvision is missing); pinning keeps pixels identical on every machine.
-    """
-    return {"image_processor_type": "Qwen2VLImageProcessorPil",
-            **_pixel_pipeline(spec, spec.min_pixels, spec.max_pixels)}
-
-
-def video_preprocessor_config(spec: TinySpec) -> dict[str, Any]:
-    """video_preprocessor_config.json for Qwen2VLVideoProcessor.
-
-    transformers' video processor needs torchvision; rollplex.data.processor reads
-    these numbers and does the video path itself when it is missing.
-    """
-    return {"video_processor_type": "Qwen2VLVideoProcessor",
-            **_pixel_pipeline(spec, spec.video_min_pixels, spec.video_max_pixels)}
 
 
 # --------------------------------------------------------------------------------------
@@ -528,14 +487,6 @@ def write_tiny_files(
 
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-
-
-def default_mrope_section(head_dim: int) -> tuple[int, int, int]:
-    """head_dim/2 rotary frequencies split 2:3:3 over (t, h, w), as Qwen2.5-VL's 16:24:24."""
-    half = head_dim // 2
-    t = half // 4
-    h = (half - t) // 2
-    return t, h, half - t - h
 
 
 def make_tiny_checkpoint(out_dir: str | os.PathLike, spec: TinySpec | None = None, seed: int = 0,

@@ -1,6 +1,7 @@
 """The tiny demo's learning bar (issue 25): a bare `python train.py` reaches a 10-step mean score of at least
-0.95 and a val/score of at least 0.95 within its 500 steps, on seeds 0, 1 and 2. About 4 minutes a seed on 2
-cores, so outside the default suite:
+0.95 and a val/score of at least 0.95 within its 500 steps, on seeds 0, 1 and 2, and so does the tiny
+Qwen3-VL (`--model.tiny.family qwen3_vl`, issue 26). About 4 minutes a run on 2 cores, so outside the default
+suite:
 
     python -m pytest -q -m slow tests/test_demo_learns.py
 """
@@ -20,10 +21,12 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_the_tiny_demo_learns(tmp_path, seed):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_the_tiny_demo_learns(tmp_path, family, seed):
     out = tmp_path / "run"
     subprocess.run([sys.executable, "train.py", "--trainer.output_dir", str(out), "--trainer.seed", str(seed),
-                    "--logging.console", "false"], cwd=REPO, check=True, timeout=1800)
+                    "--model.tiny.family", family, "--logging.console", "false"], cwd=REPO, check=True,
+                   timeout=1800)
     records = read_metrics(out / "metrics.jsonl")
     scores = [r["critic/score/mean"] for r in records]
     assert len(scores) == 500

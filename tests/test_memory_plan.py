@@ -286,6 +286,17 @@ def test_cli_preset(capsys):
     assert "sizes within 72.0 GiB (80.0 GiB less 10% uncounted): KV pool" in out
 
 
+def test_cli_qwen3_vl_sizes(capsys):
+    """Qwen3-VL's named sizes plan like Qwen2.5-VL's; its MoE sizes say they are not supported yet."""
+    memory_plan.main(["--model", "qwen3-vl-8b", "--gpus-per-node", "8", "--prompts", "64", "--vision-tokens", "2048",
+                      "--ref-model", "--activation-checkpointing"])
+    out = capsys.readouterr().out
+    assert "model qwen3-vl-8b: 8.77B parameters" in out and "36 layers, hidden 4096, 8 kv heads x 128" in out
+    assert "peak per GPU, rollplex" in out
+    with pytest.raises(SystemExit, match="qwen3-vl-30b-a3b: Qwen3-VL MoE is not supported yet"):
+        memory_plan.main(["--model", "qwen3-vl-30b-a3b"])
+
+
 def test_cli_config_json(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(hf_config_from_args(small_args())))
     memory_plan.main(["--model", str(tmp_path / "config.json"), "--gpus-per-node", "2", "--kv-pool", str(GiB),

@@ -85,7 +85,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rollplex.engine import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
 from rollplex.models import Prompt, VisionLanguageModel, family_of_config, from_pretrained  # noqa: E402
 from rollplex.models.loader import read_hf_config  # noqa: E402
-from rollplex.tiny import TinySpec, default_mrope_section, make_tiny_checkpoint  # noqa: E402
+from rollplex.tiny import TinySpec, make_tiny_checkpoint  # noqa: E402
 
 RANDOM_WEIGHTS_NOTE = "weights are random: the figures are timings only, the generated text means nothing"
 SEED = 0
@@ -203,7 +203,6 @@ def build_checkpoint(out_dir: Path, a: argparse.Namespace, layers: int) -> Path:
                     intermediate_size=a.intermediate or 2 * a.hidden, vision_hidden_size=a.vision_hidden,
                     vision_depth=a.vision_depth, vision_num_heads=a.vision_heads,
                     vision_intermediate_size=2 * a.vision_hidden, vocab="bytes",
-                    mrope_section=default_mrope_section(a.hidden // a.heads),
                     # Let the image processor keep the requested image size as it is.
                     max_pixels=max(TinySpec.max_pixels, side_px * side_px))
     return make_tiny_checkpoint(out_dir, spec, seed=SEED)

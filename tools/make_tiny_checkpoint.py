@@ -1,10 +1,11 @@
-"""Write a tiny random Qwen2.5-VL checkpoint directory, offline.
+"""Write a tiny random checkpoint directory of a model family, offline.
 
     python tools/make_tiny_checkpoint.py --out /tmp/tiny
+    python tools/make_tiny_checkpoint.py --out /tmp/tiny3 --family qwen3_vl
     python tools/make_tiny_checkpoint.py --out /tmp/wide --hidden 512 --layers 8 --heads 8 --kv-heads 2 --vocab bytes
 
 transformers loads the result with its own classes (AutoConfig, AutoTokenizer,
-Qwen2_5_VLForConditionalGeneration); Rollplex loads it with
+the family's ...ForConditionalGeneration); Rollplex loads it with
 rollplex.models.from_pretrained and its processor with
 rollplex.data.processor.load_processor.
 """
@@ -15,12 +16,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rollplex.tiny import TinySpec, default_mrope_section, make_tiny_checkpoint  # noqa: E402
+from rollplex.models.registry import FAMILIES  # noqa: E402
+from rollplex.tiny import TinySpec, make_tiny_checkpoint  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--family", choices=sorted(FAMILIES), default="qwen2_5_vl", help="model family")
     p.add_argument("--hidden", type=int, default=64, help="language model hidden size")
     p.add_argument("--layers", type=int, default=2, help="language model layers")
     p.add_argument("--heads", type=int, default=4, help="attention heads")
@@ -33,17 +36,16 @@ def main() -> None:
                    help="words: ~64-token word vocabulary (learnable from scratch); bytes: byte-level")
     p.add_argument("--vocab-size", type=int, default=None, help="embedding rows (default: tokenizer length padded)")
     p.add_argument("--mrope-section", type=int, nargs=3, default=None,
-                   help="M-RoPE split of head_dim/2 (default: proportional to 2:3:3)")
+                   help="M-RoPE split of head_dim/2 (default: the family's, e.g. 2:3:3 for qwen2_5_vl)")
     p.add_argument("--tie", action="store_true", help="tie the LM head to the embeddings")
     p.add_argument("--style", choices=["nested", "flat"], default="nested", help="config.json style")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
-    head_dim = a.hidden // a.heads
-    spec = TinySpec(hidden_size=a.hidden, num_layers=a.layers, num_heads=a.heads, num_kv_heads=a.kv_heads,
+    spec = TinySpec.of(a.family, hidden_size=a.hidden, num_layers=a.layers, num_heads=a.heads, num_kv_heads=a.kv_heads,
                     intermediate_size=a.intermediate or 2 * a.hidden, vision_hidden_size=a.vision_hidden,
                     vision_depth=a.vision_depth, vision_num_heads=a.vision_heads,
                     vision_intermediate_size=2 * a.vision_hidden, vocab=a.vocab, vocab_size=a.vocab_size,
-                    mrope_section=tuple(a.mrope_section or default_mrope_section(head_dim)),
+                    mrope_section=tuple(a.mrope_section) if a.mrope_section else None,
                     tie_word_embeddings=a.tie)
     out = make_tiny_checkpoint(a.out, spec, seed=a.seed, style=a.style)
     print(f"wrote {out}")

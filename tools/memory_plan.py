@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 from rollplex.models.family import FamilyArgs  # noqa: E402
 from rollplex.models.loader import read_model_args  # noqa: E402
+from rollplex.models.registry import SIZES_NOT_SUPPORTED  # noqa: E402
 from rollplex.rl.memory import (GiB, PRESETS, SCHEDULES, BatchShape, MemoryOptions, MemoryPlan,  # noqa: E402
                                 ParallelLayout, format_plan, plan_memory)
 
@@ -44,6 +45,8 @@ PUBLISHED_OPTIONS = MemoryOptions(ref_model=True, activation_checkpointing=True,
 def load_model_args(model: str) -> FamilyArgs:
     if model in PRESETS:
         return PRESETS[model]
+    if model in SIZES_NOT_SUPPORTED:
+        raise SystemExit(f"--model {model}: {SIZES_NOT_SUPPORTED[model]}")
     path = Path(model)
     if path.is_dir() or path.name == "config.json":
         return read_model_args(path if path.is_dir() else path.parent)
@@ -69,7 +72,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--published", action="store_true",
                    help="print the published Qwen2.5-VL-32B / 32-GPU case (other flags are ignored)")
     p.add_argument("--model", default="qwen2.5-vl-7b",
-                   help=f"preset name ({', '.join(PRESETS)}), or a config.json or its directory")
+                   help=f"preset name ({', '.join(PRESETS)}; not supported yet: {', '.join(SIZES_NOT_SUPPORTED)}), "
+                        "or a config.json or its directory")
     g = p.add_argument_group("layout")
     g.add_argument("--nodes", type=int, default=1)
     g.add_argument("--gpus-per-node", type=int, default=8)

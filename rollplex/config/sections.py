@@ -70,7 +70,7 @@ class TinyModelConfig(_Section):
     _section: ClassVar[str] = "model.tiny"
 
     family: str = "qwen2_5_vl"
-    """Model family (a config.json model_type): qwen2_5_vl or qwen3_vl."""
+    """Model family: a config.json model_type of rollplex.models.registry.FAMILIES (qwen2_5_vl, qwen3_vl)."""
     hidden_size: int = 64
     """Text decoder hidden size."""
     num_layers: int = 2
@@ -304,11 +304,12 @@ class DataConfig(_Section):
     (preprocessor_config.json)."""
     max_pixels: int = 0
     """Most pixels of an image: a larger one is shrunk, keeping its aspect ratio, so an image gives at most about
-    max_pixels / 784 vision tokens (one per 28x28 pixels). 0 = the model folder's (preprocessor_config.json); lower it
-    against out-of-memory errors."""
+    max_pixels / 784 vision tokens (one per 28x28 pixels; Qwen3-VL: max_pixels / 1024, one per 32x32). 0 = the
+    model folder's (preprocessor_config.json); lower it against out-of-memory errors."""
     video_max_pixels: int = 0
-    """Most pixels of each video frame (a pair of frames gives about video_max_pixels / 784 vision tokens). 0 = the
-    model folder's (video_preprocessor_config.json, else preprocessor_config.json)."""
+    """Most pixels of each video frame (a pair of frames gives about video_max_pixels / 784 vision tokens, Qwen3-VL's
+    / 1024). 0 = the model folder's (video_preprocessor_config.json, else preprocessor_config.json; Qwen3-VL's
+    budgets the whole clip, and this caps each frame below it)."""
     video_max_frames: int = 0
     """Most frames kept per video: a longer video is sampled at a lower rate than video_fps, evenly over its length.
     0 = the model folder's max_frames if it has one, else no cap."""

@@ -198,7 +198,7 @@ class VideoFile:
         return frames
 
 
-def _video_frames_and_fps(video: VideoLike, name: str) -> tuple[Sequence[Any], float | None]:
+def video_frames_and_fps(video: VideoLike, name: str) -> tuple[Sequence[Any], float | None]:
     """Unpack a video input into raw frame inputs (or a VideoFile) and its native fps
     (None if not given)."""
     native = None
@@ -272,7 +272,7 @@ def sample_video(
     video file's own rate is always used. Past `max_frames` kept frames, the clip is
     sampled at a lower rate (see `sampling_rate`). Only the kept frames are decoded.
     """
-    raw, dict_fps = _video_frames_and_fps(video, name)
+    raw, dict_fps = video_frames_and_fps(video, name)
     given = dict_fps if dict_fps is not None else native_fps if native_fps is not None else video_fps
     native = raw.fps if isinstance(raw, VideoFile) else float(given)
     rate = sampling_rate(len(raw), native, video_fps, max_frames)

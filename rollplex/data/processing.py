@@ -1,11 +1,13 @@
-"""Prompt + images/videos -> a `Prompt`, the model-ready tensors of Qwen2.5-VL.
+"""Prompt + images/videos -> a `Prompt`, the model-ready tensors of a model family.
 
 One entry point, `prepare_prompt`, used by the datasets, the built-in tasks, the
 benchmarks and tests. It renders the chat template, loads and preprocesses images
 and videos (rollplex.data.media) with the run's processor
 (rollplex.data.processor, which holds the pixel and frame budgets), expands every
-`<|image_pad|>` / `<|video_pad|>` to the number of merged vision tokens and
-tokenizes, giving exactly what the Qwen2.5-VL processor of transformers gives.
+image / video pad token into the text the family's processor writes for it
+(`replace_image_token` / `replace_video_token`: Qwen2.5-VL's one pad per merged
+vision token, Qwen3-VL's timestamped frame groups) and tokenizes, giving exactly
+what the family's processor of transformers gives.
 """
 
 from __future__ import annotations
@@ -17,12 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from rollplex.data.media import ImageLike, VideoLike, load_image, sample_video
+from rollplex.data.media import ImageLike, VideoLike, load_image
 from rollplex.data.processor import torch_free
 from rollplex.models.inputs import Prompt
 
-IMAGE_PAD = "<|image_pad|>"
-VIDEO_PAD = "<|video_pad|>"
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
 
@@ -128,14 +128,15 @@ def _resolve_media(
     return found
 
 
-def _expand_pads(text: str, pad: str, counts: list[int], kind: str) -> str:
+def _expand_pads(text: str, pad: str, replacements: list[str], kind: str) -> str:
+    """`text` with its i-th `pad` replaced by replacements[i], as transformers' processors do it."""
     parts = text.split(pad)
-    if len(parts) - 1 != len(counts):
-        raise PlaceholderMismatch(kind, f"the rendered prompt has {len(parts) - 1} {pad} tokens but {len(counts)} "
-                                        f"{kind}(s)")
+    if len(parts) - 1 != len(replacements):
+        raise PlaceholderMismatch(kind, f"the rendered prompt has {len(parts) - 1} {pad} tokens but "
+                                        f"{len(replacements)} {kind}(s)")
     out = [parts[0]]
-    for n, rest in zip(counts, parts[1:]):
-        out.append(pad * n)
+    for replacement, rest in zip(replacements, parts[1:]):
+        out.append(replacement)
         out.append(rest)
     return "".join(out)
 
@@ -153,8 +154,8 @@ def prepare_prompt(
     """Render, load media, preprocess and tokenize one prompt.
 
     Args:
-        processor: from `load_processor` (any Qwen2.5-VL processor with tokenizer,
-            image_processor and video_processor attributes works).
+        processor: from `load_processor`, or any transformers processor of a supported
+            family (its video processor is made torchvision-free, rollplex.data.processor.torch_free).
         messages_or_text: chat messages ([{role, content}], content a string or a list
             of {"type": "text"/"image"/"video", ...} items) or a string with `<image>` /
             `<video>` placeholders, which becomes one user message.
@@ -187,15 +188,13 @@ def prepare_prompt(
     expanded = text
     if image_inputs:
         expanded = _add_images(processor, image_inputs, result, expanded)
-    elif IMAGE_PAD in text:
-        raise PlaceholderMismatch("image", f"the rendered prompt has {text.count(IMAGE_PAD)} {IMAGE_PAD} tokens but "
-                                           f"no images")
+    elif (pad := processor.image_token) in text:
+        raise PlaceholderMismatch("image", f"the rendered prompt has {text.count(pad)} {pad} tokens but no images")
     if video_inputs:
         natives = _native_rates(native_fps, len(video_inputs))
         expanded = _add_videos(processor, video_inputs, natives, video_fps, result, expanded)
-    elif VIDEO_PAD in text:
-        raise PlaceholderMismatch("video", f"the rendered prompt has {text.count(VIDEO_PAD)} {VIDEO_PAD} tokens but "
-                                           f"no videos")
+    elif (pad := processor.video_token) in text:
+        raise PlaceholderMismatch("video", f"the rendered prompt has {text.count(pad)} {pad} tokens but no videos")
 
     # The template already holds every special token; Qwen's tokenizer adds none.
     ids = tokenizer(expanded, add_special_tokens=False)["input_ids"]
@@ -205,14 +204,13 @@ def prepare_prompt(
 
 def _add_images(processor: Any, images: Sequence[ImageLike], result: Prompt, text: str) -> str:
     """Preprocess `images` into `result`; returns `text` with each image's pad token
-    repeated once per merged patch."""
+    replaced by the processor's text for it."""
     pil_images = [load_image(img, f"image {i}") for i, img in enumerate(images)]
     out = processor.image_processor(images=pil_images, return_tensors="pt")
     result.pixel_values = out["pixel_values"]
     result.image_grid_thw = out["image_grid_thw"].long()
-    merge = processor.image_processor.merge_size
-    counts = [int(g.prod()) // merge**2 for g in result.image_grid_thw]
-    return _expand_pads(text, IMAGE_PAD, counts, "image")
+    replacements = [processor.replace_image_token(out, i) for i in range(len(pil_images))]
+    return _expand_pads(text, processor.image_token, replacements, "image")
 
 
 def _native_rates(native_fps: float | Sequence[float | None] | None, videos: int) -> list[float | None]:
@@ -226,17 +224,22 @@ def _native_rates(native_fps: float | Sequence[float | None] | None, videos: int
 def _add_videos(processor: Any, videos: Sequence[VideoLike], natives: list[float | None], video_fps: float,
                 result: Prompt, text: str) -> str:
     """Sample and preprocess `videos` into `result`; returns `text` with each video's
-    pad token repeated once per merged patch."""
+    pad token replaced by the processor's text for it (which may read the sampled
+    frames' times from their metadata)."""
     vp = torch_free(processor.video_processor)
-    rows, grids, seconds = [], [], []
+    rows, grids, metadata = [], [], []
     for i, (video, native) in enumerate(zip(videos, natives)):
-        frames, used_fps = sample_video(video, video_fps, native, f"video {i}", vp.max_frames)
+        frames, sampled = vp.sample(video, video_fps, native, f"video {i}")
         patches, grid = vp.frames_to_patches(frames)
         rows.append(patches)
         grids.append(grid)
-        seconds.append(vp.temporal_patch_size / used_fps)
+        metadata.append(sampled)
     result.pixel_values_videos = torch.from_numpy(np.concatenate(rows, axis=0))
     result.video_grid_thw = torch.tensor(grids, dtype=torch.long)
-    result.second_per_grid_ts = torch.tensor(seconds, dtype=torch.float32)
-    counts = [int(g.prod()) // vp.merge_size**2 for g in result.video_grid_thw]
-    return _expand_pads(text, VIDEO_PAD, counts, "video")
+    if "second_per_grid_ts" in processor.model_input_names:
+        # Seconds per temporal patch, as transformers' Qwen2.5-VL processor computes them.
+        result.second_per_grid_ts = torch.tensor([vp.temporal_patch_size / m.sampled_fps for m in metadata],
+                                                 dtype=torch.float32)
+    inputs = {"video_grid_thw": result.video_grid_thw, "video_metadata": metadata}
+    replacements = [processor.replace_video_token(inputs, i) for i in range(len(metadata))]
+    return _expand_pads(text, processor.video_token, replacements, "video")

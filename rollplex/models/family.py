@@ -15,7 +15,7 @@ args.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.nn as nn
@@ -75,6 +75,7 @@ class ModelFamily:
 
     name: str  # config.json's model_type, and model.tiny.family's value
     hf_architecture: str  # config.json's architectures entry: the transformers class that loads an export
+    hf_processor: str  # the transformers processor class a checkpoint's tokenizer_config.json names
     args_class: type
     model_class: type[nn.Module]  # model_class(args) builds the model (on the meta device when loading)
     args_from_hf_config: Callable[[dict, str], Any]  # (config.json dict, its path for errors) -> args
@@ -87,15 +88,20 @@ class ModelFamily:
     vision_tower: Callable[[nn.Module], nn.Module]  # what model.freeze_vision freezes
     count_params: Callable[[Any], ParamCounts]
     linear_params: Callable[[Any], LinearParams]
+    # Feature rows the tower gives each vision token (VisionEmbeds): 1, plus one per DeepStack level.
+    vision_feature_levels: Callable[[Any], int]
     # Intermediate-width tensors per patch of a vision block's MLP: (kept for backward, live at once in a forward).
     vision_mlp_widths: tuple[int, int]
     presets: dict[str, Any]  # named sizes (memory_plan --model NAME): the hub's config.json values
     tiny_args: Callable[..., Any]  # a model of a few hundred thousand parameters for tests
     tiny_spec: dict[str, Any]  # the rollplex.tiny.TinySpec fields whose default this family's tiny model changes
+    tiny_mrope_section: Callable[[int], tuple[int, int, int]]  # a tiny model's M-RoPE split of head_dim / 2
     # (TinySpec, vocab size, {config key: token id}, style, dtype) -> the tiny model's config.json
     tiny_hf_config: Callable[[Any, int, dict[str, int], str, str], dict]
     tiny_processor_files: Callable[[Any], dict[str, dict]]  # TinySpec -> {file name: JSON} of its processor
     load_processor: Callable[..., Any]  # (folder, **budgets) -> the processor (rollplex.data.processor)
+    relatives_not_supported: dict[str, str] = field(default_factory=dict)  # model_type -> what loading it needs
+    sizes_not_supported: dict[str, str] = field(default_factory=dict)  # named sizes of those relatives -> the same
 
     def transformers_class(self) -> type:
         """transformers' class for this family's checkpoints (the parity oracle of the tests and tools)."""

@@ -8,11 +8,18 @@ from typing import Any
 from rollplex.models.family import ModelFamily
 from rollplex.models.protocol import CheckpointError
 from rollplex.models.qwen2_5_vl import FAMILY as QWEN2_5_VL
+from rollplex.models.qwen3_vl import FAMILY as QWEN3_VL
 
-FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (QWEN2_5_VL,)}
+FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (QWEN2_5_VL, QWEN3_VL)}
 
-# Relatives of supported families that a config.json may name, with what they would need.
-NOT_SUPPORTED_YET: dict[str, str] = {}
+# Model types a config.json may name that are not built yet, with what they would need (docs/ARCHITECTURE.md,
+# "Adding a model family"): the families' relatives, and Qwen3.5.
+NOT_SUPPORTED_YET: dict[str, str] = {
+    **{k: why for family in FAMILIES.values() for k, why in family.relatives_not_supported.items()},
+    "qwen3_5": "Qwen3.5's Gated DeltaNet layers carry a recurrent state instead of a KV cache, which the engine's "
+               "paged cache and the kept-prefix passes do not hold yet",
+    "qwen3_5_moe": "Qwen3.5's MoE variants need both sparse expert layers and a recurrent-state cache",
+}
 
 
 def supported() -> str:
@@ -47,5 +54,7 @@ def family_of(model_or_args: Any) -> ModelFamily:
     raise TypeError(f"{type(args).__name__} is the args of no registered model family (supported: {supported()})")
 
 
-# Every family's named sizes (tools/memory_plan.py --model NAME), by name.
+# Every family's named sizes (tools/memory_plan.py --model NAME), by name, and those of relatives not built yet.
 PRESETS: dict[str, Any] = {name: args for family in FAMILIES.values() for name, args in family.presets.items()}
+SIZES_NOT_SUPPORTED: dict[str, str] = {name: why for family in FAMILIES.values()
+                                       for name, why in family.sizes_not_supported.items()}

@@ -1,10 +1,12 @@
-"""Rotary position embeddings of Qwen2.5-VL.
+"""Rotary position embeddings of the Qwen VL families.
 
 Two kinds:
 - multimodal RoPE (M-RoPE) for the language model: every token has three
   position ids (temporal, height, width). Text tokens use the same id on all
-  three axes; vision tokens use their grid coordinates. The rotary frequencies
-  are split into `mrope_section` chunks, chunk i rotated by axis i.
+  three axes; vision tokens use their grid coordinates. Qwen2.5-VL splits the
+  rotary frequencies into `mrope_section` chunks, chunk i rotated by axis i;
+  Qwen3-VL interleaves them (frequency j takes axis j % 3, while that axis has
+  frequencies left), so every axis spans low and high frequencies.
 - 2D rotary for the vision tower: each patch rotated by its (row, column).
 
 Inverse frequencies are always computed in float32 and kept outside the
@@ -35,29 +37,52 @@ class MRotaryEmbedding:
     cast with the model.
     """
 
-    def __init__(self, head_dim: int, theta: float, mrope_section: list[int]):
+    def __init__(self, head_dim: int, theta: float, mrope_section: list[int], interleaved: bool = False):
         if 2 * sum(mrope_section) != head_dim:
             raise ValueError(f"mrope_section {mrope_section} must sum to head_dim/2 = {head_dim // 2}")
         self.head_dim, self.theta, self.mrope_section = head_dim, theta, list(mrope_section)
+        self.interleaved = interleaved
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        self._axes: dict[torch.device, torch.Tensor] = {}
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         if device not in self._inv_freq:
             self._inv_freq[device] = inv_frequencies(self.head_dim, self.theta, device)
         return self._inv_freq[device]
 
+    def frequency_axes(self, device: torch.device) -> torch.Tensor:
+        """(head_dim/2,) the position axis (0 t, 1 h, 2 w) each interleaved frequency
+        rotates by: frequency j takes axis 1 when j % 3 == 1 and j < 3 * section[1],
+        axis 2 when j % 3 == 2 and j < 3 * section[2], else axis 0 (Qwen3-VL's layout:
+        [24, 20, 20] gives t, h, w, t, h, w, ..., then t for the last four)."""
+        if device not in self._axes:
+            j = torch.arange(self.head_dim // 2)
+            axes = torch.zeros_like(j)
+            for axis in (1, 2):
+                axes[(j % 3 == axis) & (j < 3 * self.mrope_section[axis])] = axis
+            self._axes[device] = axes.to(device)
+        return self._axes[device]
+
     def __call__(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids (3, T) -> cos, sin of shape (T, head_dim) in `dtype`."""
         freqs = position_ids[..., None].float() * self.inv_freq(position_ids.device)  # (3, T, D/2)
-        # Chunk i of the frequency axis takes its angle from axis i % 3 (t, h, w).
-        freqs = torch.cat([chunk[i % 3] for i, chunk in enumerate(freqs.split(self.mrope_section, dim=-1))], dim=-1)
+        if self.interleaved:
+            # Each frequency picks its axis's angle (a selection: the same products as the chunked layout).
+            axes = self.frequency_axes(position_ids.device)
+            freqs = torch.where(axes == 1, freqs[1], torch.where(axes == 2, freqs[2], freqs[0]))
+        else:
+            # Chunk i of the frequency axis takes its angle from axis i % 3 (t, h, w).
+            freqs = torch.cat([chunk[i % 3] for i, chunk in enumerate(freqs.split(self.mrope_section, dim=-1))],
+                              dim=-1)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def text_table(self, num_positions: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """cos | sin (num_positions, 2 * head_dim) of text positions 0, 1, ... (the same on
         all three axes), the values this object gives them: generated tokens are text,
-        so a decode step can read its rows instead of computing the trig again."""
+        so a decode step can read its rows instead of computing the trig again. With the
+        three axes equal, which axis a frequency takes does not matter: chunked and
+        interleaved layouts give the same table, that of plain 1D RoPE."""
         return torch.cat(self(torch.arange(num_positions, device=device).expand(3, -1), dtype), dim=-1)
 
 
@@ -93,12 +118,19 @@ def vision_rotary(positions: torch.Tensor, head_dim: int, theta: float = 10000.0
 
 @dataclass(frozen=True)
 class RopeIndexSpec:
-    """The config values M-RoPE position ids depend on."""
+    """The config values M-RoPE position ids depend on.
+
+    `split_video_frames`: each temporal patch (frame group) of a video is a block
+    of its own, of grid (1, h, w), as Qwen3-VL lays videos out (its processor writes
+    a timestamp and a vision start/end around every frame group, so text lies
+    between them); `tokens_per_second` and the seconds per grid then go unread.
+    False (Qwen2.5-VL): a video is one block whose temporal positions follow time."""
 
     image_token_id: int
     video_token_id: int
     spatial_merge_size: int
     tokens_per_second: float
+    split_video_frames: bool = False
 
 
 def mrope_positions(
@@ -123,10 +155,21 @@ def mrope_positions(
 
     `image_grid_thw` / `video_grid_thw` hold the grids of this sequence's images
     and videos in order; a mismatch between pad tokens and grids is an error.
+
+    With `spec.split_video_frames` (Qwen3-VL), every frame group of a video is a
+    block of t = 1 of its own (its pad run follows the previous one's timestamp
+    text), and a block's text continues from its start + max(h, w) / merge, which
+    is the rule above for t = 1.
     """
     ids = input_ids.tolist()
     merge = spec.spatial_merge_size
-    grids = {spec.image_token_id: _grid_list(image_grid_thw), spec.video_token_id: _grid_list(video_grid_thw)}
+    split = spec.split_video_frames
+    videos = _grid_list(video_grid_thw)
+    if split:
+        videos = [[1, h, w] for t, h, w in videos for _ in range(t)]
+    grids = {spec.image_token_id: _grid_list(image_grid_thw), spec.video_token_id: videos}
+    # What a block is called in errors: a split video's blocks are its frame groups.
+    block_name = {spec.image_token_id: "image", spec.video_token_id: "video frame group" if split else "video"}
     used = {spec.image_token_id: 0, spec.video_token_id: 0}
     seconds = [float(s) for s in (second_per_grid_ts if second_per_grid_ts is not None else [])]
     device = input_ids.device
@@ -148,6 +191,9 @@ def mrope_positions(
         kind = "image" if tok == spec.image_token_id else "video"
         k = used[tok]
         if k >= len(grids[tok]):
+            if split and kind == "video":
+                raise ValueError(f"the sequence has more video blocks than the video grids' {len(videos)} frame "
+                                 f"groups (each frame group is a block of its own)")
             raise ValueError(f"the sequence has more {kind} blocks than {kind} grids ({len(grids[tok])} given)")
         t, h, w = grids[tok][k]
         used[tok] += 1
@@ -156,10 +202,10 @@ def mrope_positions(
         if ids[i:i + n_tokens] != [tok] * n_tokens:
             run = _run_length(ids, i, tok)
             raise ValueError(
-                f"{kind} {k} has grid (t={t}, h={h}, w={w}) = {n_tokens} tokens after merging, but the sequence holds "
-                f"{run} {kind} pad tokens there (was the prompt truncated through the {kind}?)"
+                f"{block_name[tok]} {k} has grid (t={t}, h={h}, w={w}) = {n_tokens} tokens after merging, but the "
+                f"sequence holds {run} {kind} pad tokens there (was the prompt truncated through the {kind}?)"
             )
-        if kind == "video":
+        if kind == "video" and not split:
             if k >= len(seconds) and seconds:
                 raise ValueError(f"second_per_grid_ts has {len(seconds)} entries for more videos")
             interval = (seconds[k] if seconds else 1.0) * spec.tokens_per_second
@@ -175,7 +221,10 @@ def mrope_positions(
     flush_text(len(ids))
     for tok, name in ((spec.image_token_id, "image"), (spec.video_token_id, "video")):
         if used[tok] != len(grids[tok]):
-            raise ValueError(f"{len(grids[tok])} {name} grids given but the sequence holds {used[tok]} {name} blocks")
+            given = f"{len(grids[tok])} {name} grids given"
+            if split and name == "video":
+                given = f"the video grids hold {len(grids[tok])} frame groups (each a block of its own)"
+            raise ValueError(f"{given} but the sequence holds {used[tok]} {name} blocks")
     positions = torch.cat(chunks, dim=1) if chunks else torch.zeros(3, 0, dtype=torch.long, device=device)
     return positions, next_pos - len(ids)
 

@@ -5,27 +5,18 @@ config (`tiny`), gathered in `FAMILY`, the one object the rest of Rollplex
 reads them through (rollplex.models.family)."""
 
 from rollplex.models.family import ModelFamily
-from rollplex.models.qwen2_5_vl import hf, tp_plan
+from rollplex.models.qwen2_5_vl import hf, processor, tp_plan
 from rollplex.models.qwen2_5_vl.args import PRESETS, ModelArgs, TextArgs, VisionArgs, count_params, linear_params, \
     tiny_args
-from rollplex.models.qwen2_5_vl.model import Qwen2_5_VL, VisionInputs
-from rollplex.models.qwen2_5_vl.tiny import tiny_hf_config
-
-
-def _load_processor(*args, **kwargs):
-    from rollplex.data.processor import load_processor
-    return load_processor(*args, **kwargs)
-
-
-def _tiny_processor_files(spec):
-    from rollplex.tiny import preprocessor_config, video_preprocessor_config
-    return {"preprocessor_config.json": preprocessor_config(spec),
-            "video_preprocessor_config.json": video_preprocessor_config(spec)}
+from rollplex.models.qwen2_5_vl.model import Qwen2_5_VL
+from rollplex.models.qwen2_5_vl.tiny import mrope_section, tiny_hf_config
+from rollplex.models.qwen_vl.model import VisionInputs
 
 
 FAMILY = ModelFamily(
     name="qwen2_5_vl",
     hf_architecture="Qwen2_5_VLForConditionalGeneration",
+    hf_processor="Qwen2_5_VLProcessor",
     args_class=ModelArgs,
     model_class=Qwen2_5_VL,
     args_from_hf_config=hf.args_from_hf_config,
@@ -38,13 +29,15 @@ FAMILY = ModelFamily(
     vision_tower=tp_plan.vision_tower,
     count_params=count_params,
     linear_params=linear_params,
+    vision_feature_levels=lambda args: 1,
     vision_mlp_widths=(4, 3),  # SwiGLU: gate, silu(gate), up and their product; three at once in a forward
     presets=PRESETS,
     tiny_args=tiny_args,
     tiny_spec={},  # TinySpec's defaults are Qwen2.5-VL's
+    tiny_mrope_section=mrope_section,
     tiny_hf_config=tiny_hf_config,
-    tiny_processor_files=_tiny_processor_files,
-    load_processor=_load_processor,
+    tiny_processor_files=processor.tiny_processor_files,
+    load_processor=processor.load_processor,
 )
 
 __all__ = ["FAMILY", "PRESETS", "ModelArgs", "Qwen2_5_VL", "TextArgs", "VisionArgs", "VisionInputs", "tiny_args"]

@@ -1,12 +1,14 @@
 """Qwen2.5-VL's shape: the args dataclasses, the named sizes (a tiny one for
 tests, the hub's 3B, 7B, 32B and 72B) and the parameter counts the memory plan
-and FLOP counts read."""
+and FLOP counts read. `ModelArgs`'s fields besides vision and text, and the
+decoder's counts, are rollplex.models.qwen_vl.args's."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from rollplex.models.family import LinearParams, ParamCounts
+from rollplex.models.qwen_vl.args import TINY_TOKEN_IDS, QwenVLArgs, decoder_linear_params, param_counts
 from rollplex.models.rope import RopeIndexSpec
 
 
@@ -48,18 +50,12 @@ class TextArgs:
 
 
 @dataclass
-class ModelArgs:
-    """Everything the model's shape and inputs depend on; built from a HF config.json."""
+class ModelArgs(QwenVLArgs):
+    """Everything the model's shape and inputs depend on; built from a HF config.json
+    (the token ids and tie_word_embeddings: `QwenVLArgs`)."""
 
     vision: VisionArgs = field(default_factory=VisionArgs)
     text: TextArgs = field(default_factory=TextArgs)
-    tie_word_embeddings: bool = False
-    image_token_id: int = 151655
-    video_token_id: int = 151656
-    vision_start_token_id: int = 151652
-    vision_end_token_id: int = 151653
-    eos_token_id: int | list[int] | None = 151645
-    bos_token_id: int | None = 151643
 
     @property
     def rope_spec(self) -> RopeIndexSpec:
@@ -76,8 +72,7 @@ def tiny_args(tie: bool = False, window_size: int = 56) -> ModelArgs:
                           window_size=window_size, fullatt_block_indexes=[1], tokens_per_second=2),
         text=TextArgs(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, mrope_section=[2, 3, 3], rope_theta=10000.0),
-        tie_word_embeddings=tie, image_token_id=90, video_token_id=91, vision_start_token_id=92,
-        vision_end_token_id=93, eos_token_id=94, bos_token_id=95)
+        tie_word_embeddings=tie, **TINY_TOKEN_IDS)
 
 
 def _hub_size(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int, tie: bool,
@@ -102,32 +97,22 @@ PRESETS: dict[str, ModelArgs] = {
 def count_params(args: ModelArgs) -> ParamCounts:
     """Parameter counts from the layer shapes of `model` (the tests check them against a built model and the
     hub's totals). Counted, not built: a meta-device build pulls in torch._dynamo (~5 s)."""
-    v, t = args.vision, args.text
+    v = args.vision
     w, inter, merged = v.hidden_size, v.intermediate_size, v.hidden_size * v.spatial_merge_size ** 2
     # two norms, qkv and proj (with biases), gate/up/down (with biases)
     vision_block = 2 * w + (w + 1) * 3 * w + (w + 1) * w + 2 * (w + 1) * inter + (inter + 1) * w
     # patch embedding (no bias), merger norm and its two linears: in the root unit
     vision_root = w * v.in_channels * v.temporal_patch_size * v.patch_size ** 2 + \
         w + (merged + 1) * merged + (merged + 1) * v.out_hidden_size
-    q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
-    # q/k/v (with biases), o, gate/up/down: what apply_tp splits; the two norms stay replicated
-    split_layer = (t.hidden_size + 1) * (q + 2 * kv) + q * t.hidden_size + 3 * t.hidden_size * t.intermediate_size
-    embeddings = t.vocab_size * t.hidden_size * (1 if args.tie_word_embeddings else 2)  # + the head when untied
-    root_split = 0 if args.tie_word_embeddings else embeddings
-    tp_split = t.num_hidden_layers * split_layer + root_split
-    root = vision_root + t.hidden_size + embeddings
-    total = v.depth * vision_block + t.num_hidden_layers * (split_layer + 2 * t.hidden_size) + root
-    return ParamCounts(total, tp_split, v.depth * vision_block + vision_root, root, root_split, split_layer,
-                       2 * t.hidden_size)
+    # the decoder: q/k/v with biases, no q/k norms
+    return param_counts(args, vision_block, vision_root, qkv_bias=True, qk_norm=False)
 
 
 def linear_params(args: ModelArgs) -> LinearParams:
     """The matmul weights a text token and a patch go through (biases and norms left out)."""
-    t, v = args.text, args.vision
-    attn = t.hidden_size * (t.num_attention_heads + 2 * t.num_key_value_heads) * t.head_dim \
-        + t.num_attention_heads * t.head_dim * t.hidden_size
+    v = args.vision
     block = 4 * v.hidden_size**2 + 3 * v.hidden_size * v.intermediate_size
     merged = v.hidden_size * v.spatial_merge_size**2
     vision = v.depth * block + merged * merged + merged * v.out_hidden_size + \
         v.in_channels * v.temporal_patch_size * v.patch_size**2 * v.hidden_size
-    return LinearParams(t.num_hidden_layers * (attn + 3 * t.hidden_size * t.intermediate_size), vision)
+    return LinearParams(decoder_linear_params(args.text), vision)

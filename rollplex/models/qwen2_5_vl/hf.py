@@ -5,19 +5,17 @@ Reads config.json in both styles (the hub's flat one with a nested
 `vision_config`, and transformers 5's `text_config` / `vision_config`) and both
 key styles (`visual.*` / `model.layers.*` as on the hub, `model.visual.*` /
 `model.language_model.*` as transformers 5 saves); writes the hub style, which
-every transformers version and other tools read.
-
-The hub fuses each vision block's q, k and v projections into one
-`attn.qkv` Linear (rows: q, then k, then v); the model keeps them apart so
-that tensor parallelism can split each by heads. A fused key names the three
-parameters it holds, in row order: loading splits the tensor, saving
-concatenates the three back (rollplex.models.loader).
+every transformers version and other tools read. The key mapping, with the
+split of the hub's fused vision qkv, is rollplex.models.qwen_vl.hf's.
 """
 
 from __future__ import annotations
 
 from rollplex.models.protocol import CheckpointError
 from rollplex.models.qwen2_5_vl.args import ModelArgs, TextArgs, VisionArgs
+from rollplex.models.qwen_vl.hf import SPLIT_QKV, hf_key_to_params, param_to_flat_key, pick_fields, token_ids
+
+__all__ = ["SPLIT_QKV", "args_from_hf_config", "hf_config_from_args", "hf_key_to_params", "param_to_hf_key"]
 
 # ----------------------------------------------------------------------------- config
 
@@ -34,25 +32,17 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArgs:
     vision_rope = vision.get("rope_parameters") or {}
     tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
 
-    def pick(d: dict, dataclass_type, **extra):
-        names = dataclass_type.__dataclass_fields__
-        return dataclass_type(**{k: v for k, v in d.items() if k in names}, **extra)
-
     try:
-        text_args = pick({k: v for k, v in text.items() if k not in ("rope_theta", "mrope_section")}, TextArgs,
-                         rope_theta=float(rope.get("rope_theta", text.get("rope_theta", TextArgs.rope_theta))),
-                         mrope_section=list(rope.get("mrope_section", [16, 24, 24])))
-        vision_args = pick({k: v for k, v in vision.items() if k != "rope_theta"}, VisionArgs,
-                           rope_theta=float(vision_rope.get("rope_theta", 10000.0)))
+        text_args = pick_fields(text, TextArgs,
+                                rope_theta=float(rope.get("rope_theta", text.get("rope_theta", TextArgs.rope_theta))),
+                                mrope_section=list(rope.get("mrope_section", [16, 24, 24])))
+        vision_args = pick_fields(vision, VisionArgs, rope_theta=float(vision_rope.get("rope_theta", 10000.0)))
         vision_args.fullatt_block_indexes = list(vision_args.fullatt_block_indexes)
         if "out_hidden_size" not in vision:
             vision_args.out_hidden_size = text_args.hidden_size
-        top = {k: cfg[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
-                                   "vision_end_token_id", "eos_token_id", "bos_token_id") if k in cfg}
-        for k in ("eos_token_id", "bos_token_id"):
-            if k not in top and k in text:
-                top[k] = text[k]
-        args = ModelArgs(vision=vision_args, text=text_args, tie_word_embeddings=bool(tie), **top)
+        # A null token id is kept (None), not replaced by the default.
+        args = ModelArgs(vision=vision_args, text=text_args, tie_word_embeddings=bool(tie),
+                         **token_ids(cfg, text, keep_null=True))
     except TypeError as e:
         raise CheckpointError(f"{source}: {e}") from e
     if 2 * sum(text_args.mrope_section) != text_args.head_dim:
@@ -112,30 +102,5 @@ def hf_config_from_args(args: ModelArgs) -> dict:
 # ----------------------------------------------------------------------------- weight keys
 
 
-FUSED_QKV = ".attn.qkv."
-SPLIT_QKV = (".attn.q.", ".attn.k.", ".attn.v.")
-
-
-def hf_key_to_params(key: str) -> list[str]:
-    """Checkpoint key (either style) -> the parameter names it holds, in row order:
-    none for keys we do not keep, three for a vision block's fused qkv."""
-    if key.endswith("rotary_emb.inv_freq"):
-        return []
-    for prefix, ours in (("model.visual.", "visual."), ("model.language_model.", "language_model."),
-                         ("visual.", "visual."), ("model.", "language_model.")):
-        if key.startswith(prefix):
-            name = ours + key[len(prefix):]
-            if name.startswith("visual.blocks.") and FUSED_QKV in name:
-                return [name.replace(FUSED_QKV, part) for part in SPLIT_QKV]
-            return [name]
-    return [key]  # lm_head.weight
-
-
-def param_to_hf_key(name: str) -> str:
-    """Our parameter name -> hub-style checkpoint key (q, k and v of a vision block share one)."""
-    if name.startswith("language_model."):
-        return "model." + name[len("language_model."):]
-    if name.startswith("visual.blocks."):
-        for part in SPLIT_QKV:
-            name = name.replace(part, FUSED_QKV)
-    return name
+# Written in the hub's flat style (`visual.*`, `model.layers.*`); hf_key_to_params reads both styles.
+param_to_hf_key = param_to_flat_key

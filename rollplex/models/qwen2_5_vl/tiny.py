@@ -6,6 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 
+def mrope_section(head_dim: int) -> tuple[int, int, int]:
+    """head_dim/2 rotary frequencies split 2:3:3 over (t, h, w), as Qwen2.5-VL's 16:24:24."""
+    half = head_dim // 2
+    t = half // 4
+    h = (half - t) // 2
+    return t, h, half - t - h
+
+
 def _vision_config(spec: Any) -> dict[str, Any]:
     return {
         "depth": spec.vision_depth,

@@ -28,6 +28,7 @@ import torch
 
 from rollplex.engine.engine import EngineConfig
 from rollplex.models.family import FamilyArgs
+from rollplex.models.registry import family_of
 from rollplex.rl.memory.estimates import (FP32, MicroBatch, ParamCounts, PrefixItem, PrefixKind, PrefixState,
                                           _layer_forward_bytes, _vision_forward_bytes, admitted, count_params,
                                           decoder_layer_bytes, kv_bytes_per_token, kv_pool_need, micro_batch,
@@ -184,7 +185,8 @@ class _Shapes:
         """The rollout's cached vision features (schedules with prompt work), kept to the step's end."""
         if not self.o.share_prefix:
             return 0
-        return self.prompts_per_rank * self.batch.vision_tokens * self.args.text.hidden_size * self.size
+        rows = self.batch.vision_tokens * family_of(self.args).vision_feature_levels(self.args)
+        return self.prompts_per_rank * rows * self.args.text.hidden_size * self.size
 
     def engine_workspace(self) -> int:
         """The engine's transient memory: a prefill step's layer (and the vision tower

@@ -1,0 +1,200 @@
+"""The building blocks both Qwen VL families' models are made of (rollplex.models.qwen_vl).
+
+Vision: `PatchEmbed` (with a bias in Qwen3-VL only), `VisionAttention` (q, k and
+v kept as three Linears for tensor parallelism, 2D rotary in float32) and
+`VisionBlock`, the pre-norm block whose norms and MLP each family picks
+(Qwen2.5-VL: RMSNorm and a biased SwiGLU; Qwen3-VL: LayerNorm and a GELU(tanh)
+MLP). Text: the Qwen2 / Qwen3 decoder, `LanguageModel`, which takes the two
+families' differences as arguments: Qwen2's biased q/k/v (`qkv_bias`), Qwen3's
+per-head q and k RMSNorm (`qk_norm`), interleaved M-RoPE, and what a family adds
+to the hidden states inside the decoder (Qwen3-VL's DeepStack: `after_layer`).
+The vision towers themselves, their mergers and plans, are each family's own.
+
+Attention goes through the backend the caller passes in (rollplex.ops.attention),
+and head counts are read off the weight shapes (`view(T, -1, head_dim)`), so a
+TP-sharded module runs unchanged. Module names are the checkpoints'.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from rollplex.models.protocol import Positions
+from rollplex.models.rope import MRotaryEmbedding, apply_rotary
+from rollplex.ops.attention import AttentionBackend, PackedSegments
+
+# (decoder layer index, hidden state after that layer) -> the hidden state the next layer reads.
+AfterLayer = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def boundaries(lengths: list[int]) -> list[int]:
+    """Segment lengths -> their boundaries 0, l0, l0 + l1, ... (cu_seqlens, as PackedSegments takes them)."""
+    return [0, *itertools.accumulate(lengths)]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, scaled in the input dtype (as Qwen2 and Qwen3 do)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)): the decoders' MLP, and (with biases) Qwen2.5-VL's vision MLP."""
+
+    def __init__(self, dim: int, hidden: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# ----------------------------------------------------------------------------- vision
+
+
+class PatchEmbed(nn.Module):
+    """Conv3d with stride = kernel over (temporal, patch, patch) blocks, with a bias or
+    not (`args`: a family's VisionArgs). The processor already cut pixels into
+    flattened blocks, so the convolution is a matmul with the flattened kernel (same
+    weights, same math, no conv call)."""
+
+    def __init__(self, args: Any, bias: bool):
+        super().__init__()
+        k = (args.temporal_patch_size, args.patch_size, args.patch_size)
+        self.proj = nn.Conv3d(args.in_channels, args.hidden_size, kernel_size=k, stride=k, bias=bias)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        weight = self.proj.weight
+        return F.linear(pixels.to(weight.dtype), weight.reshape(weight.shape[0], -1), self.proj.bias)
+
+
+class VisionAttention(nn.Module):
+    """Attention within each segment the tower's plan gives (windows, images, frames).
+    The hub checkpoints fuse q, k and v into one `qkv` Linear; here they are three, so
+    that tensor parallelism can split each by heads (the loader splits and re-fuses)."""
+
+    def __init__(self, args: Any):
+        super().__init__()
+        self.head_dim = args.hidden_size // args.num_heads
+        self.q = nn.Linear(args.hidden_size, args.hidden_size, bias=True)
+        self.k = nn.Linear(args.hidden_size, args.hidden_size, bias=True)
+        self.v = nn.Linear(args.hidden_size, args.hidden_size, bias=True)
+        self.proj = nn.Linear(args.hidden_size, args.hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: PackedSegments) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = (proj(x).view(T, -1, self.head_dim) for proj in (self.q, self.k, self.v))
+        # Vision rotary is applied in float32 (as the reference does), then cast back.
+        q = apply_rotary(q.float(), cos, sin).to(v.dtype)
+        k = apply_rotary(k.float(), cos, sin).to(v.dtype)
+        return self.proj(attn(q, k, v).reshape(T, -1))
+
+
+class VisionBlock(nn.Module):
+    """A pre-norm vision block: norm1 then attention, norm2 then the MLP, each added to
+    the residual. `norm(width)` builds the family's norms, `mlp(args)` its MLP."""
+
+    def __init__(self, args: Any, norm: Callable[[int], nn.Module], mlp: Callable[[Any], nn.Module]):
+        super().__init__()
+        self.norm1 = norm(args.hidden_size)
+        self.norm2 = norm(args.hidden_size)
+        self.attn = VisionAttention(args)
+        self.mlp = mlp(args)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: PackedSegments) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, attn)
+        return x + self.mlp(self.norm2(x))
+
+
+# ----------------------------------------------------------------------------- language model
+
+
+class Attention(nn.Module):
+    """A decoder layer's attention (`args`: a family's TextArgs), o_proj without a bias.
+    Qwen2's q/k/v have biases (`qkv_bias`); Qwen3 RMS-normalises q and k per head
+    before the rotary (`qk_norm`), over head_dim with one weight for every head, so a
+    TP shard of heads runs them unchanged (the TP plan sums their gradient over the shards)."""
+
+    def __init__(self, args: Any, layer: int, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.layer, self.head_dim, self.qk_norm = layer, args.head_dim, qk_norm
+        self.q_proj = nn.Linear(args.hidden_size, args.num_attention_heads * args.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(args.hidden_size, args.num_key_value_heads * args.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(args.hidden_size, args.num_key_value_heads * args.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(args.num_attention_heads * args.head_dim, args.hidden_size, bias=False)
+        if qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, -1, self.head_dim)
+        k = self.k_proj(x).view(T, -1, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        v = self.v_proj(x).view(T, -1, self.head_dim)
+        return self.o_proj(attn(self.layer, q, k, v).reshape(T, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: Any, layer: int, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.self_attn = Attention(args, layer, qkv_bias, qk_norm)
+        self.mlp = SwiGLU(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LanguageModel(nn.Module):
+    """The decoder: token embedding, `DecoderLayer`s (their attention as `Attention`
+    takes `qkv_bias` and `qk_norm`), the final norm and M-RoPE (interleaved or not)."""
+
+    def __init__(self, args: Any, qkv_bias: bool, qk_norm: bool, interleaved_mrope: bool = False):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i, qkv_bias, qk_norm) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rotary = MRotaryEmbedding(args.head_dim, args.rope_theta, args.mrope_section,
+                                       interleaved=interleaved_mrope)
+
+    def forward(self, h: torch.Tensor, position_ids: Positions, attn: AttentionBackend,
+                after_layer: AfterLayer | None = None) -> torch.Tensor:
+        for h in self.layer_by_layer(h, position_ids, attn, after_layer):
+            pass
+        return h
+
+    def layer_by_layer(self, h: torch.Tensor, position_ids: Positions, attn: AttentionBackend,
+                       after_layer: AfterLayer | None = None) -> Iterator[torch.Tensor]:
+        """The forward one decoder layer at a time: yields the hidden state after each
+        layer (`after_layer` applied, when given), then the final normed state. The
+        prefix scheduler (rollplex.rl.prefix) advances it between two decode steps of
+        the engine. position_ids (3, T), or the rotary cos, sin (T, head_dim) they
+        give, read off `rotary.text_table` by the engine's decode steps."""
+        cos, sin = position_ids if isinstance(position_ids, tuple) else self.rotary(position_ids, h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, attn)
+            if after_layer is not None:
+                h = after_layer(i, h)
+            yield h
+        yield self.norm(h)
