@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))  # sibling tools (bench_schedules, bench_sampler)
 
-from rollplex.models import build_model, family_of, from_pretrained, save_pretrained  # noqa: E402
+from rollplex.models import build_model, family_named, family_of, from_pretrained, save_pretrained  # noqa: E402
 from rollplex.models.qwen2_5_vl import ModelArgs, TextArgs, VisionArgs  # noqa: E402
 from rollplex.models.inputs import Prompt  # noqa: E402
 from rollplex.models.packing import pack_sequences  # noqa: E402
@@ -82,7 +82,8 @@ def _3b_args(cuda: bool) -> ModelArgs:
 
 
 def _multimodal_prompt(args: ModelArgs, device: str, image_hw=(28, 40), video_thw=(4, 16, 16), seed: int = 0):
-    """Token ids with one image and one video, random pixels, as a processor would produce."""
+    """Token ids with one image and one video, random pixels, as the family's processor lays them out: for
+    Qwen3-VL (`rope_spec.split_video_frames`) each frame group after a timestamp, in a start / end of its own."""
     g = torch.Generator().manual_seed(seed)
     row = 3 * args.vision.temporal_patch_size * args.vision.patch_size**2
     merge2 = args.vision.spatial_merge_size**2
@@ -90,7 +91,11 @@ def _multimodal_prompt(args: ModelArgs, device: str, image_hw=(28, 40), video_th
     vg = torch.tensor([video_thw])
     ni, nv = int(ig.prod()) // merge2, int(vg.prod()) // merge2
     vs, ve, img, vid = args.vision_start_token_id, args.vision_end_token_id, args.image_token_id, args.video_token_id
-    ids = [1, 2, vs] + [img] * ni + [ve, 3, vs] + [vid] * nv + [ve] + list(range(10, 60))
+    video = [vid] * nv
+    if args.rope_spec.split_video_frames:
+        groups = video_thw[0]
+        video = [t for j in range(groups) for t in (40 + j, 41, vs, *[vid] * (nv // groups), ve)]
+    ids = [1, 2, vs] + [img] * ni + [ve, 3, vs] + video + [ve] + list(range(10, 60))
     return Prompt(torch.tensor(ids, device=device),
                   pixel_values=torch.randn(int(ig.prod()), row, generator=g).to(device),
                   image_grid_thw=ig.to(device),
@@ -591,11 +596,49 @@ def check_bench_serial_naive(device: str) -> dict:
 
 
 def check_model_parity_bf16(device: str) -> dict:
+    """Rollplex's Qwen2.5-VL vs transformers', in fp32 and bf16 (`_parity`)."""
+    return _parity(_tiny_args(), device)
+
+
+def check_qwen3_vl(device: str) -> dict:
+    """Rollplex's Qwen3-VL (DeepStack, interleaved M-RoPE, frame groups) vs transformers': logits in fp32
+    and bf16 (`_parity`), and the engine's greedy tokens (CUDA graphs on CUDA, fp32) against transformers'
+    generate for an image + video prompt and a text prompt."""
+    from rollplex.engine import Request, SamplingParams
+
+    args = family_named("qwen3_vl").tiny_args()
+    result = _parity(args, device)
+    model = build_model(args, dtype=torch.float32, device=device, seed=0, init_std=None)
+    with tempfile.TemporaryDirectory() as d:
+        save_pretrained(model, d)
+        hf = family_of(args).transformers_class().from_pretrained(d, dtype=torch.float32).to(device).eval()
+    prompts = [_multimodal_prompt(args, device, image_hw=(8, 12), video_thw=(2, 8, 8)), _text_prompt(1, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    ours = _tokens(_engine(model, max_num_seqs=4, max_model_len=512).generate([Request(p) for p in prompts],
+                                                                                params))
+    theirs = [[_hf_greedy(hf, p, args, params.max_tokens)] for p in prompts]
+    result["greedy_tokens_equal_transformers"] = ours == theirs
+    result["ok"] = result["ok"] and ours == theirs
+    result["criterion"] += "; engine greedy tokens (fp32) equal transformers' generate"
+    return result
+
+
+def _hf_greedy(hf, prompt: Prompt, args: ModelArgs, max_new: int) -> list[int]:
+    ids = prompt.input_ids[None]
+    mm = (ids == args.image_token_id).long() + 2 * (ids == args.video_token_id).long()
+    vision = {k: getattr(prompt, k) for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+              if getattr(prompt, k) is not None}
+    with torch.no_grad():
+        out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=mm, do_sample=False,
+                          max_new_tokens=max_new, eos_token_id=None, **vision)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def _parity(args, device: str) -> dict:
     """Rollplex vs transformers in bf16, both measured against an fp32 transformers
     reference computed with TF32 off (transformers' Conv3d would use cuDNN TF32)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    args = _tiny_args()
     with tempfile.TemporaryDirectory() as d:
         save_pretrained(build_model(args, seed=0, init_std=None), d)
         hf_class = family_of(args).transformers_class()
@@ -605,8 +648,9 @@ def check_model_parity_bf16(device: str) -> dict:
         ours16 = from_pretrained(d, dtype=torch.bfloat16, device=device)
     seq = _multimodal_prompt(args, device, video_thw=(2, 16, 16))
     kw = dict(pixel_values=seq.pixel_values, image_grid_thw=seq.image_grid_thw,
-              pixel_values_videos=seq.pixel_values_videos, video_grid_thw=seq.video_grid_thw,
-              second_per_grid_ts=seq.second_per_grid_ts)
+              pixel_values_videos=seq.pixel_values_videos, video_grid_thw=seq.video_grid_thw)
+    if not args.rope_spec.split_video_frames:  # Qwen2.5-VL's video positions follow time
+        kw["second_per_grid_ts"] = seq.second_per_grid_ts
     ids = seq.input_ids[None]
     positions = pack_sequences(args, [seq]).position_ids[:, None, :]
     mm = (ids == args.image_token_id).long() + 2 * (ids == args.video_token_id).long()
@@ -956,6 +1000,7 @@ CHECKS = {
     "bench_schedules": Check(check_bench_schedules, 130, "bench"),
     "bench_small_prefix_budget": Check(check_bench_small_prefix_budget, 65, "bench"),
     "model_parity_bf16": Check(check_model_parity_bf16, 10, "rest"),
+    "qwen3_vl": Check(check_qwen3_vl, 15, "rest"),
     "paged_decode_triton": Check(check_paged_decode_triton, 5, "rest"),
     "cascade_decode_triton": Check(check_cascade_decode_triton, 8, "rest"),
     "forward_timing_3b": Check(check_forward_timing, 6, "rest"),
