@@ -164,3 +164,12 @@ def test_the_engine_holds_the_longest_prompt_the_data_admits_with_its_whole_resp
                                           rf"over the model's max_position_embeddings {positions}"):
         RLTrainer(load_config(FAST + ["--trainer.output_dir", str(tmp_path / "too_long"), *files[:2],
                                       "--data.max_prompt_length", str(positions)]))
+
+
+def test_a_tensor_parallel_size_that_does_not_split_the_model_stops_before_the_weights_load(tmp_path,
+                                                                                          monkeypatch):
+    """The model family's check_tp, on rollout.tp (the engine's split), before any weights load."""
+    monkeypatch.setattr(RLTrainer, "_load_models", lambda *a: pytest.fail("the weights were loaded"))
+    with pytest.raises(ConfigError, match=r"rollout.tp 3: tensor parallel size 3 does not divide the model's "
+                                          r"num_attention_heads \(4\)"):
+        RLTrainer(load_config(FAST + ["--trainer.output_dir", str(tmp_path), "--rollout.tp", "3"]))

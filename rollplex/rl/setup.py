@@ -20,6 +20,7 @@ from rollplex.dist import ParallelDims, all_reduce_values
 from rollplex.device import free_memory
 from rollplex.metrics import CONFIG_FILE
 from rollplex.models.loader import read_model_args
+from rollplex.models.registry import family_of
 from rollplex.tiny import TinySpec, make_tiny_checkpoint
 from rollplex.ops.attention import resolve_backend
 from rollplex.rl.memory import BatchShape, MemoryOptions, MemoryPlan, ParallelLayout, plan_memory
@@ -223,6 +224,7 @@ def plan_run_memory(cfg: Config, path: Path, examples: list, dims: ParallelDims,
     every rank sizes alike), and gives each phase's peak. disagg is planned as
     if colocated, which over-counts each side."""
     args = read_model_args(path)
+    check_splits(args, cfg, path)
     vision = sum(int((e.prompt.input_ids == t).sum()) for e in examples
                  for t in (args.image_token_id, args.video_token_id)) // len(examples)
     lengths = [len(e.prompt.input_ids) for e in examples]
@@ -240,6 +242,15 @@ def plan_run_memory(cfg: Config, path: Path, examples: list, dims: ParallelDims,
     engine_tp = cfg.rollout.tp if dims.world_size % cfg.rollout.tp == 0 else dims.tp
     layout = ParallelLayout(dims.dp_shard, dims.tp, engine_tp, 1, dims.world_size)
     return plan_memory(args, layout, batch, options)
+
+
+def check_splits(args, cfg: Config, path: Path) -> None:
+    """Before any weights load: the trainer's and the engine's tensor-parallel sizes must split the model."""
+    for key, tp in (("parallel.tp", cfg.parallel.tp), ("rollout.tp", cfg.rollout.tp)):
+        try:
+            family_of(args).check_tp(args, tp)
+        except ValueError as e:
+            raise ConfigError(f"{key} {tp}: {e} ({path}/config.json)") from e
 
 
 def device_memory(device: torch.device) -> int:
