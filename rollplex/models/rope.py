@@ -162,17 +162,9 @@ def mrope_positions(
     is the rule above for t = 1.
     """
     ids = input_ids.tolist()
-    merge = spec.spatial_merge_size
-    split = spec.split_video_frames
-    videos = _grid_list(video_grid_thw)
-    if split:
-        videos = [[1, h, w] for t, h, w in videos for _ in range(t)]
-    grids = {spec.image_token_id: _grid_list(image_grid_thw), spec.video_token_id: videos}
-    # What a block is called in errors: a split video's blocks are its frame groups.
-    block_name = {spec.image_token_id: "image", spec.video_token_id: "video frame group" if split else "video"}
+    merge, device = spec.spatial_merge_size, input_ids.device
+    blocks = _blocks(spec, image_grid_thw, video_grid_thw, second_per_grid_ts)
     used = {spec.image_token_id: 0, spec.video_token_id: 0}
-    seconds = [float(s) for s in (second_per_grid_ts if second_per_grid_ts is not None else [])]
-    device = input_ids.device
     chunks: list[torch.Tensor] = []
     next_pos, i, text_start = 0, 0, 0
 
@@ -184,33 +176,20 @@ def mrope_positions(
 
     while i < len(ids):
         tok = ids[i]
-        if tok not in grids:
+        if tok not in blocks:
             i += 1
             continue
         flush_text(i)
-        kind = "image" if tok == spec.image_token_id else "video"
-        k = used[tok]
-        if k >= len(grids[tok]):
-            if split and kind == "video":
-                raise ValueError(f"the sequence has more video blocks than the video grids' {len(videos)} frame "
-                                 f"groups (each frame group is a block of its own)")
-            raise ValueError(f"the sequence has more {kind} blocks than {kind} grids ({len(grids[tok])} given)")
-        t, h, w = grids[tok][k]
-        used[tok] += 1
+        t, h, w, interval = _next_block(spec, blocks, used, tok)
         gh, gw = h // merge, w // merge
         n_tokens = t * gh * gw
         if ids[i:i + n_tokens] != [tok] * n_tokens:
-            run = _run_length(ids, i, tok)
+            kind = "image" if tok == spec.image_token_id else "video"
+            name = "video frame group" if spec.split_video_frames and kind == "video" else kind
             raise ValueError(
-                f"{block_name[tok]} {k} has grid (t={t}, h={h}, w={w}) = {n_tokens} tokens after merging, but the "
-                f"sequence holds {run} {kind} pad tokens there (was the prompt truncated through the {kind}?)"
-            )
-        if kind == "video" and not split:
-            if k >= len(seconds) and seconds:
-                raise ValueError(f"second_per_grid_ts has {len(seconds)} entries for more videos")
-            interval = (seconds[k] if seconds else 1.0) * spec.tokens_per_second
-        else:
-            interval = 0.0
+                f"{name} {used[tok] - 1} has grid (t={t}, h={h}, w={w}) = {n_tokens} tokens after merging, but the "
+                f"sequence holds {_run_length(ids, i, tok)} {kind} pad tokens there (was the prompt truncated "
+                f"through the {kind}?)")
         tpos = (torch.arange(t, device=device) * interval).long()
         grid = torch.stack(torch.meshgrid(tpos, torch.arange(gh, device=device), torch.arange(gw, device=device),
                                           indexing="ij")).reshape(3, -1)
@@ -219,14 +198,54 @@ def mrope_positions(
         i += n_tokens
         text_start = i
     flush_text(len(ids))
-    for tok, name in ((spec.image_token_id, "image"), (spec.video_token_id, "video")):
-        if used[tok] != len(grids[tok]):
-            given = f"{len(grids[tok])} {name} grids given"
-            if split and name == "video":
-                given = f"the video grids hold {len(grids[tok])} frame groups (each a block of its own)"
-            raise ValueError(f"{given} but the sequence holds {used[tok]} {name} blocks")
+    _check_all_used(spec, blocks, used)
     positions = torch.cat(chunks, dim=1) if chunks else torch.zeros(3, 0, dtype=torch.long, device=device)
     return positions, next_pos - len(ids)
+
+
+# A vision block as positions see it: (t, h, w) and the temporal step between its frame groups, or None where
+# a video's seconds per frame group are missing.
+_Block = tuple[int, int, int, float | None]
+
+
+def _blocks(spec: RopeIndexSpec, image_grid_thw: torch.Tensor | None, video_grid_thw: torch.Tensor | None,
+            second_per_grid_ts: torch.Tensor | list[float] | None) -> dict[int, list[_Block]]:
+    """The sequence's vision blocks in order, by pad token: its images, and its videos, or
+    with `spec.split_video_frames` each video's frame groups as blocks of t = 1."""
+    videos = _grid_list(video_grid_thw)
+    if spec.split_video_frames:
+        video_blocks = [(1, h, w, 0.0) for t, h, w in videos for _ in range(t)]
+    else:
+        seconds = [float(s) for s in (second_per_grid_ts if second_per_grid_ts is not None else [])]
+        video_blocks = [(t, h, w, None if seconds and k >= len(seconds) else
+                         (seconds[k] if seconds else 1.0) * spec.tokens_per_second)
+                        for k, (t, h, w) in enumerate(videos)]
+    images = [(t, h, w, 0.0) for t, h, w in _grid_list(image_grid_thw)]
+    return {spec.image_token_id: images, spec.video_token_id: video_blocks}
+
+
+def _next_block(spec: RopeIndexSpec, blocks: dict[int, list[_Block]], used: dict[int, int], tok: int) -> _Block:
+    """The next unused block of pad token `tok` (counted in `used`); an error when none is left."""
+    kind, k = ("image" if tok == spec.image_token_id else "video"), used[tok]
+    if k >= len(blocks[tok]):
+        if spec.split_video_frames and kind == "video":
+            raise ValueError(f"the sequence has more video blocks than the video grids' {len(blocks[tok])} frame "
+                             f"groups (each frame group is a block of its own)")
+        raise ValueError(f"the sequence has more {kind} blocks than {kind} grids ({len(blocks[tok])} given)")
+    used[tok] += 1
+    t, h, w, interval = blocks[tok][k]
+    if interval is None:
+        raise ValueError(f"second_per_grid_ts has {k} entries for more videos")
+    return t, h, w, interval
+
+
+def _check_all_used(spec: RopeIndexSpec, blocks: dict[int, list[_Block]], used: dict[int, int]) -> None:
+    for tok, name in ((spec.image_token_id, "image"), (spec.video_token_id, "video")):
+        if used[tok] != len(blocks[tok]):
+            given = f"{len(blocks[tok])} {name} grids given"
+            if spec.split_video_frames and name == "video":
+                given = f"the video grids hold {len(blocks[tok])} frame groups (each a block of its own)"
+            raise ValueError(f"{given} but the sequence holds {used[tok]} {name} blocks")
 
 
 def generated_positions(start: int, end: int, rope_delta: int,
