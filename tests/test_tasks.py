@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from transformers.image_utils import OPENAI_CLIP_MEAN as IMAGE_MEAN, OPENAI_CLIP_STD as IMAGE_STD
 
 from rollplex.data.tasks import (
     BACKGROUND_MAX,
@@ -17,7 +18,6 @@ from rollplex.data.tasks import (
     task_batches,
     validation_examples,
 )
-from rollplex.tiny import IMAGE_MEAN, IMAGE_STD
 
 
 def _same_prompt(a, b) -> bool:
