@@ -71,6 +71,30 @@ def test_param_counts_match_the_built_model(name):
         assert counts.root == counts.total - blocks
 
 
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_linear_params_are_the_matmuls_torch_counts(name):
+    """FLOP counts (rollplex.train.flops) take 2 x linear_params per token and per patch: torch's
+    FlopCounterMode, counting the matmuls a vision forward and a decoder forward run, agrees exactly."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    family = FAMILIES[name]
+    model = build_model(family.tiny_args())
+    linear = family.linear_params(model.args)
+    prompt = _image_prompt(model.args)
+    inputs = model.prepare_vision(prompt.pixel_values, prompt.image_grid_thw)
+    ids = torch.tensor([1, 5, 7, 9, 11])
+    attn = PackedSegments([0, len(ids)], True, "torch", torch.device("cpu"))
+    for run, units, expected in ((lambda: model.encode_prepared(inputs), len(prompt.pixel_values), linear.vision),
+                                 (lambda: model.forward_generated(ids, torch.arange(5).expand(3, -1),
+                                                                  lambda layer, q, k, v: attn(q, k, v)),
+                                  len(ids), linear.decoder)):
+        with FlopCounterMode(display=False) as counter:
+            run()
+        counts = counter.get_flop_counts()["Global"]
+        matmuls = sum(n for op, n in counts.items() if str(op) in ("aten.mm", "aten.addmm"))
+        assert matmuls == 2 * expected * units
+
+
 def _image_prompt(args) -> Prompt:
     v = args.vision
     grid = torch.tensor([[1, 4, 4]])

@@ -109,10 +109,12 @@ def count_params(args: ModelArgs) -> ParamCounts:
 
 
 def linear_params(args: ModelArgs) -> LinearParams:
-    """The matmul weights a text token and a patch go through (biases and norms left out)."""
+    """The matmul weights a text token and a patch go through (biases and norms left out).
+    The merger runs once per merged token, on merge^2 patches: per patch it counts
+    merged * (merged + out) / merge^2 = width * (merged + out)."""
     v = args.vision
     block = 4 * v.hidden_size**2 + 3 * v.hidden_size * v.intermediate_size
     merged = v.hidden_size * v.spatial_merge_size**2
-    vision = v.depth * block + merged * merged + merged * v.out_hidden_size + \
+    vision = v.depth * block + v.hidden_size * (merged + v.out_hidden_size) + \
         v.in_channels * v.temporal_patch_size * v.patch_size**2 * v.hidden_size
     return LinearParams(decoder_linear_params(args.text), vision)
