@@ -48,8 +48,8 @@ Rollplex's own (no verl equivalent):
     weights/bytes_shared           weight bytes the engine reads in place (the trainer's own tensors)
     weights/bytes_viewed           ... reads through a slice/stride view of them
     weights/bytes_rebuilt          ... rebuilds into its own buffer after each optimizer step
-    perf/gpu_util_mean             mean NVML GPU utilisation during the step, percent (GpuSampler)
-    perf/gpu_mem_used_gb_max       peak NVML used memory during the step, GiB, all processes (GpuSampler)
+    perf/gpu_util_mean             mean NVML GPU utilisation during the step, percent (GpuMonitor)
+    perf/gpu_mem_used_gb_max       peak NVML used memory during the step, GiB, all processes (GpuMonitor)
     perf/live_memory_gb            tensor memory held between steps, GiB (CUDA: every step; CPU: steps that save)
 
 A name ending in _total is a running count, not the step's own: a resumed run counts again from 0.
@@ -403,7 +403,7 @@ def _open_nvml_device(device: torch.device | int | None) -> Any | None:
         return None
 
 
-class GpuSampler:
+class GpuMonitor:
     """Samples NVML utilisation and used memory of the local GPU on a background thread.
 
     ``with sampler: <one step>`` then ``sampler.as_metrics()``. Each ``start()``
@@ -428,7 +428,7 @@ class GpuSampler:
             return
         self._util, self._mem = [], []
         self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="GpuSampler", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="GpuMonitor", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -465,7 +465,7 @@ class GpuSampler:
             self._handle = None
             pynvml.nvmlShutdown()
 
-    def __enter__(self) -> GpuSampler:
+    def __enter__(self) -> GpuMonitor:
         self.start()
         return self
 

@@ -1,4 +1,4 @@
-"""rollplex.metrics (logger, samples files, trackers, Timer, GpuSampler, read_metrics) and tools/plot_run.py."""
+"""rollplex.metrics (logger, samples files, trackers, Timer, GpuMonitor, read_metrics) and tools/plot_run.py."""
 
 import importlib.util
 import json
@@ -13,7 +13,7 @@ import torch
 
 from offline_trackers import swanlab_history, wandb_run
 from rollplex import metrics as M
-from rollplex.metrics import GpuSampler, MetricsLogger, Timer, read_metrics
+from rollplex.metrics import GpuMonitor, MetricsLogger, Timer, read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -191,8 +191,8 @@ def test_timer_accumulates_per_name():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
-def test_gpu_sampler_is_a_quiet_no_op_without_a_gpu(recwarn):
-    sampler = GpuSampler(interval_s=0.01)
+def test_gpu_monitor_is_a_quiet_no_op_without_a_gpu(recwarn):
+    sampler = GpuMonitor(interval_s=0.01)
     with sampler:
         pass
     assert not sampler.enabled and sampler.as_metrics() == {}
@@ -220,11 +220,11 @@ class FakeNvml:
         pass
 
 
-def test_gpu_sampler_thread_with_a_fake_nvml(monkeypatch):
+def test_gpu_monitor_thread_with_a_fake_nvml(monkeypatch):
     """The sampling thread's logic, on CPU."""
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml([(10, 1.0), (30, 3.0), (20, 2.0)]))
     monkeypatch.setattr(M, "_open_nvml_device", lambda device: object())
-    sampler = GpuSampler(interval_s=0.001)
+    sampler = GpuMonitor(interval_s=0.001)
     assert sampler.enabled
     with sampler:
         deadline = time.monotonic() + 5

@@ -274,7 +274,7 @@ def test_streamed_passes_wait_for_the_side_stream_to_get_through_its_backlog(mon
 
     from rollplex.config import load_config
 
-    kept_everywhere = SimpleNamespace(stream=None, result=lambda kind, chunk: "kept prompt")
+    kept_everywhere = SimpleNamespace(side_stream=None, result=lambda kind, chunk: "kept prompt")
     stream = GroupStream(load_config(FAST + STREAM), [None] * 4, tokenizer=None, scorer=SimpleNamespace(workers=0),
                          actor=None, ref_model=None, prefix=kept_everywhere,
                          plan=StreamPlan(ref=True, old=False, update=False))

@@ -40,13 +40,13 @@ from rollplex.config import Config, config_to_dict, save_config
 from rollplex.data.prefetch import Prefetcher
 from rollplex.data.reward_scoring import RewardScorer, RewardScores
 from rollplex.dist import ParallelDims, all_gather_objects, build_mesh, init_distributed
-from rollplex.metrics import CONFIG_FILE, GpuSampler, MetricsLogger, Timer, start_run_files
+from rollplex.metrics import CONFIG_FILE, GpuMonitor, MetricsLogger, Timer, start_run_files
 from rollplex.models import Prompt, VisionEmbeds, from_pretrained
 from rollplex.rl.disagg import DisaggExchange, DisaggLayout, WeightBroadcast
 from rollplex.rl.memory import GiB, PrefixKind
 from rollplex.rl.prefix import PrefixPlanner, PrefixScheduler, PrefixWork, update_chunks
 from rollplex.rl.reports import startup_summary, training_records, validation_records
-from rollplex.rl.rollout import Rollout, RolloutSampler, balanced_share, build_engine
+from rollplex.rl.rollout import Rollout, RolloutRunner, balanced_share, build_engine
 from rollplex.rl.stream import GroupStream, StreamPlan, StreamReport, norm_by_std, score_groups
 from rollplex.rl.setup import PromptSource, load_run_processor, model_path, plan_run_memory, resume_point
 from rollplex.rl.step_metrics import (PhaseMeter, combine_updates, gather_metrics, memory_metrics, prefix_metrics,
@@ -140,7 +140,7 @@ class RLTrainer:
         d = cfg.data
         self.reward_scorer = RewardScorer(d.reward, d.reward_workers, d.reward_timeout_s, d.reward_kind,
                                           d.reward_score_key, d.reward_keyword_arguments())
-        self.gpu_sampler = GpuSampler(device=self.device.index if self.device.type == "cuda" else None)
+        self.gpu_monitor = GpuMonitor(device=self.device.index if self.device.type == "cuda" else None)
 
     def _load_models(self, path: Path) -> None:
         """A trainer holds fp32 master weights and computes in model.dtype (FSDP gathers them in it, one process
@@ -156,12 +156,12 @@ class RLTrainer:
     def _build_rollout(self) -> None:
         """The engine on the rollout layout of the weights (rollout ranks), and the prompt work's planner."""
         cfg = self.cfg
-        self.engine, self.sampler = None, None
+        self.engine, self.rollout_runner = None, None
         if self.generates:
             self.engine = build_engine(self.weights, cfg.rollout, self.memory.kv_pool_blocks,
                                        self.memory.batch.longest_sequence, self.engine_ranks)
             tp_group = self.weights.engine_tp_group if cfg.rollout.tp > cfg.parallel.tp else None
-            self.sampler = RolloutSampler(self.engine, self.weights, self.model, self.tokenizer, cfg.rollout,
+            self.rollout_runner = RolloutRunner(self.engine, self.weights, self.model, self.tokenizer, cfg.rollout,
                                           cfg.trainer.seed, tp_group)
         # The prefix slices' side stream, one for the trainer's lifetime (see rollplex.rl.prefix), at priority 0,
         # CUDA's lowest: the engine's decode stream goes first.
@@ -271,9 +271,9 @@ class RLTrainer:
         """One step on the global batch `examples`; `data_s`: how long the step waited for them (timing_s/data,
         counted in timing_s/step)."""
         # GPU utilisation and memory over the step (no-op without an NVIDIA GPU), and each phase's peak memory
-        with self.gpu_sampler, self.phases.step() as peaks:
+        with self.gpu_monitor, self.phases.step() as peaks:
             metrics = self._train_step(examples, data_s)
-        metrics.update(self.gpu_sampler.as_metrics())
+        metrics.update(self.gpu_monitor.as_metrics())
         metrics.update(memory_metrics(peaks, self.memory if self.disagg is None else None))
         return metrics
 
@@ -352,16 +352,17 @@ class RLTrainer:
         prompt work is planned; the overlap schedule runs it between decode steps."""
         prompts = [e.prompt for e in examples]
         prefix = None
-        with self.sampler.session():
+        with self.rollout_runner.session():
             vision = [self._encode(p) for p in prompts] if prefix_work else [None] * len(prompts)
-            requests = self.sampler.requests(examples, step, vision)
+            requests = self.rollout_runner.requests(examples, step, vision)
             if prefix_work:
                 prefix = self.prefix_planner.scheduler(self._prefix_work(prompts, vision),
                                                        self.engine.cache.pool_bytes())
             overlap = prefix is not None and self.cfg.schedule.kind == "overlap"
             stream = self._group_stream(examples, prefix) if overlap and self.cfg.schedule.stream_groups else None
-            outputs = self.sampler.generate(requests, between_steps=self._decode_window(prefix, stream) if overlap
-                                            else None, on_finished=stream.on_finished if stream else None)
+            window = self._decode_window(prefix, stream) if overlap else None
+            outputs = self.rollout_runner.generate(requests, between_steps=window,
+                                                   on_finished=stream.on_finished if stream else None)
             if overlap:
                 prefix.drain()  # what the decode window did not hide, while the weights are still gathered
             if stream is not None:
@@ -469,7 +470,7 @@ class RLTrainer:
 
     def _greedy_records(self, examples: list) -> list[dict]:
         """The samples-file records of `examples`' greedy responses on this rank's engine, with their scores."""
-        samples = self.sampler.greedy(examples)
+        samples = self.rollout_runner.greedy(examples)
         responses = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
         rewards = self.reward_scorer.score(responses, [e.answer for e in examples], [s.token_ids for s in samples],
                                            [e.columns for e in examples])
@@ -479,7 +480,7 @@ class RLTrainer:
         if self.trains:
             start = time.perf_counter()
             path = save_checkpoint(self.out / "checkpoints", self.step, self.model, self.actor.optimizer,
-                                   self.actor.scheduler, extra={"step": self.step},
+                                   self.actor.lr_schedule, extra={"step": self.step},
                                    keep_last=self.cfg.trainer.keep_last, group=self.train_group)
             self.logger.message(f"step {self.step}: saved checkpoint {path} ({time.perf_counter() - start:.1f} s)")
 
@@ -496,6 +497,6 @@ class RLTrainer:
         """Load the checkpoint `resume_point` chose (every rank knows its step: a disagg rollout rank too)."""
         path = self.start.checkpoint
         if path is not None and self.trains:
-            load_checkpoint(path, self.model, self.actor.optimizer, self.actor.scheduler, group=self.train_group)
+            load_checkpoint(path, self.model, self.actor.optimizer, self.actor.lr_schedule, group=self.train_group)
         if path is not None and self.rank == 0:
             print(f"resumed from {path} at step {self.step}")

@@ -134,7 +134,7 @@ class PrefixScheduler:
         self.peak_running = 0
         self.timing = PrefixTiming()
         self.cuda = side_stream is not None
-        self.stream = side_stream
+        self.side_stream = side_stream
         # Where the inputs were made (and the suffix passes will run): the caller's stream, not the engine's
         # decode stream, which orders itself against the caller's stream at each step.
         self.main_stream = torch.cuda.current_stream(side_stream.device) if self.cuda else None
@@ -168,8 +168,8 @@ class PrefixScheduler:
         start = time.perf_counter()
         self._run(None)
         if self.cuda:
-            self.main_stream.wait_stream(self.stream)
-            self.stream.synchronize()
+            self.main_stream.wait_stream(self.side_stream)
+            self.side_stream.synchronize()
             side = sum(a.elapsed_time(b) for a, b in self.slice_events) / 1e3
             exposed = time.perf_counter() - start
             self.timing.exposed = exposed
@@ -185,9 +185,9 @@ class PrefixScheduler:
             return
         if self.cuda:
             if not self.started:  # inputs (gathered weights, cached vision) come from the main stream
-                self.stream.wait_stream(self.main_stream)
+                self.side_stream.wait_stream(self.main_stream)
                 self.started = True
-            with torch.cuda.stream(self.stream):
+            with torch.cuda.stream(self.side_stream):
                 self._advance(slices)
         else:
             self._advance(slices)

@@ -109,7 +109,7 @@ def build_engine(weights: SharedWeights, r: RolloutConfig, num_blocks: int, max_
     return engine
 
 
-class RolloutSampler:
+class RolloutRunner:
     """This rank's engine as the loop drives it: requests with the prompts' seeds
     and limits, sampled (rollout.*) or greedy (evaluation), on the trainer's weights."""
 

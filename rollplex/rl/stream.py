@@ -163,7 +163,7 @@ class GroupStream:
 
     def __post_init__(self):
         self.chunks = update_chunks(len(self.examples), self.cfg.algorithm.updates_per_batch)
-        self.stream = self.prefix.stream  # None on CPU: the passes run inline
+        self.side_stream = self.prefix.side_stream  # None on CPU: the passes run inline
         if self.plan.update:  # on every dp rank alike, whether or not its groups finish in the window
             self.update = self.actor.start_update()
         if self.plan.gather_ref:  # a collective, on every dp rank alike
@@ -214,16 +214,16 @@ class GroupStream:
 
     def _issue(self, kind: str, g: int) -> torch.cuda.Event | None:
         """Run a pass inline (on CPU: None), or issue it on the side stream: its end event."""
-        if self.stream is None:
+        if self.side_stream is None:
             start = time.perf_counter()
             self._run(kind, g)
             self.report.hidden += time.perf_counter() - start
             return None
         if not self._waited:  # once: the caller's stream made the inputs (gathered weights, cached vision)
-            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            self.side_stream.wait_stream(torch.cuda.current_stream(self.side_stream.device))
             self._waited = True
         events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.side_stream):
             events[0].record()
             self._run(kind, g)
             events[1].record()
@@ -240,10 +240,10 @@ class GroupStream:
             self._scorer_thread.shutdown()
         if self.plan.gather_ref:
             release_gathered(fsdp_units(self.ref_model))
-        if self.stream is not None:
-            main = torch.cuda.current_stream(self.stream.device)
-            main.wait_stream(self.stream)
-            self.stream.synchronize()  # done already: the prefix drain waited for this stream
+        if self.side_stream is not None:
+            main = torch.cuda.current_stream(self.side_stream.device)
+            main.wait_stream(self.side_stream)
+            self.side_stream.synchronize()  # done already: the prefix drain waited for this stream
             self.report.hidden += sum(a.elapsed_time(b) for a, b in self._pass_events) / 1e3
             # Made on the side stream, used and freed on the caller's from here on.
             for p in self.actor.model.parameters():

@@ -210,7 +210,7 @@ class Actor:
         params = [p for p in model.parameters() if p.requires_grad]
         # Fused on CPU too: the per-tensor loop took a third of the tiny demo's update (95 of 285 ms a step).
         self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, fused=True)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda or (lambda step: 1.0))
+        self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda or (lambda step: 1.0))
         self.skipped_steps = 0
         self.offload = OptimizerOffload(self.optimizer) if config.offload_optimizer else None
 
@@ -365,7 +365,7 @@ class Actor:
         if step.measures_diff:
             metrics["training/rollout_probs_diff_mean"] = step.probs_diff_sum.item()
             metrics["training/rollout_probs_diff_max"] = step.probs_diff_max.item()
-        metrics.update({"actor/grad_norm": grad_norm, "actor/lr": self.scheduler.get_last_lr()[0],
+        metrics.update({"actor/grad_norm": grad_norm, "actor/lr": self.lr_schedule.get_last_lr()[0],
                         "actor/skipped_steps_total": float(self.skipped_steps),
                         "training/nonfinite_logprobs": nonfinite})
         return metrics
@@ -419,7 +419,7 @@ class Actor:
             self.optimizer.step()
             if self.offload:
                 self.offload.offload()
-            self.scheduler.step()
+            self.lr_schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
