@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import json
 import os
 import warnings
 from collections import Counter
@@ -46,6 +45,7 @@ from rollplex.data.media import FRAME_EXTENSIONS, MediaLoadError
 from rollplex.data.processing import (
     IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, PlaceholderMismatch, prepare_prompt, text_to_messages,
 )
+from rollplex.data.rows import JsonlRows, ParquetRows, read_rows
 from rollplex.models.inputs import Prompt
 
 FORMATS = ("auto", "easyr1", "verl")
@@ -114,85 +114,12 @@ class _SkipGroup:
         return f"  {self.reason}: {self.count} {rows} ({'; '.join(shown)}{more}): {self.error}; {self.fix}"
 
 
-# --------------------------------------------------------------------------------------
-# Files
-# --------------------------------------------------------------------------------------
-class _JsonlRows:
-    """All rows of a JSONL file, parsed up front so a malformed line fails at load."""
-
-    def __init__(self, path: Path):
-        self.rows: list[dict[str, Any]] = []
-        self.lines: list[int] = []
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}, line {lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
-                if not isinstance(row, dict):
-                    raise ValueError(f"{path}, line {lineno}: expected a JSON object, got {type(row).__name__}")
-                self.rows.append(row)
-                self.lines.append(lineno)
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return self.rows[i]
-
-    def where(self, i: int) -> str:
-        return f"line {self.lines[i]}"
-
-
-class _ParquetRows:
-    """Rows of a parquet file. The Arrow table stays columnar; a row becomes Python
-    objects only when asked for, so image bytes are not all copied at load."""
-
-    def __init__(self, path: Path):
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise ImportError(
-                f"reading the parquet file {path} needs pyarrow, an optional extra: pip install pyarrow"
-            ) from None
-        try:
-            self.table = pq.read_table(path)
-        except Exception as e:  # pyarrow raises several types for a broken file
-            raise ValueError(f"{path}: cannot read parquet ({type(e).__name__}: {e})") from e
-
-    def __len__(self) -> int:
-        return self.table.num_rows
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return self.table.slice(i, 1).to_pylist()[0]
-
-    def where(self, i: int) -> str:
-        return f"row {i}"
-
-
-def _read_rows(path: Path) -> _JsonlRows | _ParquetRows:
-    if not path.is_file():
-        raise FileNotFoundError(f"dataset file not found: {path}")
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        rows: _JsonlRows | _ParquetRows = _JsonlRows(path)
-    elif suffix == ".parquet":
-        rows = _ParquetRows(path)
-    else:
-        raise ValueError(f"{path}: unsupported dataset file type {suffix!r} (use .jsonl or .parquet)")
-    if len(rows) == 0:
-        raise ValueError(f"{path}: the file holds no rows")
-    return rows
-
-
 @dataclass
 class _Source:
     """One data file: its rows, its layout and where its rows start in the dataset."""
 
     path: Path
-    rows: _JsonlRows | _ParquetRows
+    rows: JsonlRows | ParquetRows
     layout: str  # "easyr1" or "verl"
     start: int
 
@@ -330,7 +257,7 @@ class PromptDataset:
         start = 0
         for f in files:
             path = Path(f)
-            rows = _read_rows(path)
+            rows = read_rows(path)
             layout = _detect_layout(rows[0], prompt_key, path) if format == "auto" else format
             self.sources.append(_Source(path, rows, layout, start))
             start += len(rows)
