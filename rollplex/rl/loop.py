@@ -53,9 +53,10 @@ from rollplex.rl.step_metrics import (PhaseMeter, combine_updates, gather_metric
                                       speed_metrics, stop_if_every_reward_failed, summed_over_ranks)
 from rollplex.rl.weights import SharedWeights
 from rollplex.run_lock import RunLock, claim_run_folder
-from rollplex.train.actor import Actor, ActorConfig, PolicyBatch, lr_schedule
+from rollplex.train.actor import Actor, ActorConfig, PolicyBatch
 from rollplex.train.checkpoint import export_hf, load_checkpoint, remove_unfinished_saves, save_checkpoint
 from rollplex.train.loss import group_advantages
+from rollplex.train.optim import lr_schedule
 from rollplex.train.parallelize import apply_tp, parallelize
 
 def _kill_if_asked(step: int, rank: int) -> None:
