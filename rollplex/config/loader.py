@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 import yaml
 
-from rollplex.config.sections import Config, ConfigError, field_types
+from rollplex.config.section import ConfigError, field_types
+from rollplex.config.sections import Config
 
 # Files in the package: the tiny CPU demo a bare `python train.py` runs (it names what it changes from the
 # dataclass defaults), and the real run's template that lists every key at its default.

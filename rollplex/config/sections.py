@@ -5,66 +5,18 @@ on construction, whichever way it is built (YAML, command line, code)."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
-import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-
-class ConfigError(ValueError):
-    """A bad configuration: unknown key, wrong type, invalid choice or missing file."""
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-class _Section:
-    """Mixin: validates Literal choices and simple ranges right after construction.
-
-    Runs for every construction path (YAML, tyro, direct), so a bad value can never
-    reach the trainer. tyro turns the ValueError into a CLI error message.
-    """
-
-    _section: ClassVar[str] = ""
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            tp = field_types(type(self))[f.name]
-            if typing.get_origin(tp) is Literal:
-                choices = typing.get_args(tp)
-                value = getattr(self, f.name)
-                if value not in choices:
-                    raise ConfigError(
-                        f"{self._section}.{f.name}: {value!r} is not one of "
-                        f"{', '.join(map(str, choices))}"
-                    )
-        self._check_ranges()
-
-    def _check_ranges(self) -> None:
-        """Section-specific range checks; override where needed."""
-
-    def _require(self, ok: bool, name: str, what: str) -> None:
-        if not ok:
-            raise ConfigError(
-                f"{self._section}.{name} must be {what}, got {getattr(self, name)!r}"
-            )
-
-
-@functools.cache
-def field_types(cls: type) -> dict[str, Any]:
-    # Annotations are strings (postponed evaluation); resolve them once per class.
-    return typing.get_type_hints(cls)
+from rollplex.config.section import ConfigError, Section
 
 
 # --------------------------------------------------------------------------- sections
 
 
 @dataclass
-class TinyModelConfig(_Section):
+class TinyModelConfig(Section):
     """Family and size of the tiny model built from scratch when model.path is empty."""
 
     _section: ClassVar[str] = "model.tiny"
@@ -125,7 +77,7 @@ class TinyModelConfig(_Section):
 
 
 @dataclass
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """Which model to train and how to hold it."""
 
     _section: ClassVar[str] = "model"
@@ -143,7 +95,7 @@ class ModelConfig(_Section):
 
 
 @dataclass
-class ParallelConfig(_Section):
+class ParallelConfig(Section):
     """How the trainer shards the model over ranks."""
 
     _section: ClassVar[str] = "parallel"
@@ -165,7 +117,7 @@ class ParallelConfig(_Section):
 
 
 @dataclass
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     """Generation of responses (the rollout engine)."""
 
     _section: ClassVar[str] = "rollout"
@@ -218,7 +170,7 @@ class RolloutConfig(_Section):
 
 
 @dataclass
-class AlgorithmConfig(_Section):
+class AlgorithmConfig(Section):
     """The RL objective: advantages, clipping, loss aggregation, regularizers."""
 
     _section: ClassVar[str] = "algorithm"
@@ -259,7 +211,7 @@ class AlgorithmConfig(_Section):
 
 
 @dataclass
-class DataConfig(_Section):
+class DataConfig(Section):
     """Prompts, images/videos and the reward."""
 
     _section: ClassVar[str] = "data"
@@ -369,7 +321,7 @@ class DataConfig(_Section):
 
 
 @dataclass
-class TrainerConfig(_Section):
+class TrainerConfig(Section):
     """Optimization, checkpoints and evaluation."""
 
     _section: ClassVar[str] = "trainer"
@@ -451,7 +403,7 @@ class TrainerConfig(_Section):
 
 
 @dataclass
-class ScheduleConfig(_Section):
+class ScheduleConfig(Section):
     """How rollout and training share the devices."""
 
     _section: ClassVar[str] = "schedule"
@@ -481,7 +433,7 @@ class ScheduleConfig(_Section):
 
 
 @dataclass
-class LoggingConfig(_Section):
+class LoggingConfig(Section):
     """Where metrics go."""
 
     _section: ClassVar[str] = "logging"
@@ -537,5 +489,5 @@ class Config:
             section.validate()
             for sub in dataclasses.fields(section):
                 value = getattr(section, sub.name)
-                if isinstance(value, _Section):
+                if isinstance(value, Section):
                     value.validate()
