@@ -85,7 +85,7 @@ class ModelFamily:
     check_tp: Callable[[Any, int], None]  # (args, tp): raise when the model cannot be split tp ways
     apply_tp: Callable[[nn.Module, DeviceMesh], nn.Module]  # the TP plan, applied in place
     repeated_blocks: Callable[[nn.Module], list[nn.ModuleList]]  # FSDP's units, activation checkpointing's too
-    vision_tower: Callable[[nn.Module], nn.Module]  # what model.freeze_vision freezes
+    vision_tower: Callable[[nn.Module], nn.Module]  # what parallel.freeze_vision freezes
     count_params: Callable[[Any], ParamCounts]
     linear_params: Callable[[Any], LinearParams]
     # Feature rows the tower gives each vision token (VisionEmbeds): 1, plus one per DeepStack level.

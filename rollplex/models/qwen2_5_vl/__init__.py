@@ -10,7 +10,6 @@ from rollplex.models.qwen2_5_vl.args import PRESETS, ModelArgs, TextArgs, Vision
     tiny_args
 from rollplex.models.qwen2_5_vl.model import Qwen2_5_VL
 from rollplex.models.qwen2_5_vl.tiny import mrope_section, tiny_hf_config
-from rollplex.models.qwen_vl.model import VisionInputs
 
 
 FAMILY = ModelFamily(
@@ -40,4 +39,4 @@ FAMILY = ModelFamily(
     load_processor=processor.load_processor,
 )
 
-__all__ = ["FAMILY", "PRESETS", "ModelArgs", "Qwen2_5_VL", "TextArgs", "VisionArgs", "VisionInputs", "tiny_args"]
+__all__ = ["FAMILY", "PRESETS", "ModelArgs", "Qwen2_5_VL", "TextArgs", "VisionArgs", "tiny_args"]

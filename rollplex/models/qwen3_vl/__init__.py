@@ -15,7 +15,6 @@ from rollplex.models.qwen3_vl.hf import (ARCHITECTURE, MODEL_TYPE, UNSUPPORTED, 
                                          hf_config_from_args, hf_key_to_params, param_to_hf_key)
 from rollplex.models.qwen3_vl.model import Qwen3_VL
 from rollplex.models.qwen3_vl.tp_plan import apply_tp, check_tp, repeated_blocks, vision_splits, vision_tower
-from rollplex.models.qwen_vl.model import VisionInputs
 
 # The TinySpec fields a tiny Qwen3-VL changes: 16 px patches, and pixel budgets of whole 32 px merged patches
 # (the same token counts as the Qwen2.5-VL tiny's 28 px), and the words of the processor's video timestamps
@@ -55,7 +54,7 @@ FAMILY = ModelFamily(
 
 __all__ = [
     "ARCHITECTURE", "FAMILY", "MODEL_TYPE", "PRESETS", "UNSUPPORTED", "VISION_MLP_WIDTHS", "ModelArgs", "Qwen3_VL", "TextArgs",
-    "VisionArgs", "VisionInputs", "apply_tp", "args_from_hf_config", "check_tp", "count_params",
+    "VisionArgs", "apply_tp", "args_from_hf_config", "check_tp", "count_params",
     "hf_config_from_args", "hf_key_to_params", "linear_params", "param_to_hf_key",
     "repeated_blocks", "tiny_args", "vision_feature_levels", "vision_splits", "vision_tower",
 ]
