@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from rollplex.ops import paged_decode_triton as pdt
-from rollplex.ops.attention import CascadeDecodeAttention, PrefixGroups, paged_decode_attention
+from rollplex.engine.cascade import CascadeDecodeAttention, PrefixGroups
+from rollplex.ops.attention import paged_decode_attention
 from rollplex.ops.cascade_decode_triton import cascade_decode_attention_triton
 from test_cascade_decode import random_batch
 

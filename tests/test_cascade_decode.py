@@ -8,7 +8,8 @@ it (rollout.shared_prefix_decode) is tested in tests/test_engine.py.
 
 import torch
 
-from rollplex.ops.attention import CascadeDecodeAttention, PrefixGroups, paged_decode_attention
+from rollplex.engine.cascade import CascadeDecodeAttention, PrefixGroups
+from rollplex.ops.attention import paged_decode_attention
 
 BLOCK = 4
 

@@ -1,6 +1,7 @@
 """The running sequences' decode state (rollplex.engine.decode_batch): a row written
-when a sequence joins, a token per step, the stop checks, and the write-back of what
-a sequence sampled when it leaves (finished, or preempted to be recomputed)."""
+when a sequence joins, a token per step, the stop checks, a sequence's state read
+through its row while it decodes, and taken along when it leaves (finished, or
+preempted to be recomputed)."""
 
 import numpy as np
 import torch
@@ -43,7 +44,7 @@ def test_a_sequence_from_join_to_leave():
     assert batch.leave([0]) == [a]
     assert (a.token_ids, a.logprobs, a.decode_row) == (PROMPT + [STOP], [-0.5], -1)
     assert batch.seqs == [b] and batch.rows.tolist() == [b.decode_row]
-    assert len(b) == len(PROMPT)  # its own list catches up when it leaves
+    assert (b.token_ids, b.logprobs, len(b)) == (PROMPT + [40], [-1.5], len(PROMPT) + 1)  # read through its row
     b.block_table[-1] = 6  # a private copy of its block 1 (copy-on-write): the fed token, index 5, goes there
     batch.last_blocks_changed([0])
     assert batch.block_tables[b.decode_row].tolist() == [0, 6, SINK, SINK]

@@ -14,7 +14,7 @@ from rollplex.engine.block_manager import BlockManager
 from rollplex.engine.scheduler import Scheduler
 from rollplex.models import Prompt, build_model, save_pretrained
 from rollplex.models.rope import mrope_positions
-from rollplex.ops.attention import CascadeDecodeAttention, PrefixGroups
+from rollplex.engine.cascade import CascadeDecodeAttention, PrefixGroups
 from test_model import IMG, VEND, VID, VSTART, image, tiny_args
 from test_prefix_sync import HostSyncGuard
 
@@ -414,16 +414,16 @@ def test_decode_graphs_sample_the_same_with_shared_prefix_decode(model, monkeypa
     graphed = Engine(model, EngineConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, max_num_seqs=20,
                                          max_model_len=64, shared_prefix_decode=True))
     graphed.runner.use_cuda_graphs = True  # on CPU: the stand-in
-    graphed.runner.prefix_group_width = 4
+    graphed.runner.cascade.group_width = 4
     fills = []
-    fill = graphed.runner._fill_prefix_groups
+    fill = graphed.runner.cascade._refill
 
     def spy(batch, groups):
         fill(batch, groups)
         if groups is not None:
             fills.append(sorted(int(n) for n in (groups.members < batch).sum(1)))
 
-    monkeypatch.setattr(graphed.runner, "_fill_prefix_groups", spy)
+    monkeypatch.setattr(graphed.runner.cascade, "_refill", spy)
     shared = graphed.generate(requests, params)
     assert graphed.runner.captures == len(graphed.runner.graphs) > 1  # each bucket once, at its first use
     # Groups hold at most 4 rows; a piece of 1 row is a group of 5 cut (a single row is no group by itself).

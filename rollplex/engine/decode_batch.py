@@ -1,24 +1,28 @@
 """The running sequences' decode state, kept in persistent arrays between steps.
 
 A sequence that starts decoding takes a row of these arrays and keeps it until
-it finishes or is preempted. Its row is written once when it joins (rope delta,
-block table, the length where it stops, the sampler's U for every token it may
-sample), then updated in place: one token per step, and one block-table entry
-when the block manager gives it a new or a private block. A decode step reads its
-inputs off the running rows and records its sampled tokens and stop checks with a
-few array operations for the whole batch: no Python work per sequence, except for
-the few that need a block, finish or are preempted.
+it finishes or is preempted. The row is then the one owner of the sequence's
+state: its tokens (prompt included), their logprobs, its length and its finish
+reason; the `Sequence` reads them through it (rollplex.engine.sequence) and
+holds them itself again when it leaves. So a stop rule, or anything else that
+reads what a sequence has sampled, reads it here. The row is written once when
+the sequence joins (the lists of its tokens and logprobs so far, taken over as
+they are, rope delta, block table, the length where it stops, the sampler's U
+for every token it may sample),
+then updated in place: one token per step, and one block-table entry when the
+block manager gives it a new or a private block. A decode step reads its
+inputs off the running rows and records its sampled tokens and stop checks with
+a few array operations for the whole batch: no Python work per sequence, except
+for the few that need a block, finish or are preempted.
 
 Where each array lives:
 - on the host, as numpy arrays, what the scheduler reads every step without
-  waiting on the device: each row's length, the length where it stops, and the
-  tokens and logprobs it sampled, at their positions in the sequence (a
-  sequence's own lists catch up when it leaves the batch: to make its Sample, or
-  to be recomputed after a preemption); and what the step's inputs are made
-  from, with the lengths: each row's rope delta and U per token. numpy, not
-  torch: a step's bookkeeping is a few dozen operations on a few hundred
-  numbers, and numpy dispatches each several times faster, the more so right
-  after the model has swept the caches;
+  waiting on the device: each row's length, the length where it stops, the
+  tokens and logprobs it samples here, at their positions in the sequence, and
+  its finish reason; and what the step's inputs are made from, with the lengths: each
+  row's rope delta and U per token. numpy, not torch: a step's bookkeeping is
+  a few dozen operations on a few hundred numbers, and numpy dispatches each
+  several times faster, the more so right after the model has swept the caches;
 - on the model's device, what the model and the sampler read: each row's last
   token and block table (torch), and the step's inputs (`StepInputs`), made on
   the host (from a copy of the block tables there) and copied over in one
@@ -29,12 +33,14 @@ next step before it reads this one's tokens back (the engine runs one step
 ahead): `advance` when the step is issued, with the tokens still on the device
 (each row's length grows by one and the tokens become the next step's input),
 and `record` once they are on the host (the tokens and logprobs stored, the stop
-checks). A row that finished at one step has run the next one before the host
-knows: `record` drops that token. Rows join, and are preempted, only when every
-issued token is recorded (`settled`).
+checks and finish reasons). A row that finished at one step has run the next one
+before the host knows: `record` drops that token. Rows join, and are preempted,
+only when every issued token is recorded (`settled`).
 
 `seqs` and `rows` are the running sequences and their rows in running order,
-oldest first: the scheduler preempts from the end.
+oldest first: the scheduler preempts from the end. `rows` is replaced, never
+written in place, whenever a sequence joins or leaves, so a reader may keep what
+it derived from one `rows` array until it changes (rollplex.engine.cascade does).
 """
 
 from __future__ import annotations
@@ -47,7 +53,10 @@ import torch
 from rollplex.device import to_device
 from rollplex.engine.sampler import uniforms
 from rollplex.engine.sequence import PromptState, Sequence
-from rollplex.ops.attention import PrefixGroups
+
+# A row's finish, by code: still running, ended at a stop token, reached its maximum length.
+RUNNING, STOPPED, AT_MAX_LENGTH = 0, 1, 2
+FINISH_REASONS = (None, "stop", "length")
 
 
 class StepInputs(NamedTuple):
@@ -79,13 +88,18 @@ class DecodeBatch:
         self.recorded = np.zeros(num_rows, np.int64)  # of those, the ones on the host: all but the step in flight
         self.running_index = np.full(num_rows, -1, np.int64)  # each row's index in running order; -1: free
         self.max_lengths = np.zeros(num_rows, np.int64)  # done at this length
+        self.finish_codes = np.zeros(num_rows, np.int8)  # RUNNING, STOPPED or AT_MAX_LENGTH
         self.just_joined = np.zeros(num_rows, bool)  # no decode step scheduled since it joined
         self.rope_deltas = np.zeros(num_rows, np.int64)
-        # Column i: token i of the row's sequence and its logprob, once sampled here (prompts' stay unset),
-        # and the sampler's U for it, from the sequence's seed, set for every token it may sample when it joins.
+        # Per row: the tokens and logprobs its sequence joined with (its prompt, and those it sampled before a
+        # preemption), the sequence's own lists, handed over as they are; nothing changes them while it decodes.
+        self.joined_tokens: list[list[int]] = [[] for _ in range(num_rows)]
+        self.joined_logprobs: list[list[float]] = [[] for _ in range(num_rows)]
+        # Column i: token i of the row's sequence and its logprob, once sampled here (those it joined with stay
+        # unset), and the sampler's U for it, from the sequence's seed, set for every token it may sample when it joins.
         longest = max((p.max_length for p in prompts), default=0)
-        self.sampled_tokens = np.empty((num_rows, longest), np.int64)
-        self.sampled_logprobs = np.empty((num_rows, longest), np.float32)
+        self.tokens = np.empty((num_rows, longest), np.int64)
+        self.token_logprobs = np.empty((num_rows, longest), np.float32)
         self.token_uniforms = np.empty((num_rows, longest), np.float64)
         self.host_block_tables = np.full((num_rows, max_blocks), sink_block, np.int64)  # as block_tables, below
         # Whether a token id ends a sequence; the ids past the largest stop id read the last entry, False.
@@ -107,20 +121,16 @@ class DecodeBatch:
         self.running_index[:] = -1
         self.running_index[rows] = np.arange(len(rows))
         self._step_inputs: StepInputs | None = None  # made when first asked for, until a length or row changes
-        # The rows that share prompt blocks and, per row, how many (host), for a group width: found when first
-        # asked for, until a row joins or leaves (a group shrinks as its samples finish or are preempted).
-        self._prefix_groups: tuple[int, PrefixGroups | None, np.ndarray] | None = None
 
     def join(self, seqs: list[Sequence]) -> int:
         """Start decoding `seqs` (whose next token is still to be sampled) after the
-        running ones; returns the running index of the first."""
+        running ones, their rows taking their state over; returns the running index of the first."""
         assert self.settled(), "a sequence joins only when every issued token is recorded"
         first = len(self.seqs)
-        for s in seqs:
-            s.decode_row = self.free_rows.pop()
-        rows = np.array([s.decode_row for s in seqs], np.int64)
+        rows = np.array([self.free_rows.pop() for _ in seqs], np.int64)
         self.lengths[rows] = self.recorded[rows] = [len(s) for s in seqs]
         self.max_lengths[rows] = [s.prompt.max_length for s in seqs]
+        self.finish_codes[rows] = RUNNING
         self.just_joined[rows] = True
         self.joined_since_step = True
         self.rope_deltas[rows] = [s.prompt.rope_delta for s in seqs]
@@ -130,6 +140,9 @@ class DecodeBatch:
         tables = [s.block_table + [self.sink_block] * (width - len(s.block_table)) for s in seqs]
         self.host_block_tables[rows, :width] = tables
         self.block_tables[to_device(rows, self.device), :width] = to_device(tables, self.device, torch.int32)
+        for s, row in zip(seqs, rows.tolist()):
+            self.joined_tokens[row], self.joined_logprobs[row] = s.token_ids, s.logprobs
+            s.attach(self, row)
         self.seqs += seqs
         self._set_rows(np.concatenate([self.rows, rows]))
         return first
@@ -199,40 +212,6 @@ class DecodeBatch:
             self._step_inputs = StepInputs(on_device, positions, slots, u.view(torch.float64), int(lengths.max()))
         return self._step_inputs
 
-    def shared_prefixes(self, block_size: int, group_width: int) -> tuple[PrefixGroups, int] | None:
-        """The running rows that share their group's full prompt blocks, in groups of at
-        most `group_width` rows (a larger group is cut: each piece reads the prompt once),
-        and the most blocks any row holds past the ones it shares (its tail), for this
-        step; None when no two rows share a block. The same PrefixGroups object until a
-        row joins or leaves."""
-        if self._prefix_groups is None or self._prefix_groups[0] != group_width:
-            self._prefix_groups = (group_width, *self._find_prefix_groups(block_size, group_width))
-        _, groups, shared_blocks = self._prefix_groups
-        if groups is None:
-            return None
-        lengths = self.lengths[self.rows]
-        return groups, int((-(-lengths // block_size) - shared_blocks).max())
-
-    def _find_prefix_groups(self, block_size: int, group_width: int) -> tuple[PrefixGroups | None, np.ndarray]:
-        """Live sequences hold the same block only when they forked from one prompt, and
-        then share all of its full blocks (never copied: copy-on-write touches only a
-        partial last block), so the first block identifies a group. A sequence recomputed
-        after a preemption has blocks of its own and is in no group."""
-        members: dict[int, list[int]] = {}
-        for i, s in enumerate(self.seqs):
-            if s.num_prompt >= block_size:
-                members.setdefault(s.block_table[0], []).append(i)
-        groups = [rows[i:i + group_width] for rows in members.values() if len(rows) > 1
-                  for i in range(0, len(rows), group_width)]
-        if not groups:
-            return None, np.zeros(0, np.int64)
-        tables = [self.seqs[rows[0]].block_table[:self.seqs[rows[0]].num_prompt // block_size] for rows in groups]
-        shared_blocks = np.zeros(len(self.seqs), np.int64)
-        for rows, table in zip(groups, tables):
-            shared_blocks[rows] = len(table)
-        found = PrefixGroups.build(groups, tables, len(self.seqs), self.sink_block, block_size, self.device)
-        return found, shared_blocks
-
     def uniforms(self, start: int = 0) -> torch.Tensor:
         """The sampler's U, on the device, of the running sequences from index `start` on:
         the decode step's (`step_inputs`), or after a prefill, theirs alone."""
@@ -253,17 +232,38 @@ class DecodeBatch:
 
     def record(self, advanced: Advanced, tokens: np.ndarray, logprobs: np.ndarray) -> list[int]:
         """Record the tokens `advance` issued and their logprobs, read back to the host (one
-        per row of the step), for the rows still running; returns the running indices,
-        ascending, of those now done (a stop token, or their maximum length)."""
+        per row of the step), for the rows still running, and whether each finished: at a
+        stop token, or at its maximum length. Returns the running indices, ascending, of
+        those now finished. The one place that decides when a sequence ends."""
         index = self.running_index[advanced.rows]
         live = index >= 0
         rows, positions = advanced.rows[live], advanced.positions[live]
         tokens = tokens[live]
-        self.sampled_tokens[rows, positions] = tokens
-        self.sampled_logprobs[rows, positions] = logprobs[live]
+        self.tokens[rows, positions] = tokens
+        self.token_logprobs[rows, positions] = logprobs[live]
         self.recorded[rows] = positions + 1
-        done = (positions + 1 >= self.max_lengths[rows]) | self.is_stop.take(tokens, mode="clip")
-        return index[live][done].tolist()  # rows keep their order: ascending
+        stopped = self.is_stop.take(tokens, mode="clip")
+        at_max_length = positions + 1 >= self.max_lengths[rows]
+        self.finish_codes[rows] = np.where(stopped, STOPPED, np.where(at_max_length, AT_MAX_LENGTH, RUNNING))
+        return index[live][stopped | at_max_length].tolist()  # rows keep their order: ascending
+
+    def token_ids_of(self, row: int) -> list[int]:
+        """The tokens of the sequence at `row` that the host has: its prompt, then those it sampled."""
+        joined = self.joined_tokens[row]
+        return joined + self.tokens[row, len(joined):self.recorded[row]].tolist()
+
+    def logprobs_of(self, row: int) -> list[float]:
+        """The logprob of each token the sequence at `row` sampled (and the host has)."""
+        sampled_here = slice(len(self.joined_tokens[row]), self.recorded[row])
+        return self.joined_logprobs[row] + self.token_logprobs[row, sampled_here].tolist()
+
+    def finish_reason_of(self, row: int) -> str | None:
+        """"stop" or "length" once the sequence at `row` has finished (`record`), else None."""
+        return FINISH_REASONS[self.finish_codes[row]]
+
+    def length_of(self, row: int) -> int:
+        """How many tokens of the sequence at `row` the host has."""
+        return int(self.recorded[row])
 
     def live(self, advanced: Advanced) -> np.ndarray:
         """Which rows of an advanced step still run (the others finished at the step before)."""
@@ -289,27 +289,24 @@ class DecodeBatch:
         live = self.live(advanced)
         rows, positions = advanced.rows[live], advanced.positions[live]
         self.lengths[rows] = positions
-        fed = self.sampled_tokens[rows, positions - 1]
+        fed = self.tokens[rows, positions - 1]
         self.last_tokens[to_device(rows, self.device)] = to_device(fed, self.device)
         self._step_inputs = None
 
     def leave(self, indices: list[int]) -> list[Sequence]:
-        """Take the running sequences at these indices (ascending) out of the batch,
-        with the tokens and logprobs they sampled here written back to their lists."""
+        """Take the running sequences at these indices (ascending) out of the batch, each
+        holding its state (tokens, logprobs, finish reason) itself again."""
         if not indices:
             return []
         seqs = [self.seqs[i] for i in indices]
-        for s in seqs:
-            sampled = slice(len(s), int(self.recorded[s.decode_row]))
-            s.token_ids += self.sampled_tokens[s.decode_row, sampled].tolist()
-            s.logprobs += self.sampled_logprobs[s.decode_row, sampled].tolist()
         rows = [s.decode_row for s in seqs]
+        for s, row in zip(seqs, rows):
+            s.detach(self.token_ids_of(row), self.logprobs_of(row), self.finish_reason_of(row))
+            self.joined_tokens[row], self.joined_logprobs[row] = [], []
         self.host_block_tables[rows] = self.sink_block
         self.block_tables[to_device(rows, self.device)] = self.sink_block
         self._set_rows(np.delete(self.rows, indices))
         for i in reversed(indices):
             del self.seqs[i]
-        for s in seqs:
-            self.free_rows.append(s.decode_row)
-            s.decode_row = -1
+        self.free_rows += rows
         return seqs

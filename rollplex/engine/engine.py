@@ -15,10 +15,11 @@ scheduler does not run ahead where step N's tokens could change the next step
 (a prefill, a preemption: `Scheduler.can_run_ahead`); on CPU, where the device
 is the host, the same logic runs with nothing to overlap.
 
-The running sequences' state lives in a `DecodeBatch`, persistent tensors
-updated in place: a decode step's inputs, its sampled tokens and its stop
-checks are a few tensor operations for the whole batch, and Python touches a
-sequence only when it needs a block, finishes or is preempted. The host waits
+The running sequences' state (tokens, logprobs, lengths, finish reasons) has
+one owner while they decode, a `DecodeBatch` of persistent arrays updated in
+place: a decode step's inputs, its sampled tokens and its stop checks are a few
+array operations for the whole batch, and Python touches a sequence only when
+it needs a block, finishes or is preempted. The host waits
 on the device once per step, to read the sampled tokens back for the stop checks,
 and with run-ahead the next step is already queued then.
 
@@ -196,7 +197,7 @@ class Engine:
         # A group larger than max_num_seqs still runs, alone.
         rows = max([self.config.max_num_seqs] + [p.request.n for p in prompts])
         batch = DecodeBatch(prompts, rows, self.runner.max_blocks, self.cache.sink_block, stop_ids, self.device)
-        scheduler = Scheduler(blocks, batch, self.config.max_num_seqs, self.config.max_num_batched_tokens, stop_ids)
+        scheduler = Scheduler(blocks, batch, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         for p in prompts:
             scheduler.add(p)
         # dropped_tokens: sampled by sequences that had finished at the step before (run-ahead).

@@ -19,12 +19,13 @@ batch write their (discarded) keys there, so the graph never needs a branch.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from rollplex.device import to_device
-from rollplex.ops.attention import CascadeDecodeAttention, paged_decode_attention, varlen_attention
+from rollplex.ops.attention import paged_decode_attention, varlen_attention
 
 
 class KVCache:
@@ -99,7 +100,7 @@ class PagedAttention:
     attend to themselves, causally; their k/v are stored in the pool on the way.
     Decode: one new token per sequence attends to its whole context in the pool
     through its block table; with `shared_prefix`, each group's shared prompt
-    blocks are read once for all its rows (CascadeDecodeAttention).
+    blocks are read once for all its rows (rollplex.engine.cascade.CascadeDecodeAttention).
     """
 
     cache: KVCache
@@ -109,7 +110,8 @@ class PagedAttention:
     block_tables: torch.Tensor | None = None  # decode: (batch, max_blocks) int32
     context_lens: torch.Tensor | None = None  # decode: (batch,) int32, including the new token
     backend: str = "torch"
-    shared_prefix: CascadeDecodeAttention | None = None  # decode: the step's groups sharing prompt blocks
+    # Decode: the step's group-shared attention, (q, k_cache, v_cache) -> out (rollplex.engine.cascade).
+    shared_prefix: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.cache.layer(layer)

@@ -11,16 +11,9 @@ rows write into the KV pool's sink block and their logits are dropped). On CPU,
 or with `enforce_eager`, the same decode inputs run eagerly through the same code.
 
 With `shared_prefix_decode`, a decode step attends each GRPO group's shared prompt
-blocks once for all its rows (rollplex.ops.attention.CascadeDecodeAttention: the
-Triton kernel of rollplex/ops/cascade_decode_triton.py on CUDA, a torch path on
-CPU), eagerly or in a graph. A group holds at most `prefix_group_width` rows (the
-kernel's tile: a larger group is cut into pieces, each reading the prompt once),
-so a graph needs no recapture and no eager fallback for any group size: its
-static group buffers hold half the bucket's rows of groups (cut groups number no
-more), that many rows each, prefix tables as wide as the block tables, and tails
-over the full table width; they are refilled only when a row joins or leaves.
-Its graphs are captured with the cascade, and a step without groups replays them
-with padding groups only.
+blocks once for all its rows, eagerly or in a graph. All of that is behind one hook,
+`cascade` (rollplex.engine.cascade.SharedPrefixDecode; None when off), which gives
+an eager step its groups, and a graph's capture and replay their static group buffers.
 
 A graph bakes in the addresses it read at capture: each layer's K/V view of the
 pool, every weight and the rotary table. The pool stays at one address for the
@@ -48,13 +41,12 @@ from dataclasses import dataclass
 import torch
 
 from rollplex.dist import local_tensor
+from rollplex.engine.cascade import SharedPrefixDecode, StepGroups
 from rollplex.engine.decode_batch import DecodeBatch
 from rollplex.engine.kv_cache import KVCache, PagedAttention
 from rollplex.engine.sequence import Sequence
 from rollplex.models.inputs import VisionEmbeds
 from rollplex.models.protocol import VisionLanguageModel
-from rollplex.ops.attention import CascadeDecodeAttention, PrefixGroups
-from rollplex.ops.cascade_decode_triton import prefix_group_width
 
 
 @dataclass(frozen=True)
@@ -105,10 +97,10 @@ class ModelRunner:
         # On CPU the graph bookkeeping can still be exercised (tests set this True):
         # _EagerGraph replays the decode as captured, on the same static buffers.
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
-        self.shared_prefix_decode = shared_prefix_decode
         text = model.args.text
-        self.prefix_group_width = prefix_group_width(text.num_attention_heads // text.num_key_value_heads)
-        self.filled_prefix_groups: PrefixGroups | None = None  # what the static group buffers hold
+        self.cascade = (SharedPrefixDecode(self.block_size, text.num_attention_heads // text.num_key_value_heads,
+                                           max_num_seqs, self.max_blocks, cache.sink_block, self.device)
+                        if shared_prefix_decode else None)
         # Batch-size buckets, ascending: a decode step replays the smallest graph that holds its batch.
         n = max_num_seqs
         self.buckets = sorted({b for b in (1, 2, 4, 8) if b <= n} | set(range(16, n + 1, 16)) | {n})
@@ -193,10 +185,9 @@ class ModelRunner:
         batch = len(running)
         self.reserve_rotary(running.max_position)
         inputs = self._decode_inputs(running)
-        groups = (running.shared_prefixes(self.block_size, self.prefix_group_width)
-                  if self.shared_prefix_decode else None)
         if not self.use_cuda_graphs or batch > self.max_num_seqs:
-            return self._decode_eager(*inputs, prefix_groups=groups).float()
+            groups = None if self.cascade is None else self.cascade.step_groups(running)
+            return self._decode_eager(*inputs, groups=groups).float()
         if self.addresses_may_have_moved:
             if self.addresses() != self.captured:
                 self._drop_graphs()
@@ -213,8 +204,8 @@ class ModelRunner:
                 buf[:batch, value.shape[1]:] = self.cache.sink_block
             else:
                 buf[:batch].copy_(value)
-        if self.shared_prefix_decode:
-            self._fill_prefix_groups(batch, None if groups is None else groups[0])
+        if self.cascade is not None:
+            self.cascade.fill_graph_buffers(running)
         self.graphs[bucket].replay()
         return self.graph_logits[bucket][:batch].float()
 
@@ -239,14 +230,10 @@ class ModelRunner:
                 step.lengths.int())
 
     def _decode_eager(self, ids, positions, slots, tables, lens, cache: KVCache | None = None,
-                      prefix_groups: tuple[PrefixGroups, int] | None = None) -> torch.Tensor:
+                      groups: StepGroups | None = None) -> torch.Tensor:
         """The decode forward, on the engine's pool or on `cache` (a graph's captured view of it);
-        with `prefix_groups` (the rows sharing prompt blocks, and the most tail blocks of a row),
-        group-shared attention. Its tail tables are made here, so a graph captures that too."""
-        shared_prefix = None
-        if prefix_groups is not None:
-            groups, tail_blocks = prefix_groups
-            shared_prefix = CascadeDecodeAttention(groups, tables, lens, tail_blocks, self.block_size)
+        with `groups` (the rows sharing prompt blocks), group-shared attention."""
+        shared_prefix = None if groups is None else groups.attention(tables, lens, self.block_size)
         attn = PagedAttention(cache or self.cache, slots, block_tables=tables, context_lens=lens,
                               backend=self.model.attn_backend, shared_prefix=shared_prefix)
         rotary = tuple(self.rotary_table[positions].chunk(2, dim=-1))
@@ -263,41 +250,6 @@ class ModelRunner:
         s["tables"][start:end] = self.cache.sink_block
         s["lens"][start:end] = 1
 
-    def _fill_prefix_groups(self, batch: int, groups: PrefixGroups | None) -> None:
-        """The static group buffers, from the step's groups (None: no rows share blocks).
-        Refilled only when the groups changed (the decode batch keeps one PrefixGroups
-        until a row joins or leaves). Padding: member slots past every bucket (n), groups
-        of no prefix (length 0, sink blocks), rows sharing no block."""
-        if groups is self.filled_prefix_groups:
-            return
-        self._pad_prefix_groups()
-        if groups is not None:
-            s = self.static
-            count, width = groups.members.shape
-            padding = groups.members >= batch
-            s["members"][:count, :width].copy_(groups.members.masked_fill(padding, self.max_num_seqs))
-            s["prefix_tables"][:count, :groups.prefix_tables.shape[1]].copy_(groups.prefix_tables)
-            s["prefix_lens"][:count].copy_(groups.prefix_lens)
-            s["shared_blocks"][:batch].copy_(groups.shared_blocks)
-        self.filled_prefix_groups = groups
-
-    def _pad_prefix_groups(self) -> None:
-        s = self.static
-        s["members"].fill_(self.max_num_seqs)
-        s["prefix_tables"].fill_(self.cache.sink_block)
-        s["prefix_lens"].zero_()
-        s["shared_blocks"].zero_()
-
-    def _static_prefix_groups(self, bucket: int) -> tuple[PrefixGroups, int] | None:
-        """What a bucket's graph attends groups through: the static buffers, half the
-        bucket's rows of groups (cut groups of >= 4 rows number at most that many:
-        cascade_decode_triton.prefix_group_width), tails over the full table width."""
-        if not self.shared_prefix_decode:
-            return None
-        s, groups = self.static, max(1, bucket // 2)
-        return PrefixGroups(s["members"][:groups], s["prefix_tables"][:groups], s["prefix_lens"][:groups],
-                            s["shared_blocks"][:bucket]), self.max_blocks
-
     def _drop_graphs(self) -> None:
         """Forget every graph (what they read has moved); each bucket is captured again at its next use."""
         self.graphs, self.graph_logits, self.graph_pool = {}, {}, None
@@ -306,19 +258,13 @@ class ModelRunner:
     def _make_static_buffers(self) -> None:
         """The graphs' static inputs, once per runner: every graph reads its rows of these."""
         dev, n = self.device, self.max_num_seqs
-        self.static = s = {
+        self.static = {
             "ids": torch.zeros(n, dtype=torch.long, device=dev),
             "positions": torch.zeros(n, dtype=torch.long, device=dev),
             "slots": torch.zeros(n, dtype=torch.long, device=dev),
             "tables": torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev),
             "lens": torch.ones(n, dtype=torch.int32, device=dev),
         }
-        if self.shared_prefix_decode:
-            most_groups = max(1, n // 2)
-            s.update(members=torch.empty(most_groups, self.prefix_group_width, dtype=torch.long, device=dev),
-                     prefix_tables=torch.empty(most_groups, self.max_blocks, dtype=torch.long, device=dev),
-                     prefix_lens=torch.empty(most_groups, dtype=torch.long, device=dev),
-                     shared_blocks=torch.empty(n, dtype=torch.long, device=dev))
 
     def _capture(self, bucket: int) -> None:
         """Capture the decode graph of one batch-size bucket, into the memory pool the
@@ -330,14 +276,11 @@ class ModelRunner:
         if self.static is None:
             self._make_static_buffers()
         self._pad_rows(0, self.max_num_seqs)
-        if self.shared_prefix_decode:
-            self._pad_prefix_groups()
-            self.filled_prefix_groups = None
         s = self.static
         args = (s["ids"][:bucket], s["positions"][:bucket], s["slots"][:bucket], s["tables"][:bucket],
                 s["lens"][:bucket])
-        groups = self._static_prefix_groups(bucket)
-        self._decode_eager(*args, prefix_groups=groups)  # warm-up: lazy allocations happen outside the capture
+        groups = None if self.cascade is None else self.cascade.graph_groups(bucket)
+        self._decode_eager(*args, groups=groups)  # warm-up: lazy allocations happen outside the capture
         if self.device.type == "cuda":
             # On the decode stream itself, without torch.cuda.graph's device synchronize and cache emptying
             # first: a bucket may be first used mid-rollout, with prompt work queued on the side stream.
@@ -345,7 +288,7 @@ class ModelRunner:
             graph = torch.cuda.CUDAGraph()
             graph.capture_begin(pool=self.graph_pool, capture_error_mode="thread_local")
             try:
-                self.graph_logits[bucket] = self._decode_eager(*args, prefix_groups=groups)
+                self.graph_logits[bucket] = self._decode_eager(*args, groups=groups)
             finally:
                 graph.capture_end()
             self.graph_pool = graph.pool()
@@ -392,9 +335,8 @@ class _EagerGraph:
     reads of freed memory) is an error. So the runner's buffer filling, padding, bucket choice and recapture
     rule run, and are tested, unchanged."""
 
-    def __init__(self, runner: ModelRunner, inputs: tuple[torch.Tensor, ...],
-                 prefix_groups: tuple[PrefixGroups, int] | None):
-        self.runner, self.inputs, self.prefix_groups = runner, inputs, prefix_groups
+    def __init__(self, runner: ModelRunner, inputs: tuple[torch.Tensor, ...], groups: StepGroups | None):
+        self.runner, self.inputs, self.groups = runner, inputs, groups
         self.captured = runner.addresses()
         self.out = self._run()
 
@@ -410,4 +352,4 @@ class _EagerGraph:
             raise RuntimeError("stale CUDA graph: the rotary table moved since capture; "
                                "on a GPU it would read the old (freed) table")
         pool = self.captured.pool.laid_on(runner.cache.data)
-        return runner._decode_eager(*self.inputs, cache=runner.cache.with_data(pool), prefix_groups=self.prefix_groups)
+        return runner._decode_eager(*self.inputs, cache=runner.cache.with_data(pool), groups=self.groups)

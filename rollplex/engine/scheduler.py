@@ -9,7 +9,8 @@ The running sequences are the rows of a `DecodeBatch`. A decode step asks the
 block manager for the few sequences whose next token starts a block (or that
 just joined, whose last block may be shared); every other sequence's KV slot
 follows from its block-table row and length, on the tensors. Sampled tokens go
-to the batch, whose stop checks say which sequences finish.
+to the batch, which holds a running sequence's tokens and whose stop checks say
+which sequences finish.
 
 When decode needs a block and none is free, the youngest running sequence is
 preempted: its blocks are freed and it waits to be recomputed. It then resumes
@@ -59,11 +60,10 @@ class Step:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, batch: DecodeBatch, max_num_seqs: int,
-                 max_num_batched_tokens: int, stop_ids: set[int]):
+                 max_num_batched_tokens: int):
         self.blocks, self.batch = block_manager, batch
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.stop_ids = stop_ids
         self.waiting: deque[Sequence] = deque()
         self.num_preemptions = 0
 
@@ -175,11 +175,11 @@ class Scheduler:
 
     def finish(self, advanced: Advanced, tokens: np.ndarray, logprobs: np.ndarray) -> list[Sequence]:
         """Record an issued step's tokens and their logprobs, read back to the host
-        (`DecodeBatch.record`); returns the sequences that finished, their samples
-        recorded and blocks freed."""
+        (`DecodeBatch.record`, which decides which sequences finish); returns the sequences
+        that finished, their samples recorded and blocks freed."""
         finished = self.batch.leave(self.batch.record(advanced, tokens, logprobs))
         for seq in finished:
-            reason = "stop" if seq.token_ids[-1] in self.stop_ids else "length"
-            seq.prompt.samples[seq.sample_index] = Sample(seq.token_ids[seq.num_prompt:], seq.logprobs, reason)
+            seq.prompt.samples[seq.sample_index] = Sample(seq.token_ids[seq.num_prompt:], seq.logprobs,
+                                                          seq.finish_reason)
             self.blocks.free(seq.block_table)
         return finished

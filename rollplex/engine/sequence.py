@@ -6,14 +6,18 @@ the prompt once as a single "prompt" sequence, off which the scheduler forks n
 child sequences that share the prompt's KV blocks: each samples its first token
 from the prompt's logits, then decodes independently.
 
-While a sequence decodes, the tokens and logprobs it samples are kept in the
-engine's `DecodeBatch`, not in its own lists: they catch up when it leaves the
-batch (it finished, or it was preempted and will be recomputed).
+A sequence's tokens, logprobs and finish reason have one owner at a time: the
+sequence itself while it waits or is done, and its row of the engine's
+`DecodeBatch` while it decodes (the batch writes a step's tokens for every row
+at once, with no Python work per sequence). `token_ids`, `logprobs`, `len()`
+and `finish_reason` read whichever owns them, so no reader ever sees a copy
+that is behind.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -50,14 +54,56 @@ class PromptState:
         return self.request.prompt.has_vision
 
 
-@dataclass(eq=False)
+class DecodeRows(Protocol):
+    """What holds a decoding sequence's state: the engine's `DecodeBatch`, by row."""
+
+    def token_ids_of(self, row: int) -> list[int]: ...
+    def logprobs_of(self, row: int) -> list[float]: ...
+    def finish_reason_of(self, row: int) -> str | None: ...
+    def length_of(self, row: int) -> int: ...
+
+
 class Sequence:
-    prompt: PromptState
-    sample_index: int  # -1 for the group's prompt sequence, else the child's index
-    token_ids: list[int]
-    block_table: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    decode_row: int = -1  # its row of the DecodeBatch while it decodes
+    """A group's prompt before its prefill, or one of its samples."""
+
+    def __init__(self, prompt: PromptState, sample_index: int, token_ids: list[int],
+                 block_table: list[int] | None = None):
+        self.prompt = prompt
+        self.sample_index = sample_index  # -1 for the group's prompt sequence, else the child's index
+        self.block_table = [] if block_table is None else block_table
+        # Its own state, while no DecodeBatch holds it (`batch` is None).
+        self._token_ids, self._logprobs = token_ids, []
+        self._finish_reason: str | None = None
+        self.batch: DecodeRows | None = None  # the decode batch that holds its state while it decodes
+        self.decode_row = -1  # its row there
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Its prompt and the tokens it has sampled (those the host has read back)."""
+        return self._token_ids if self.batch is None else self.batch.token_ids_of(self.decode_row)
+
+    @property
+    def logprobs(self) -> list[float]:
+        """The logprob of each token it has sampled."""
+        return self._logprobs if self.batch is None else self.batch.logprobs_of(self.decode_row)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """"stop" or "length" once it has finished, else None."""
+        return self._finish_reason if self.batch is None else self.batch.finish_reason_of(self.decode_row)
+
+    def __len__(self) -> int:
+        return len(self._token_ids) if self.batch is None else self.batch.length_of(self.decode_row)
+
+    def attach(self, batch: DecodeRows, row: int) -> None:
+        """It starts decoding in `batch`'s `row`, which has taken its state over."""
+        self.batch, self.decode_row = batch, row
+        self._token_ids, self._logprobs = [], []
+
+    def detach(self, token_ids: list[int], logprobs: list[float], finish_reason: str | None) -> None:
+        """It leaves its decode batch (finished, or preempted to be recomputed) with its state."""
+        self.batch, self.decode_row = None, -1
+        self._token_ids, self._logprobs, self._finish_reason = token_ids, logprobs, finish_reason
 
     @property
     def is_group_prompt(self) -> bool:
@@ -66,10 +112,6 @@ class Sequence:
     @property
     def num_prompt(self) -> int:
         return len(self.prompt.request.prompt.input_ids)
-
-    def __len__(self) -> int:
-        """Tokens in its own list: while it decodes, its DecodeBatch row is ahead."""
-        return len(self.token_ids)
 
     def positions(self, start: int, end: int) -> torch.Tensor:
         """M-RoPE positions (3, end - start) of tokens [start, end): the prompt's own,

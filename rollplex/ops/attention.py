@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from rollplex.device import to_device
-from rollplex.ops.cascade_decode_triton import cascade_decode_attention_triton
 from rollplex.ops.paged_decode_triton import paged_decode_attention_triton, triton_available
 
 _HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
@@ -187,120 +186,6 @@ def paged_decode_attention(
     out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=visible[:, None, None, :],
                                          enable_gqa=q.shape[1] != kv_heads)
     return out[:, :, 0]
-
-
-# ----------------------------------------------------------------------------- group-shared decode (cascade)
-
-
-@dataclass(frozen=True)
-class PrefixGroups:
-    """Which rows of a decode batch share prompt KV blocks: group g's members
-    (running indices `members[g]`, padded with indices >= the batch size) all hold the same
-    first `prefix_lens[g]` tokens in blocks `prefix_tables[g]` (padded with any
-    block). `shared_blocks[row]` is how many leading blocks of a row's table its
-    group covers (0 for a row in no group). Changes only when rows join or leave."""
-
-    members: torch.Tensor  # (groups, most members) int64
-    prefix_tables: torch.Tensor  # (groups, most prefix blocks) int64
-    prefix_lens: torch.Tensor  # (groups,) int64
-    shared_blocks: torch.Tensor  # (batch,) int64
-
-    @classmethod
-    def build(cls, members: list[list[int]], prefix_tables: list[list[int]], batch: int, pad_block: int,
-              block_size: int, device: torch.device) -> PrefixGroups:
-        """From each group's running indices and shared block ids (host lists; maybe none)."""
-        most_members, most_blocks = max(map(len, members), default=1), max(map(len, prefix_tables), default=1)
-        shared = [0] * batch
-        for rows, table in zip(members, prefix_tables):
-            for row in rows:
-                shared[row] = len(table)
-
-        def int64(values: list, *shape: int) -> torch.Tensor:
-            return to_device(values, device, torch.int64).view(*shape)
-
-        return cls(
-            int64([m + [batch] * (most_members - len(m)) for m in members], len(members), most_members),
-            int64([t + [pad_block] * (most_blocks - len(t)) for t in prefix_tables], len(members), most_blocks),
-            int64([len(t) * block_size for t in prefix_tables], len(members)),
-            int64(shared, batch))
-
-
-class CascadeDecodeAttention:
-    """Decode attention that reads each group's shared prompt blocks once per step:
-    all of a group's queries attend over its prefix in one pass, each row over its
-    own blocks past the prefix (its tail: the copied partial prompt block and its
-    generated tokens), and the two partial results are merged by their log-sum-exp.
-    Equal to `paged_decode_attention` up to rounding. On CUDA with triton it runs
-    rollplex/ops/cascade_decode_triton.py's kernel (each group's prompt K/V tiles loaded
-    once), else this torch path, with the same logic; built once per decode step
-    (the tails' block tables), called once per layer. No host sync: a CUDA graph can
-    capture both over static (padded) group buffers.
-
-    `tail_blocks`: the most blocks any row holds past its shared ones, counted on
-    the host (from the lengths there) so that no call reads the device."""
-
-    def __init__(self, groups: PrefixGroups, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 tail_blocks: int, block_size: int):
-        self.groups = groups
-        columns = torch.arange(tail_blocks, device=block_tables.device)[None, :] + groups.shared_blocks[:, None]
-        # Columns past a row's table are masked by its tail length; clamp only keeps the gather in range.
-        self.tail_tables = block_tables.gather(1, columns.clamp(max=block_tables.shape[1] - 1))
-        self.tail_lens = context_lens - groups.shared_blocks * block_size
-
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """q: (batch, q_heads, head_dim); the caches as `paged_decode_attention` takes them."""
-        if q.is_cuda and triton_available(q.device):
-            g = self.groups
-            return cascade_decode_attention_triton(q, k_cache, v_cache, g.members, g.prefix_tables, g.prefix_lens,
-                                                   self.tail_tables, self.tail_lens)
-        batch, q_heads, head_dim = q.shape
-        kv_heads = k_cache.shape[2]
-        tail_out, tail_lse = _paged_attention_with_lse(q.view(batch, kv_heads, -1, head_dim), k_cache, v_cache,
-                                                       self.tail_tables, self.tail_lens)
-        prefix_out, prefix_lse = self._prefix_attention(q, k_cache, v_cache)
-        # Rows in no group: their prefix part has lse -inf, so weight 0.
-        prefix_weight = torch.sigmoid(prefix_lse - tail_lse)[..., None]
-        out = tail_out + prefix_weight * (prefix_out - tail_out)
-        return out.reshape(batch, q_heads, head_dim).to(q.dtype)
-
-    def _prefix_attention(self, q: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each group's queries over its prefix as one query block per KV head:
-        (batch, kv_heads, heads per KV head, head_dim) and its log-sum-exp per row."""
-        g = self.groups
-        batch, _, head_dim = q.shape
-        kv_heads = k_cache.shape[2]
-        groups, most_members = g.members.shape
-        padded = torch.cat([q, q.new_zeros(1, *q.shape[1:])])  # row `batch`: the padding members' query
-        members = g.members.clamp(max=batch)
-        group_q = padded[members].view(groups, most_members, kv_heads, -1, head_dim).transpose(1, 2)
-        per_kv_head = group_q.shape[3]
-        out, lse = _paged_attention_with_lse(group_q.reshape(groups, kv_heads, most_members * per_kv_head, head_dim),
-                                             k_cache, v_cache, g.prefix_tables, g.prefix_lens)
-        rows = members.flatten()
-        row_out = out.new_zeros(batch + 1, kv_heads, per_kv_head, head_dim)
-        row_lse = out.new_full((batch + 1, kv_heads, per_kv_head), float("-inf"))
-        row_out[rows] = out.view(groups, kv_heads, most_members, per_kv_head, head_dim).transpose(1, 2).flatten(0, 1)
-        row_lse[rows] = lse.view(groups, kv_heads, most_members, per_kv_head).transpose(1, 2).flatten(0, 1)
-        return row_out[:batch], row_lse[:batch]
-
-
-def _paged_attention_with_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                              context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queries q (n, kv_heads, queries per KV head, head_dim) of entry i over the first
-    context_lens[i] tokens of its paged blocks block_tables[i]. Returns the float32
-    output (same shape) and its log-sum-exp (n, kv_heads, queries per KV head), what
-    a merge of partial attentions needs."""
-    n, width = block_tables.shape
-    block_size, kv_heads, head_dim = k_cache.shape[1:]
-    k = k_cache[block_tables].view(n, width * block_size, kv_heads, head_dim).transpose(1, 2)
-    v = v_cache[block_tables].view(n, width * block_size, kv_heads, head_dim).transpose(1, 2)
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * head_dim ** -0.5
-    visible = torch.arange(width * block_size, device=q.device)[None, :] < context_lens[:, None]
-    scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
-    lse = scores.logsumexp(-1)
-    weights = torch.exp(scores - lse[..., None])
-    return torch.matmul(weights.to(v.dtype), v).float(), lse
 
 
 # ----------------------------------------------------------------------------- shared prefix (GRPO groups)

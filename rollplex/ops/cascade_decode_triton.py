@@ -1,6 +1,6 @@
 """Group-shared ("cascade") decode attention in Triton: each group's prompt KV read once per step.
 
-The Triton counterpart of `rollplex.ops.attention.CascadeDecodeAttention`, with its
+The Triton counterpart of `rollplex.engine.cascade.CascadeDecodeAttention`, with its
 inputs (shapes as there):
 
     q              (batch, q_heads, head_dim)
