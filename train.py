@@ -1,4 +1,4 @@
-"""Rollplex entry point: config -> distributed init -> RLTrainer(...).fit().
+"""Rollplex entry point: config -> distributed init -> build_trainer(...).fit().
 
     python train.py                                   # the tiny CPU demo (rollplex/presets/tiny.yaml)
     python train.py --config configs/x.yaml --rollout.n 4
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from rollplex.config import load_config
-from rollplex.rl.loop import RLTrainer
+from rollplex.rl.trainer import build_trainer
 from rollplex.run_errors import run_ends_in_one_line
 
 
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     with run_ends_in_one_line() as run:
         cfg = load_config(argv)
         run.output_dir = Path(cfg.trainer.output_dir)
-        RLTrainer(cfg).fit()
+        build_trainer(cfg).fit()
     if dist.is_initialized():
         dist.barrier()  # no rank tears its groups down while another still talks on them
         dist.destroy_process_group()

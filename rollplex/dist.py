@@ -15,13 +15,18 @@ tensors, gloo CPU ones. Python objects (requests, samples) go through
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
-from collections.abc import Sequence
+import re
+import types
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -124,3 +129,45 @@ def all_gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> l
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (dims.dp_shard, dims.tp), mesh_dim_names=("dp_shard", "tp"))
+
+
+class CollectiveInLocalWork(RuntimeError):
+    """A collective was issued where this rank's peers would not issue it alike."""
+
+
+# The collectives, by module: torch.distributed's (FSDP's gathers and reductions, rollplex's own reductions;
+# callers reach them through either module), and the functional ones DTensor redistributes with. By name,
+# so that the check covers each torch version's own set.
+_COLLECTIVE_NAME = re.compile(r"(all_|reduce|broadcast|barrier|monitored_barrier|gather|scatter|send|recv|isend|"
+                              r"irecv|batch_isend_irecv|permute_tensor)")
+
+
+def _collectives(module) -> list[str]:
+    # type(), not isinstance: the latter reads a deprecated alias's __class__, which warns
+    return [name for name, value in vars(module).items() if _COLLECTIVE_NAME.match(name)
+            and type(value) is types.FunctionType and not name.endswith(("_backward", "_setup_context"))]
+
+
+@contextlib.contextmanager
+def no_collectives(what: str) -> Iterator[None]:
+    """Raise `CollectiveInLocalWork` at any collective issued inside: for work each rank
+    runs in its own order (the decode window's finished-group passes), where a collective
+    would wait for peers that issue theirs at other times, or never. It checks by
+    replacing the collectives for the duration: only for work on the calling thread."""
+    originals = [(module, name, getattr(module, name)) for module in (dist, c10d, funcol)
+                 for name in _collectives(module)]
+
+    def refused(name: str):
+        def collective(*args, **kwargs):
+            raise CollectiveInLocalWork(f"{name} issued inside {what}: each rank runs this work in its own "
+                                        "order, so its peers would not issue the collective alike and the ranks "
+                                        "would hang")
+        return collective
+
+    try:
+        for module, name, _ in originals:
+            setattr(module, name, refused(f"{module.__name__}.{name}"))
+        yield
+    finally:
+        for module, name, original in originals:
+            setattr(module, name, original)

@@ -8,7 +8,7 @@ after the collective timeout instead of a hang."""
 import torch
 import torch.distributed as dist
 
-from rollplex.dist import all_reduce_values, collective_device, init_distributed
+from rollplex.dist import CollectiveInLocalWork, all_reduce_values, collective_device, init_distributed, no_collectives
 
 
 def test_collectives_take_tensors_on_the_backends_device(monkeypatch):
@@ -22,6 +22,25 @@ def test_one_process_reduces_in_a_group_of_one():
     assert dist.get_world_size() == 1 and dist.get_backend() == "gloo"
     assert init_distributed("cpu")[:2] == (0, 1)  # joining again keeps the group
     assert all_reduce_values([3, 2.5, True], dist.ReduceOp.MAX) == [3.0, 2.5, 1.0]
+
+
+def test_no_collectives_refuses_every_kind_of_collective_and_restores_them():
+    """Work each rank runs in its own order may issue no collective: torch.distributed's,
+    reached through either module, and the functional ones DTensor redistributes with."""
+    import pytest
+    import torch.distributed._functional_collectives as funcol
+    import torch.distributed.distributed_c10d as c10d
+
+    init_distributed("cpu")
+    calls = {"all_reduce_values": lambda: all_reduce_values([1.0]), "barrier": lambda: dist.barrier(),
+             "c10d.all_gather_into_tensor": lambda: c10d.all_gather_into_tensor(torch.empty(1), torch.ones(1)),
+             "funcol.all_reduce": lambda: funcol.all_reduce(torch.ones(1), "sum", dist.group.WORLD)}
+    for name, call in calls.items():
+        with pytest.raises(CollectiveInLocalWork, match="inside the test's pass"), no_collectives("the test's pass"):
+            call()
+    assert all_reduce_values([2.0]) == [2.0]  # outside, the collectives are back
+    with no_collectives("the test's pass"):
+        torch.ones(2).sum()  # local work runs
 
 
 def _join_then(rank: int, port: int, timeout_s: float, results) -> None:

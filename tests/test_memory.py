@@ -14,8 +14,10 @@ from rollplex.models.inputs import Prompt
 from rollplex.models.qwen2_5_vl import ModelArgs, TextArgs, VisionArgs
 from rollplex.rl import memory, prefix
 from rollplex.rl.loop import RLTrainer, balanced_share
-from rollplex.rl.memory import (MemoryOptions, MemoryPlanError, PrefixItem, live_tensor_bytes, loop_phase_bytes,
+from rollplex.rl.trainer import build_trainer
+from rollplex.rl.memory import (MemoryOptions, MemoryPlanError, live_tensor_bytes, loop_phase_bytes,
                                 prefix_state)
+from rollplex.rl.schedules.prompt_work import PrefixItem
 from rollplex.train.actor import Actor, ActorConfig
 from rollplex.train.kept_prefix import prepare_prompts, prompt_forward
 from rollplex.train.parallelize import apply_activation_checkpointing
@@ -95,8 +97,8 @@ def test_the_scheduler_admits_by_the_plans_estimate(tmp_path):
     trainer = RLTrainer(load_config(CAPPED + ["--trainer.output_dir", str(tmp_path)]))
     plan = trainer.memory
     assert prefix.admitted is memory.admitted
-    rollout = trainer.rollout(balanced_share(next(trainer._batches(0)), 1, 0), 1, prefix_work=True)
-    scheduler = rollout.prefix
+    state = trainer.rollout(balanced_share(next(trainer._batches(0)), 1, 0), 1)  # CAPPED: overlap
+    scheduler = state.prompt_work
     items = scheduler.admitted + scheduler.deferred
     assert sorted((w.kind, w.chunk) for w in items) == sorted((i.kind, i.chunk) for i in plan.prefix_items)
     states = {(i.kind, i.chunk): s for i, s in zip(plan.prefix_items, plan.prefix_states)}
@@ -205,7 +207,7 @@ def test_a_run_that_cannot_fit_fails_before_any_work(tmp_path):
 ])
 def test_impossible_layouts_fail_first(tmp_path, extra, message):
     with pytest.raises(ValueError, match=message):
-        RLTrainer(load_config(FAST + ["--trainer.output_dir", str(tmp_path), *extra]))
+        build_trainer(load_config(FAST + ["--trainer.output_dir", str(tmp_path), *extra]))
     assert not (tmp_path / "tiny_model").exists()  # raised before any work
 
 

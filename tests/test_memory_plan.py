@@ -17,8 +17,10 @@ from rollplex.config import config_from_dict
 from rollplex.models.qwen2_5_vl.hf import hf_config_from_args
 from rollplex.models.qwen2_5_vl import ModelArgs, Qwen2_5_VL, TextArgs, VisionArgs
 from rollplex.rl.memory import (GiB, PHASES, PRESETS, TENSOR_CLASSES, UNCOUNTED_FRACTION, BatchShape, MemoryOptions,
-                                MemoryPlanError, ParallelLayout, PrefixItem, count_params, kv_bytes_per_token,
-                                loop_phase_bytes, micro_batch, plan_memory, prefix_items, prefix_state)
+                                MemoryPlanError, ParallelLayout, count_params, kv_bytes_per_token,
+                                loop_phase_bytes, micro_batch, plan_memory, prefix_state)
+from rollplex.rl.schedules.prompt_work import PrefixItem, prompt_work_items
+from rollplex.rl.schedules.registry import build_schedule
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
@@ -110,7 +112,7 @@ def test_prefix_items_and_their_state():
     """Per chunk: the reference model's prompt K/V, the actor's graph (first chunk)
     or the old policy's K/V (later chunks); the K/V are exact and kept once."""
     options = MemoryOptions(ref_model=True, recompute_old_logprobs=True, updates_per_batch=2)
-    assert [(i.kind, i.chunk, i.keep_graph) for i in prefix_items(options)] == \
+    assert [(i.kind, i.chunk, i.keep_graph) for i in prompt_work_items(options)] == \
         [("ref", 0, False), ("actor", 0, True), ("ref", 1, False), ("old", 1, False)]
     args, per_token = small_args(), 2 * LAYERS * KV_HEADS * HEAD_DIM * 2
     ref = prefix_state(args, PrefixItem("ref", 0, False, False), 2, 72, 64, options)
@@ -247,7 +249,8 @@ def h200_plan(schedule: str, config: dict):
     text = dataclasses.replace(PRESETS["qwen2.5-vl-3b"].text, num_hidden_layers=cfg.model.tiny.num_layers)
     args = dataclasses.replace(PRESETS["qwen2.5-vl-3b"], text=text)
     batch = BatchShape(cfg.data.batch_size, cfg.rollout.n, 28, cfg.rollout.max_tokens, 2048)
-    options = MemoryOptions.from_config(cfg, torch.bfloat16, 143_771 * 2**20, "torch")
+    options = MemoryOptions.from_config(cfg, build_schedule(cfg).memory_layout, torch.bfloat16, 143_771 * 2**20,
+                                        "torch")
     return plan_memory(args, ParallelLayout(), batch, options)
 
 

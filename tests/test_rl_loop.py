@@ -44,7 +44,7 @@ def test_engine_sees_updated_weights(tmp_path):
     before = trainer.rollout(examples, step=1)
     trainer.train_step(examples)
     after = trainer.rollout(examples, step=1)  # same seeds: any change comes from the weights
-    assert before.texts != after.texts
+    assert before.rollout.texts != after.rollout.texts
 
 
 def distributed_run(rank, world, out, *extra):

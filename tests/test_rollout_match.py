@@ -23,7 +23,7 @@ def logprobs_from_logits(model, groups, temperature: float) -> torch.Tensor:
 @torch.no_grad()
 def test_engine_and_trainer_logprobs_are_the_log_softmax_of_logits_over_the_temperature(tmp_path):
     trainer = RLTrainer(load_config(FAST + ["--trainer.output_dir", str(tmp_path), "--rollout.temperature", "0.7"]))
-    rollout = trainer.rollout(next(trainer._batches(0)), step=1)
+    rollout = trainer.rollout(next(trainer._batches(0)), step=1).rollout
     engine = torch.cat(rollout.logprobs)
     actor = torch.cat(trainer.actor.logprobs(trainer.model, rollout.groups))  # the old, reference and update passes'
     direct = logprobs_from_logits(trainer.model, rollout.groups, 0.7)

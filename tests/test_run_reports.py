@@ -11,13 +11,14 @@ from offline_trackers import wandb_run
 from rollplex.config import load_config
 from rollplex.metrics import read_metrics
 from rollplex.rl.loop import RLTrainer
+from rollplex.rl.trainer import build_trainer
 
 FAST = ["--data.batch_size", "4", "--rollout.n", "4", "--rollout.max_tokens", "4", "--data.val_size", "4",
         "--trainer.num_threads", "1"]
 
 
 def fit(out: Path, *extra: str) -> RLTrainer:
-    trainer = RLTrainer(load_config(FAST + ["--trainer.output_dir", str(out), *extra]))
+    trainer = build_trainer(load_config(FAST + ["--trainer.output_dir", str(out), *extra]))
     trainer.fit()
     return trainer
 
@@ -34,7 +35,7 @@ def test_a_run_reports_its_start_saves_evaluations_and_samples(tmp_path, capsys)
     assert f"rollplex: new run in {tmp_path}" in out
     assert "parameters, compute float32" in out and "train: built-in task 'color' (endless); val: 4 prompts" in out
     assert "2 (2 to go); 4 prompts x 4 responses = 16 samples per step" in out
-    assert "1 rank(s): dp_shard 1 x tp 1, engine tp 1; schedule serial, prompt work shared" in out
+    assert "1 rank(s): dp_shard 1 x tp 1, engine tp 1; schedule serial-prefix" in out
     assert f"step 2: saved checkpoint {tmp_path / 'checkpoints' / 'step_00000002'}" in out
     assert f"generations in {tmp_path / 'samples' / 'step_00000002.jsonl'}" in out
 

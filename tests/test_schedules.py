@@ -11,6 +11,7 @@ from distributed import run_distributed
 from rollplex.config import load_config
 from rollplex.metrics import read_metrics
 from rollplex.rl.loop import RLTrainer
+from rollplex.rl.trainer import build_trainer
 
 REWARD = Path(__file__).with_name("length_reward.py")
 # kl_coef and recomputed old logprobs make every kind of prompt work run; a reward
@@ -24,7 +25,7 @@ SCHEDULES = {"serial-naive": ["--schedule.share_prefix", "false"], "serial-prefi
 
 
 def train(out: Path, *extra: str) -> tuple[RLTrainer, dict[str, torch.Tensor]]:
-    trainer = RLTrainer(load_config(FAST + ["--trainer.output_dir", str(out), *extra]))
+    trainer = build_trainer(load_config(FAST + ["--trainer.output_dir", str(out), *extra]))
     trainer.fit()
     return trainer, {n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
                      for n, p in trainer.model.named_parameters()}
@@ -69,7 +70,7 @@ def test_schedules_train_the_same_with_video_and_a_frozen_tower(tmp_path):
     video = ["--data.task", "direction", "--parallel.freeze_vision", "true", "--trainer.total_steps", "2"]
     trainer = RLTrainer(load_config(FAST + video + ["--trainer.output_dir", str(tmp_path / "items")]))
     prompts = [e.prompt for e in next(trainer._batches(0))]
-    items = trainer._prefix_work(prompts, [trainer._encode(p) for p in prompts])
+    items = trainer.prefix_planner.work(prompts, [trainer.encode(p) for p in prompts])
     assert {i.kind for i in items} == {"ref", "actor", "old"} and all(i.vision is not None for i in items)
     runs = {}
     for name, extra in SCHEDULES.items():
@@ -98,7 +99,7 @@ def test_budget_defers_work_to_the_serial_path(tmp_path):
     _, unlimited = train(tmp_path / "unlimited", "--schedule.kind", "overlap")
     trainer = RLTrainer(load_config(FAST + ["--trainer.output_dir", str(tmp_path / "sizes")]))
     prompts = [e.prompt for e in next(trainer._batches(0))]
-    items = trainer._prefix_work(prompts, [None] * len(prompts))
+    items = trainer.prefix_planner.work(prompts, [None] * len(prompts))
     budget = sum(i.estimate for i in items if i.kind != "actor")
     assert budget < sum(i.estimate for i in items)
     _, limited = train(tmp_path / "limited", "--schedule.kind", "overlap", "--schedule.prefix_memory_budget",
@@ -117,7 +118,7 @@ def test_suffix_passes_never_run_before_their_prompt_work(tmp_path, monkeypatch)
 
     def recording_rollout(*args, **kwargs):
         result = rollout(*args, **kwargs)
-        schedulers.append(result.prefix)
+        schedulers.append(result.prompt_work)
         return result
 
     def checked_pass(self, model, units, kept, with_entropy):

@@ -19,7 +19,8 @@ import torch
 
 from distributed import run_distributed
 from rollplex.metrics import read_metrics
-from rollplex.rl.stream import GroupStream, SideStreamBacklog, StreamPlan
+from rollplex.rl.schedules.overlap_stream import GroupStream, SideStreamBacklog, StreamPlan
+from rollplex.rl.step import StepState
 from rollplex.train.actor import Actor
 from test_prefix_sync import HostSyncGuard
 from test_schedules import FAST, max_difference, train
@@ -69,6 +70,24 @@ def test_streamed_groups_train_like_serial_prefix(tmp_path, monkeypatch):
     for kind in ("scored", "ref", "old", "update"):
         assert sum(r[f"stream/{kind}_groups"] for r in rows) > 0, kind
     assert all(r["timing_s/stream_hidden"] > 0 and r["timing_s/stream_exposed"] > 0 for r in rows)
+
+
+def test_a_collective_in_a_streamed_pass_stops_the_run_on_one_process(tmp_path, monkeypatch):
+    """Each dp rank streams its groups in its own order, so a collective in a streamed pass
+    (here, a reduction added to the update's metrics) would hang a multi-rank run. On CPU
+    the window's passes run under no_collectives: one process names it and stops."""
+    from rollplex.dist import CollectiveInLocalWork, all_reduce_values
+    from rollplex.train.actor import PolicyUpdate
+
+    add = PolicyUpdate.add
+
+    def add_with_a_reduction(self, units, batch, weight):
+        all_reduce_values([weight])
+        return add(self, units, batch, weight)
+
+    monkeypatch.setattr(PolicyUpdate, "add", add_with_a_reduction)
+    with pytest.raises(CollectiveInLocalWork, match=r"decode window's update pass of group \d+"):
+        train(tmp_path, *UNEVEN, *STREAM, "--algorithm.kl_coef", "0", "--algorithm.recompute_old_logprobs", "false")
 
 
 NO_KL = ["--algorithm.kl_coef", "0"]
@@ -122,7 +141,7 @@ def test_no_work_runs_before_its_group_has_finished(tmp_path, monkeypatch, rewar
 
     def recording_run(self, kind, g):
         assert g in reported, f"a {kind} pass ran on group {g} before it finished"
-        assert g in self.scores, f"a {kind} pass ran on group {g} before its scores were in"
+        assert g in self.state.scores, f"a {kind} pass ran on group {g} before its scores were in"
         passes.append(kind)
         run(self, kind, g)
 
@@ -157,7 +176,7 @@ def test_the_reference_model_is_held_gathered_only_within_the_budget():
     from types import SimpleNamespace
 
     from rollplex.config import load_config
-    from rollplex.rl.memory import PrefixKind
+    from rollplex.rl.schedules.prompt_work import PrefixKind
 
     cfg = load_config(FAST + STREAM)  # kl_coef 0.01: the update reads the reference logprobs
 
@@ -180,7 +199,7 @@ def test_streamed_update_only_within_the_memory_budget(tmp_path, room):
 
     trainer = RLTrainer(load_config(FAST + UNEVEN + ["--trainer.output_dir", str(tmp_path / "sizes")]))
     prompts = [e.prompt for e in next(trainer._batches(0))]
-    items = sum(i.estimate for i in trainer._prefix_work(prompts, [None] * len(prompts)))
+    items = sum(i.estimate for i in trainer.prefix_planner.work(prompts, [None] * len(prompts)))
     update = trainer.memory.streamed_update_bytes()
     budget = items + (update if room == "enough" else update // 2)
     train(tmp_path / room, *UNEVEN, *STREAM, "--schedule.prefix_memory_budget", str(budget))
@@ -207,7 +226,7 @@ def test_logprob_passes_stream_only_over_their_kept_prompt(tmp_path, monkeypatch
     if lost == "deferred":
         trainer = RLTrainer(load_config(FAST + few + ["--trainer.output_dir", str(tmp_path / "sizes")]))
         prompts = [e.prompt for e in next(trainer._batches(0))]
-        chunk_0 = sum(i.estimate for i in trainer._prefix_work(prompts, [None] * len(prompts)) if i.chunk == 0)
+        chunk_0 = sum(i.estimate for i in trainer.prefix_planner.work(prompts, [None] * len(prompts)) if i.chunk == 0)
         budget, missing = ["--schedule.prefix_memory_budget", str(chunk_0)], {("ref", 1), ("old", 1)}
     else:
         advance = PrefixWork.advance
@@ -275,9 +294,9 @@ def test_streamed_passes_wait_for_the_side_stream_to_get_through_its_backlog(mon
     from rollplex.config import load_config
 
     kept_everywhere = SimpleNamespace(side_stream=None, result=lambda kind, chunk: "kept prompt")
-    stream = GroupStream(load_config(FAST + STREAM), [None] * 4, tokenizer=None, scorer=SimpleNamespace(workers=0),
-                         actor=None, ref_model=None, prefix=kept_everywhere,
-                         plan=StreamPlan(ref=True, old=False, update=False))
+    state = StepState(step=1, examples=[None] * 4, prompt_work=kept_everywhere)
+    stream = GroupStream(load_config(FAST + STREAM), state, tokenizer=None, scorer=SimpleNamespace(workers=0),
+                         actor=None, ref_model=None, plan=StreamPlan(ref=True, old=False, update=False))
     stream._passes = [("ref", g) for g in range(4)]  # 4 scored groups' reference passes, all ready
     issued = []
 

@@ -7,7 +7,7 @@
     torchrun --nproc-per-node 8 tools/bench_schedules.py --config configs/bench_h200_video.yaml --steps 3  # + disagg
 
 Any other `--section.field value` goes to every schedule's config (see
-`python train.py --help`). Each schedule gets a fresh RLTrainer from the same
+`python train.py --help`). Each schedule gets a fresh trainer (build_trainer) from the same
 config and seeds, in this process, so it sees the same prompts and samples:
 
     serial-naive   --schedule.kind serial --schedule.share_prefix false
@@ -84,6 +84,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rollplex.config import config_to_dict, load_config  # noqa: E402
 from rollplex.dist import all_gather_objects  # noqa: E402
 from rollplex.rl.loop import RLTrainer  # noqa: E402
+from rollplex.rl.trainer import build_trainer  # noqa: E402
 
 SCHEDULES = {  # colocated: every rank rolls out and trains
     "serial-naive": ["--schedule.kind", "serial", "--schedule.share_prefix", "false"],
@@ -102,7 +103,7 @@ DISAGG_NOTE = ("disagg: perf/throughput is tokens / step time / all ranks (rollo
                "definition of the other schedules, so its ratios compare equal GPU counts")
 DISAGG_PLAN_NOTE = "disagg: no plan (the memory plan models colocated ranks)"
 KIND_COLOURS = {"vision": "tab:purple", "ref": "tab:orange", "actor": "tab:green", "old": "tab:red",
-                # the finished groups' work (overlap-stream): rollplex.rl.stream
+                # the finished groups' work (overlap-stream): rollplex.rl.schedules.overlap_stream
                 "group reward": "tab:brown", "group ref": "tab:olive", "group old": "tab:pink",
                 "group update": "tab:cyan"}
 
@@ -123,14 +124,14 @@ class Recorder:
     def __init__(self, trainer: RLTrainer):
         self.steps: list[dict] = []
         self.cuda = trainer.device.type == "cuda"
-        rollout, encode, generate = trainer.rollout, trainer._encode, trainer.engine.generate
+        rollout, encode, generate = trainer.rollout, trainer.encode, trainer.engine.generate
 
         def recording_rollout(*args, **kwargs):
             rec = {"start": time.perf_counter(), "vision": [], "engine": [], "prefix": None, "stream": None}
             self.steps.append(rec)
             result = rollout(*args, **kwargs)
             rec["end"] = time.perf_counter()
-            rec["prefix"] = result.prefix  # its spans fill in later too (serial drains after gen): see finish()
+            rec["prefix"] = result.prompt_work  # its spans fill in later too (serial drains after gen): see finish()
             rec["stream"] = result.stream
             return result
 
@@ -163,7 +164,7 @@ class Recorder:
                 self.steps[-1]["gen_events"] = events
             return out
 
-        trainer.rollout, trainer._encode, trainer.engine.generate = recording_rollout, recording_encode, recording_generate
+        trainer.rollout, trainer.encode, trainer.engine.generate = recording_rollout, recording_encode, recording_generate
 
     def finish(self) -> float | None:
         """After the step: keep the scheduler's timestamps, drop the scheduler (it holds the kept K/V).
@@ -200,11 +201,10 @@ class SampleDigests:
         rollout_phase = trainer._rollout_phase
 
         def recording_rollout_phase(*args, **kwargs):
-            rollout, metrics = rollout_phase(*args, **kwargs)
-            if rollout is not None:
-                self.mine = {e.index: [s.token_ids for s in g.samples]
-                             for e, g in zip(rollout.examples, rollout.groups)}
-            return rollout, metrics
+            state = rollout_phase(*args, **kwargs)  # not called on a disagg rollout rank
+            rollout = state.rollout
+            self.mine = {e.index: [s.token_ids for s in g.samples] for e, g in zip(rollout.examples, rollout.groups)}
+            return state
 
         trainer._rollout_phase = recording_rollout_phase
 
@@ -232,7 +232,7 @@ def run_schedule(name: str, overrides: list[str], base_argv: list[str], steps: i
     stepped collectively). Returns the schedule's results on rank 0, None elsewhere."""
     cfg = load_config(base_argv + overrides)
     load_before = os.getloadavg()[0]  # others' load on the machine skews a sequential comparison
-    trainer = RLTrainer(cfg)
+    trainer = build_trainer(cfg)
     lead = trainer.rank == 0  # rank 0 trains in every schedule (disagg's rollout ranks are the last ones)
     cuda = trainer.device.type == "cuda"
     # Host timestamps of rank 0's rollouts; a disagg trainer rank has no engine and rolls nothing out.

@@ -387,7 +387,7 @@ def _decode_window_guarded(cuda: bool, calls: dict[str, int]):
     slices; GroupStream.between_steps, the finished groups' scoring and passes) runs with host syncs
     made errors (CUDA) and is counted in `calls`, by kind."""
     from rollplex.rl.prefix import PrefixScheduler
-    from rollplex.rl.stream import GroupStream
+    from rollplex.rl.schedules.overlap_stream import GroupStream
 
     classes = {"prefix": PrefixScheduler, "stream": GroupStream}
 
@@ -756,7 +756,7 @@ def _cascade_case(device: str, groups: int, members: int, prefix_blocks: int, ta
     """A decode batch of `groups` groups of `members` rows sharing `prefix_blocks` blocks of 16
     tokens, each row with up to `tail_tokens` of its own after them, and two rows in no group:
     the paged inputs and the step's CascadeDecodeAttention (bf16 on CUDA)."""
-    from rollplex.ops.attention import CascadeDecodeAttention, PrefixGroups
+    from rollplex.engine.cascade import CascadeDecodeAttention, PrefixGroups
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     dtype = torch.bfloat16 if _cuda(device) else torch.float32  # the CPU interpreter has no bf16

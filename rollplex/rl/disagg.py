@@ -14,8 +14,9 @@ on-policy training requires:
      ranks wait for the next weights.
 
 Each side's waiting is reported (`timing_s/rollout_idle`, `timing_s/train_idle`).
-`DisaggExchange` runs a step's side of this, and the validation score, behind
-the loop's rollout and evaluate.
+`DisaggExchange` runs a step's side of this, and the validation score;
+`DisaggTrainer` is the colocated trainer (rollplex.rl.loop) with its rollout
+and evaluate behind the exchange, each rank holding only its side's state.
 This is the baseline Rollplex's schedules are compared with (the published
 design measured it 1.57-2.24x slower than overlap): correct and simple, not
 tuned (one broadcast per parameter, samples exchanged as Python objects).
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -32,9 +34,16 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from rollplex.dist import all_gather_objects, full_tensor
+from rollplex.dist import ParallelDims, all_gather_objects, full_tensor
+from rollplex.metrics import Timer
+from rollplex.models import from_pretrained
 from rollplex.models.inputs import Group
+from rollplex.rl.loop import RLTrainer
+from rollplex.rl.memory import MemoryPlan
 from rollplex.rl.rollout import Rollout, balanced_share
+from rollplex.rl.step import StepState
+from rollplex.rl.weights import SharedWeights
+from rollplex.train.parallelize import apply_tp
 
 
 @dataclass(frozen=True)
@@ -176,3 +185,92 @@ class DisaggExchange:
             replica_records = generate(examples[self.layout.replica(self.rank)::self.layout.replicas])
             records = replica_records if self.layout.leads_replica(self.rank) else []
         return [r for rank_records in all_gather_objects(records) for r in rank_records]
+
+
+class DisaggTrainer(RLTrainer):
+    """The trainer of schedule.kind disagg: a training rank holds the actor (and the
+    reference model), a rollout rank only its engine's copy of the weights in
+    model.dtype, refilled by the broadcast each step."""
+
+    def _parallel_dims(self) -> ParallelDims:
+        cfg = self.cfg
+        self.layout = DisaggLayout(self.world, cfg.schedule.rollout_ranks, cfg.rollout.tp)
+        self.generates = self.layout.is_rollout(self.rank)
+        return ParallelDims.resolve(self.layout.train_ranks, cfg.parallel.dp_shard, cfg.parallel.tp)
+
+    def _layout_summary(self) -> str:
+        d, rollout_ranks = self.dims, self.layout.rollout_ranks
+        return (f"{self.layout.train_ranks} training ranks (dp_shard {d.dp_shard} x tp {d.tp}) + {rollout_ranks} "
+                f"rollout ranks (engine tp {self.cfg.rollout.tp}); schedule disagg")
+
+    def _load_models(self, path: Path) -> None:
+        if not self.generates:
+            super()._load_models(path)
+            return
+        self.model = from_pretrained(path, dtype=self.compute_dtype, device=self.device,
+                                     attn_backend=self.cfg.model.attn_backend)
+        self.ref_model = None
+
+    def _parallelize(self) -> None:
+        """The trainers: FSDP2 (+ TP) over their own mesh; the rollout ranks: only the engine's
+        TP over their replica. Every rank builds both meshes and every group (collectively)."""
+        cfg = self.cfg
+        mesh, rollout_mesh = self.layout.meshes(self.dims.dp_shard, self.dims.tp, self.device.type)
+        broadcast = WeightBroadcast(self.layout, self.rank, self.compute_dtype)
+        self.checkpoint_group = dist.new_group(list(range(self.layout.train_ranks)))  # trainers only
+        self.engine_ranks = dist.new_group(list(range(self.layout.train_ranks, self.world)))
+        self.dp_rank, self.dp_group = 0, None
+        if self.generates:
+            if cfg.rollout.tp > 1:
+                apply_tp(self.model, rollout_mesh["tp"])
+            self.weights = SharedWeights(self.model, cfg.rollout.tp, cfg.rollout.tp)
+        else:
+            self._shard_models(mesh)
+        self.exchange = DisaggExchange(self.layout, self.rank, broadcast, self.model, self.tokenizer,
+                                       self.dims.dp_shard, self.dp_rank)
+
+    def _build_rollout(self) -> None:
+        self.engine = self.rollout_runner = None
+        if self.generates:
+            super()._build_rollout(self.engine_ranks)
+
+    def _build_actor(self) -> None:
+        self.actor = None
+        if not self.generates:
+            super()._build_actor()
+
+    def _train_step(self, examples: list, data_s: float) -> dict[str, float]:
+        if self.generates:  # generate the replica's share; the trainers report the step
+            self.exchange.rollout(examples, self.step, self._sample)
+            return {}
+        return super()._train_step(examples, data_s)
+
+    def _sample(self, examples: list, step: int) -> Rollout:
+        return self.rollout(examples, step).rollout
+
+    def _rollout_phase(self, examples: list, timer: Timer) -> StepState:
+        """A trainer's share of the samples, from the exchange (its timings: the rollout's metrics)."""
+        rollout, metrics = self.exchange.rollout(examples, self.step, self._sample)
+        return StepState(self.step, rollout.examples, rollout=rollout, metrics=metrics)
+
+    def _planned_memory(self) -> MemoryPlan | None:
+        return None  # planned as if colocated: no plan of either side's phases to set the peaks beside
+
+    def _weights_metrics(self) -> dict[str, float]:
+        return {}  # no shared weights: the broadcast's time is timing_s/update_weights
+
+    def _validation_records(self, examples: list) -> list[dict]:
+        return self.exchange.evaluate(examples, self._greedy_records)
+
+    def _save(self) -> None:
+        if not self.generates:
+            super()._save()
+
+    def _save_hf(self) -> None:
+        if not self.generates:
+            super()._save_hf()
+
+    def _resume(self) -> None:
+        """Every rank knows the resume step (a rollout rank too); the trainers load the checkpoint."""
+        if not self.generates:
+            super()._resume()

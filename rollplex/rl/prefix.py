@@ -62,7 +62,8 @@ import torch.distributed as dist
 from rollplex.dist import all_reduce_values
 from rollplex.models.inputs import Prompt, VisionEmbeds
 from rollplex.models.protocol import VisionLanguageModel
-from rollplex.rl.memory import MemoryPlan, PrefixKind, admitted, prefix_items, prefix_state
+from rollplex.rl.memory import MemoryPlan, admitted, prefix_state
+from rollplex.rl.schedules.prompt_work import PrefixKind
 from rollplex.train.kept_prefix import KeptPrefix, PromptChunk, prepare_prompts, prompt_forward
 
 
@@ -105,7 +106,7 @@ class PrefixTiming:
     hidden: float = 0.0  # prefix work done inside the decode window
     exposed: float = 0.0  # prefix work left after decode
     # Host time the decode loop spent issuing prefix slices (timing_s/decode_slowdown: the loop adds the
-    # finished groups' work, rollplex.rl.stream.StreamReport.decode_delay).
+    # finished groups' work, rollplex.rl.step.StreamReport.decode_delay).
     decode_delay: float = 0.0
 
     def as_metrics(self) -> dict[str, float]:
@@ -236,8 +237,8 @@ def update_chunks(n_groups: int, updates: int) -> list[slice]:
 
 @dataclass
 class PrefixPlanner:
-    """A step's prompt work as the memory plan counts it: the items of
-    rollplex.rl.memory.prefix_items, each with the plan's estimate of the state it
+    """A step's prompt work as the memory plan counts it: the items the schedule
+    declares (rollplex.rl.schedules.prompt_work), each with the plan's estimate of the state it
     keeps, and the byte budget the scheduler admits them by."""
 
     plan: MemoryPlan
@@ -253,7 +254,7 @@ class PrefixPlanner:
         options, tp = self.plan.options, self.tp
         chunks = update_chunks(len(prompts), options.updates_per_batch)
         items = []
-        for spec in prefix_items(options):
+        for spec in self.plan.prefix_items:  # the schedule's (rollplex.rl.schedules.prompt_work), as counted
             chunk = chunks[spec.chunk]
             if chunk.start == chunk.stop:
                 continue

@@ -15,7 +15,6 @@ from typing import Any
 
 from rollplex.config import Config
 from rollplex.data.reward_scoring import RewardScores
-from rollplex.dist import ParallelDims
 from rollplex.rl.rollout import Rollout
 from rollplex.rl.setup import PromptSource, ResumePoint
 
@@ -50,8 +49,9 @@ def _count(n: int) -> str:
 
 
 def startup_summary(cfg: Config, model_dir: Path, parameters: int, data: PromptSource, total_steps: int,
-                    dims: ParallelDims, world: int, start: ResumePoint) -> str:
-    """The lines a run prints before its first step: what it trains, on what, how long, how laid out, where to."""
+                    layout: str, start: ResumePoint) -> str:
+    """The lines a run prints before its first step: what it trains, on what, how long, how laid out
+    (`layout`: the trainer's ranks and schedule), where to."""
     run = (f"resuming {cfg.trainer.output_dir} from {start.checkpoint} (step {start.step})" if start.checkpoint
            else f"new run in {cfg.trainer.output_dir}")
     model = cfg.model.path or f"tiny (model.tiny, built in {model_dir})"
@@ -60,13 +60,6 @@ def startup_summary(cfg: Config, model_dir: Path, parameters: int, data: PromptS
         train = f"{len(data.train_data):,} rows, {len(data.train_data) / d.batch_size:.4g} steps per epoch"
     else:
         train = f"built-in task {d.task!r} (endless)"
-    if cfg.schedule.kind == "disagg":
-        layout = (f"{world - cfg.schedule.rollout_ranks} training ranks (dp_shard {dims.dp_shard} x tp {dims.tp}) + "
-                  f"{cfg.schedule.rollout_ranks} rollout ranks (engine tp {r.tp}); schedule disagg")
-    else:
-        shared = ", prompt work shared" if cfg.schedule.kind == "overlap" or cfg.schedule.share_prefix else ""
-        layout = (f"{world} rank(s): dp_shard {dims.dp_shard} x tp {dims.tp}, engine tp {r.tp}; "
-                  f"schedule {cfg.schedule.kind}{shared}")
     return "\n".join([
         f"rollplex: {run}",
         f"  model   {model}: {_count(parameters)} parameters, compute {cfg.model.dtype}",

@@ -23,8 +23,6 @@ from rollplex.engine import Engine, EngineConfig, Request, SamplingParams
 from rollplex.engine.sampler import mix_seed
 from rollplex.models.inputs import Group, Sample, VisionEmbeds
 from rollplex.models.protocol import VisionLanguageModel
-from rollplex.rl.prefix import PrefixScheduler
-from rollplex.rl.stream import GroupStream
 from rollplex.rl.weights import SharedWeights
 
 
@@ -35,18 +33,15 @@ class Rollout:
     examples: list  # rollplex.data Example per prompt
     groups: list[Group]
     texts: list[str]  # each sample's decoded response, group by group (what the reward reads)
-    prefix: PrefixScheduler | None = None  # the step's prompt work (all schedules but serial without share_prefix)
-    stream: GroupStream | None = None  # the finished groups' work done in the decode window (schedule.stream_groups)
 
     @classmethod
-    def of(cls, examples: list, groups: list[Group], tokenizer, prefix: PrefixScheduler | None = None,
-           stream: GroupStream | None = None) -> Rollout:
-        """The rollout of `examples` from their groups (the engine's, or a disagg rollout rank's); the
-        responses the decode window scored are decoded already (`stream`)."""
-        known = stream.texts if stream is not None else {}
+    def of(cls, examples: list, groups: list[Group], tokenizer, decoded: dict[int, list[str]] | None = None) -> Rollout:
+        """The rollout of `examples` from their groups (the engine's, or a disagg rollout rank's);
+        `decoded`: the responses of the groups decoded already, by group (the decode window's)."""
+        decoded = decoded or {}
         texts = [t for i, g in enumerate(groups)
-                 for t in known.get(i) or [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in g.samples]]
-        return cls(examples, groups, texts, prefix, stream)
+                 for t in decoded.get(i) or [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in g.samples]]
+        return cls(examples, groups, texts)
 
     # The per-sample views are built once: the groups do not change after `of`.
     @cached_property

@@ -216,13 +216,14 @@ class PromptSource:
 
 
 def plan_run_memory(cfg: Config, path: Path, examples: list, dims: ParallelDims, device: torch.device,
-                    compute_dtype: torch.dtype) -> MemoryPlan:
+                    compute_dtype: torch.dtype, memory_layout: str) -> MemoryPlan:
     """The memory plan (rollplex.rl.memory) of this run's model, layout and
     options, for the shapes of its first batch (`examples`): it decides the sizes
     the config leaves to it (the KV pool, the prefix budget, the micro-batch) within
     trainer.device_memory or the device's own (the least of any rank's, so that
-    every rank sizes alike), and gives each phase's peak. disagg is planned as
-    if colocated, which over-counts each side."""
+    every rank sizes alike), and gives each phase's peak. `memory_layout`: the
+    schedule's (rollplex.rl.schedules.base.Schedule.memory_layout); disagg is planned
+    as if colocated, which over-counts each side."""
     args = read_model_args(path)
     check_splits(args, cfg, path)
     vision = sum(int((e.prompt.input_ids == t).sum()) for e in examples
@@ -238,7 +239,8 @@ def plan_run_memory(cfg: Config, path: Path, examples: list, dims: ParallelDims,
                           f"max_position_embeddings {args.text.max_position_embeddings} ({path}/config.json): "
                           "lower one of the two")
     memory = int(cfg.trainer.device_memory) or device_memory(device)
-    options = MemoryOptions.from_config(cfg, compute_dtype, memory, resolve_backend(cfg.model.attn_backend, device))
+    options = MemoryOptions.from_config(cfg, memory_layout, compute_dtype, memory,
+                                        resolve_backend(cfg.model.attn_backend, device))
     engine_tp = cfg.rollout.tp if dims.world_size % cfg.rollout.tp == 0 else dims.tp
     layout = ParallelLayout(dims.dp_shard, dims.tp, engine_tp, 1, dims.world_size)
     return plan_memory(args, layout, batch, options)

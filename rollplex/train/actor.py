@@ -152,6 +152,7 @@ class PolicyUpdate:
         self.nonfinite = torch.zeros((), dtype=torch.long, device=actor.model.device)
         self.grad_scale = 1.0
         self.trained: set[int] = set()  # positions of the groups whose passes are in
+        self.started_early = norm is None  # in the decode window (`Actor.start_update`)
 
     def add(self, units: list[_Unit], batch: PolicyBatch, weight: float) -> None:
         """Forward and backward over one micro-batch of `batch` (weight 0: a repeat that keeps
@@ -202,6 +203,73 @@ class PolicyUpdate:
             self.sums[k] /= norm.global_tokens
         self.probs_diff_sum /= norm.global_tokens
         self.norm, self.grad_scale = norm, 1.0 / divisor
+
+    def add_group(self, group: PolicyBatch, position: int) -> None:
+        """Add one finished group's passes (`group`: its responses' data, with the kept prompt
+        of the step's chunk) to a started step (`Actor.start_update`); `position`: its index
+        in the step's batch and kept prefix."""
+        self.kept = group.kept
+        for units in self.actor.micro_batches(group.groups, [position], agree=False):
+            self.add(units, group, weight=1.0)
+        self.trained.add(position)
+
+    def finish(self, batch: PolicyBatch) -> dict[str, float]:
+        """The step's remaining passes over `batch` (all of it, unless the step started in the
+        decode window on the groups that finished first), then the optimizer step.
+
+        The step is skipped (counted in skipped_steps) on every rank when any rank
+        sees a non-finite loss or gradient, or a non-finite logprob in the batch's
+        old or reference logprobs or in this update's own pass.
+
+        Loss-like metrics (and the mean engine/trainer probability difference) are
+        this rank's share of the global value: summed over dp ranks they give the
+        batch's value. grad_norm, lr, skipped_steps_total and nonfinite_logprobs are
+        global already, and rollout_probs_diff_max is this rank's maximum. The
+        rollout_probs_diff metrics come only with rollout logprobs and the rollout's
+        weights (PolicyBatch.rollout_weights)."""
+        actor = self.actor
+        actor.model.train()
+        self.kept = batch.kept
+        batches = actor.micro_batches(batch.groups, skip=frozenset(self.trained))
+        if self.started_early and not batches:
+            # FSDP prefetches in a backward by the order of the forwards since the last backward, which
+            # the decode window's passes left different on each rank: one more backward (a zero-weight
+            # repeat, on every rank alike) ends that history before the prompt's.
+            batches = [[]]
+        for i, mb in enumerate(batches):
+            if self.started_early and batch.kept is None and i == len(batches) - 1:
+                actor._sync_gradients()  # no prompt backward to reduce them: this last micro-batch's does
+            self.add(mb or actor._fallback_units(batch.groups), batch, weight=1.0 if mb else 0.0)
+        self.nonfinite += count_nonfinite(batch.old_logprobs) + count_nonfinite(batch.ref_logprobs)
+        if self.norm is None:  # started early: its normaliser is known now that every group is in
+            self.apply_norm(actor._loss_norm(batch))
+        flops = self.flops + (self._prompt_backward(batch.kept) if batch.kept is not None else 0.0)
+        if self.grad_scale != 1.0:  # linear in the loss: the early step's normaliser, applied once
+            torch._foreach_mul_([p.grad for p in actor.model.parameters() if p.grad is not None], self.grad_scale)
+        nonfinite = actor._global_sum(float(self.nonfinite.item()))
+        grad_norm = actor._clip_and_step(skip=nonfinite > 0)
+        metrics = {f"actor/{k}": v.item() for k, v in self.sums.items()}
+        metrics["perf/actor_flops"] = flops
+        if self.measures_diff:
+            metrics["training/rollout_probs_diff_mean"] = self.probs_diff_sum.item()
+            metrics["training/rollout_probs_diff_max"] = self.probs_diff_max.item()
+        metrics.update({"actor/grad_norm": grad_norm, "actor/lr": actor.lr_schedule.get_last_lr()[0],
+                        "actor/skipped_steps_total": float(actor.skipped_steps),
+                        "training/nonfinite_logprobs": nonfinite})
+        return metrics
+
+    def _prompt_backward(self, kept: KeptPrefix) -> float:
+        """The kept prompt's backward, which reduces the gradients (held by an early step until
+        here); returns its FLOPs."""
+        model = self.actor.model
+        self.actor._sync_gradients()
+        if isinstance(model, FSDPModule):
+            # The prompt forward read the root unit's parameters (embedding, final norm, vision merger)
+            # outside its FSDP hooks: gather them for the backward; FSDP's end-of-backward callback
+            # reduces their gradients and reshards them.
+            model.unshard()
+        kept.backward_into_prompt()
+        return 2 * kept.flops
 
 
 class Actor:
@@ -315,68 +383,18 @@ class Actor:
         return (*response_logprobs(model, batch, with_entropy=with_entropy, temperature=self.config.temperature),
                 lens, forward_flops(model.args, batch))
 
-    def update(self, batch: PolicyBatch, started: PolicyUpdate | None = None) -> dict[str, float]:
-        """One optimizer step on the batch; returns verl-named metrics. `started`: the
-        step's passes over the groups that finished first, run in the decode window
-        (`start_update`); the rest of the batch's groups are added here.
-
-        The step is skipped (counted in skipped_steps) on every rank when any rank
-        sees a non-finite loss or gradient, or a non-finite logprob in the batch's
-        old or reference logprobs or in this update's own pass.
-
-        Loss-like metrics (and the mean engine/trainer probability difference) are
-        this rank's share of the global value: summed over dp ranks they give the
-        batch's value. grad_norm, lr, skipped_steps_total and nonfinite_logprobs are
-        global already, and rollout_probs_diff_max is this rank's maximum. The
-        rollout_probs_diff metrics come only with rollout logprobs and the rollout's
-        weights (PolicyBatch.rollout_weights)."""
-        self.model.train()
-        step = started or PolicyUpdate(self, batch.kept, self._loss_norm(batch),
-                                       batch.rollout_logprobs is not None and batch.rollout_weights)
-        step.kept = batch.kept
-        batches = self.micro_batches(batch.groups, skip=frozenset(step.trained))
-        if started is not None and not batches:
-            # FSDP prefetches in a backward by the order of the forwards since the last backward, which
-            # the decode window's passes left different on each rank: one more backward (a zero-weight
-            # repeat, on every rank alike) ends that history before the prompt's.
-            batches = [[]]
-        for i, mb in enumerate(batches):
-            if started is not None and batch.kept is None and i == len(batches) - 1:
-                self._sync_gradients()  # no prompt backward to reduce them: this last micro-batch's does
-            step.add(mb or self._fallback_units(batch.groups), batch, weight=1.0 if mb else 0.0)
-        step.nonfinite += count_nonfinite(batch.old_logprobs) + count_nonfinite(batch.ref_logprobs)
-        if step.norm is None:  # the streamed step: its normaliser is known now that every group is in
-            step.apply_norm(self._loss_norm(batch))
-        flops = step.flops
-        if batch.kept is not None:
-            self._sync_gradients()  # held by a started step until here
-            if isinstance(self.model, FSDPModule):
-                # The prompt forward read the root unit's parameters (embedding, final norm, vision merger)
-                # outside its FSDP hooks: gather them for the backward; FSDP's end-of-backward callback
-                # reduces their gradients and reshards them.
-                self.model.unshard()
-            batch.kept.backward_into_prompt()
-            flops += 2 * batch.kept.flops  # the prompt's backward
-        if step.grad_scale != 1.0:  # linear in the loss: the streamed step's normaliser, applied once
-            torch._foreach_mul_([p.grad for p in self.model.parameters() if p.grad is not None], step.grad_scale)
-        nonfinite = self._global_sum(float(step.nonfinite.item()))
-        grad_norm = self._clip_and_step(skip=nonfinite > 0)
-        metrics = {f"actor/{k}": v.item() for k, v in step.sums.items()}
-        metrics["perf/actor_flops"] = flops
-        if step.measures_diff:
-            metrics["training/rollout_probs_diff_mean"] = step.probs_diff_sum.item()
-            metrics["training/rollout_probs_diff_max"] = step.probs_diff_max.item()
-        metrics.update({"actor/grad_norm": grad_norm, "actor/lr": self.lr_schedule.get_last_lr()[0],
-                        "actor/skipped_steps_total": float(self.skipped_steps),
-                        "training/nonfinite_logprobs": nonfinite})
-        return metrics
+    def update(self, batch: PolicyBatch) -> dict[str, float]:
+        """One optimizer step on the batch; returns verl-named metrics (`PolicyUpdate.finish`)."""
+        measures_diff = batch.rollout_logprobs is not None and batch.rollout_weights
+        return PolicyUpdate(self, batch.kept, self._loss_norm(batch), measures_diff).finish(batch)
 
     def start_update(self) -> PolicyUpdate:
         """The next optimizer step's passes, started before its whole batch exists: groups join
-        one by one (`add_group`) as they finish decoding, and `update` adds the rest. Gradients
-        stay on this rank until the last backward in `update` (FSDP reduces nothing before): a
-        rank runs as many passes as its groups finish in the window, its peers others. Every dp
-        rank must start the step, or none (the reductions in `update` follow from it)."""
+        one by one (`PolicyUpdate.add_group`) as they finish decoding, and `PolicyUpdate.finish`
+        adds the rest. Gradients stay on this rank until the last backward in `finish` (FSDP
+        reduces nothing before): a rank runs as many passes as its groups finish in the window,
+        its peers others. Every dp rank must start the step, or none (the reductions in `finish`
+        follow from it)."""
         if isinstance(self.model, FSDPModule):
             self.model.set_requires_gradient_sync(False)
         return PolicyUpdate(self, None, None, measures_diff=True)
@@ -385,15 +403,6 @@ class Actor:
         """The next backward reduces the gradients over dp ranks (FSDP's default)."""
         if isinstance(self.model, FSDPModule):
             self.model.set_requires_gradient_sync(True)
-
-    def add_group(self, step: PolicyUpdate, group: PolicyBatch, position: int) -> None:
-        """Add one finished group's passes (`group`: its responses' data, with the kept prompt
-        of the step's chunk) to a started step; `position`: its index in the step's batch and
-        kept prefix."""
-        step.kept = group.kept
-        for units in self.micro_batches(group.groups, [position], agree=False):
-            step.add(units, group, weight=1.0)
-        step.trained.add(position)
 
     def _loss_norm(self, batch: PolicyBatch) -> LossNorm:
         """The batch's global normalisers: its response tokens and responses over every dp rank."""

@@ -17,8 +17,7 @@ parallel layout and a batch:
     measure    what the tensors hold on CPU: live bytes, each phase's peak
 """
 
-from rollplex.rl.memory.estimates import (PrefixItem, PrefixKind, admitted, count_params, kv_bytes_per_token,
-                                          micro_batch, prefix_items, prefix_state)
+from rollplex.rl.memory.estimates import admitted, count_params, kv_bytes_per_token, micro_batch, prefix_state
 from rollplex.models.registry import PRESETS
 from rollplex.rl.memory.inputs import GiB, SCHEDULES, UNCOUNTED_FRACTION, BatchShape, MemoryOptions, ParallelLayout
 from rollplex.rl.memory.measure import PHASE_MARK, CpuPhasePeaks, live_tensor_bytes
@@ -28,7 +27,7 @@ from rollplex.rl.memory.report import format_plan
 
 __all__ = [
     "GiB", "PHASES", "PHASE_MARK", "PRESETS", "SCHEDULES", "TENSOR_CLASSES", "UNCOUNTED_FRACTION", "BatchShape",
-    "CpuPhasePeaks", "MemoryOptions", "MemoryPlan", "MemoryPlanError", "ParallelLayout", "PrefixItem", "PrefixKind",
-    "admitted", "count_params", "format_plan", "kv_bytes_per_token", "live_tensor_bytes", "loop_phase_bytes",
-    "micro_batch", "plan_memory", "prefix_items", "prefix_state",
+    "CpuPhasePeaks", "MemoryOptions", "MemoryPlan", "MemoryPlanError", "ParallelLayout", "admitted", "count_params",
+    "format_plan", "kv_bytes_per_token", "live_tensor_bytes", "loop_phase_bytes", "micro_batch", "plan_memory",
+    "prefix_state",
 ]

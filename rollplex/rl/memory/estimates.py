@@ -11,7 +11,6 @@ and of the logprob and training passes (`activations`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ import torch
 from rollplex.models.family import FamilyArgs, ParamCounts
 from rollplex.models.registry import family_of
 from rollplex.rl.memory.inputs import BatchShape, MemoryOptions
+from rollplex.rl.schedules.prompt_work import PrefixItem
 
 FP32 = 4  # bytes: RMSNorm and the loss work in float32 whatever the model's dtype
 
@@ -116,54 +116,6 @@ def _logits_bytes(args: FamilyArgs, grad: bool, entropy: bool) -> int:
 
 
 # ----------------------------------------------------------------------------- prefix state
-
-
-class PrefixKind(str, Enum):
-    """Whose prompt forward a prefix item runs. A str that prints as its value
-    ("ref"), so metrics, traces and reports name kinds as before (what
-    enum.StrEnum does, which needs Python 3.11)."""
-
-    REF = "ref"  # the reference model's
-    ACTOR = "actor"  # the actor's, with its graph
-    OLD = "old"  # the actor's without graph, for recomputed old logprobs
-
-    __str__ = str.__str__  # else str() prints PrefixKind.REF, and so does format() from Python 3.12
-    __format__ = str.__format__
-
-    @classmethod
-    def _missing_(cls, value: object) -> PrefixKind:
-        raise ValueError(f"unknown prefix kind {value!r}; expected one of {', '.join(cls)}")
-
-
-@dataclass(frozen=True)
-class PrefixItem:
-    """One prompt forward per chunk of prompts (rollplex.rl.prefix.PrefixWork)."""
-
-    kind: PrefixKind
-    chunk: int
-    keep_graph: bool
-    reuses_vision: bool  # reads the rollout's cached vision features instead of running the tower
-
-    def __post_init__(self):
-        object.__setattr__(self, "kind", PrefixKind(self.kind))  # a kind given by its value ("ref") is parsed
-
-
-def prefix_items(options: MemoryOptions) -> list[PrefixItem]:
-    """A step's prompt work, in admission order: per chunk (one optimizer step's
-    prompts) the reference model's forward, then the actor's with its graph
-    (first chunk: later chunks train on weights that do not exist yet during
-    rollout) or the old policy's (later chunks, when old logprobs are recomputed).
-    Items reuse the rollout's vision features where the tower is the rollout's and
-    needs no gradient: the old policy always, the others when the tower is frozen."""
-    frozen, items = options.freeze_vision, []
-    for chunk in range(options.updates_per_batch):
-        if options.ref_model:
-            items.append(PrefixItem(PrefixKind.REF, chunk, False, frozen))
-        if chunk == 0:
-            items.append(PrefixItem(PrefixKind.ACTOR, chunk, True, frozen))
-        elif options.recompute_old_logprobs:
-            items.append(PrefixItem(PrefixKind.OLD, chunk, False, True))
-    return items
 
 
 @dataclass(frozen=True)

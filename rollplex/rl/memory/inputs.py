@@ -115,10 +115,11 @@ class MemoryOptions:
         return self.schedule != "serial-naive"
 
     @classmethod
-    def from_config(cls, cfg, param_dtype: torch.dtype, device_memory: int, attention: str) -> "MemoryOptions":
-        """A run's options (rollplex.config.Config): its sizes, where set, override the plan's."""
+    def from_config(cls, cfg, schedule: str, param_dtype: torch.dtype, device_memory: int,
+                    attention: str) -> "MemoryOptions":
+        """A run's options (rollplex.config.Config) under `schedule` (one of SCHEDULES: the run's
+        schedule's memory layout): its sizes, where set, override the plan's."""
         s = cfg.schedule
-        schedule = "overlap" if s.kind == "overlap" else "serial-prefix" if s.share_prefix else "serial-naive"
         return cls(param_dtype=param_dtype, ref_model=cfg.algorithm.kl_coef > 0, ref_dtype=param_dtype,
                    recompute_old_logprobs=cfg.algorithm.recompute_old_logprobs,
                    offload_optimizer=cfg.parallel.offload_optimizer,

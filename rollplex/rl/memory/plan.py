@@ -29,12 +29,13 @@ import torch
 from rollplex.engine.engine import EngineConfig
 from rollplex.models.family import FamilyArgs
 from rollplex.models.registry import family_of
-from rollplex.rl.memory.estimates import (FP32, MicroBatch, ParamCounts, PrefixItem, PrefixKind, PrefixState,
-                                          _layer_forward_bytes, _vision_forward_bytes, admitted, count_params,
-                                          decoder_layer_bytes, kv_bytes_per_token, kv_pool_need, micro_batch,
-                                          micro_batch_bytes, prefix_items, prefix_state)
+from rollplex.rl.memory.estimates import (FP32, MicroBatch, ParamCounts, PrefixState, _layer_forward_bytes,
+                                          _vision_forward_bytes, admitted, count_params, decoder_layer_bytes,
+                                          kv_bytes_per_token, kv_pool_need, micro_batch, micro_batch_bytes,
+                                          prefix_state)
 from rollplex.rl.memory.inputs import (GiB, UNCOUNTED_FRACTION, BatchShape, MemoryOptions, ParallelLayout,
                                        usable_bytes)
+from rollplex.rl.schedules.prompt_work import PrefixItem, PrefixKind, prompt_work_items
 
 PHASES = ("rollout", "prefix", "logprobs", "train", "optimizer")
 TENSOR_CLASSES = ("params_sharded", "optimizer_state", "ref_params", "params_gathered", "grads", "kv_pool",
@@ -106,7 +107,7 @@ class MemoryPlan:
 
     def streamed_update_bytes(self) -> int:
         """What the first update's passes hold in the decode window when finished groups stream
-        (schedule.stream_groups, rollplex.rl.stream): the gradients, whole on each rank until the
+        (schedule.stream_groups, rollplex.rl.schedules.overlap_stream): the gradients, whole on each rank until the
         prompt's backward reduces them after rollout, and one micro-batch's working memory."""
         s = _Shapes(self.args, self.layout, self.batch, self.options, self.params)
         return s.trainable_shard() * self.layout.dp_shard * self.options.grad_dtype.itemsize + \
@@ -139,7 +140,7 @@ class _Shapes:
         self.prompts_per_engine = math.ceil(batch.prompts / layout.engine_replicas)
         self.chunk_prompts = math.ceil(self.prompts_per_rank / options.updates_per_batch)
         self.patches = batch.vision_patches(args)
-        self.items = prefix_items(options) if options.share_prefix else []
+        self.items = prompt_work_items(options) if options.share_prefix else []
         self.states = [prefix_state(args, i, self.chunk_prompts, self.chunk_prompts * batch.prompt_len,
                                     self.chunk_prompts * self.patches, options, layout.tp) for i in self.items]
 
@@ -406,7 +407,7 @@ def size_memory(args: FamilyArgs, layout: ParallelLayout, batch: BatchShape, opt
                               f"{batch.longest_sequence} tokens (the actor never splits one): raise it, or set 0 "
                               "for the memory plan's")
     fixed = _phases(_Shapes(args, layout, batch, replace(trial, micro_batch_tokens=micro), params),
-                    [False] * len(prefix_items(options)) if options.share_prefix else [])
+                    [False] * len(prompt_work_items(options)) if options.share_prefix else [])
     prefix_room = usable - _total(fixed["prefix"]) + fixed["prefix"]["kv_pool"] if fixed["prefix"] else 0
     budget = None if options.prefix_budget is None else _bytes(options.prefix_budget, options.device_memory)
     return MemorySizes(usable, kv_pool, micro, prefix_room, usable - _total(fixed["train"]), budget)

@@ -1,4 +1,4 @@
-"""Finished groups' work in the decode tail (schedule.stream_groups).
+"""overlap-stream: overlap, and the finished groups' work in the decode tail (schedule.stream_groups).
 
 In a synchronous GRPO step, a group whose n samples have all finished needs
 nothing from the groups still decoding for:
@@ -25,11 +25,14 @@ outside the budget, that reads values back and copies to the device blocking
 between two decode steps; such groups' passes, and the update that reads their
 logprobs, are left to the loop's phases. They run what the window does not
 finish, after it, through the same functions: the results here say what is
-done. The host time `between_steps` takes counts in timing_s/decode_slowdown
+done. What the window does goes into the step's
+state (rollplex.rl.step.StepState), which the phases after decode complete.
+The host time `between_steps` takes counts in timing_s/decode_slowdown
 beside the prefix slices'.
 
 No streamed pass may issue a collective: each dp rank finishes its groups in its
-own order, so collectives would not line up. A pass streams only where its model
+own order, so collectives would not line up. On CPU every pass runs under
+`no_collectives` (rollplex.dist), which raises on one. A pass streams only where its model
 is whole on this rank during rollout: the actor's when parallel.tp is 1 (every
 FSDP unit is gathered for the engine and stays so through backward,
 rollplex.rl.weights), the reference model's when it is not sharded (one dp
@@ -48,19 +51,28 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from rollplex.config import Config
 from rollplex.data.reward_scoring import RewardScorer, RewardScores
+from rollplex.dist import no_collectives
+from rollplex.engine import Request
 from rollplex.models.inputs import Group
 from rollplex.models.protocol import VisionLanguageModel
-from rollplex.rl.memory import PrefixKind
 from rollplex.rl.prefix import PrefixScheduler, update_chunks
-from rollplex.train.actor import Actor, PolicyBatch, PolicyUpdate
+from rollplex.rl.schedules.base import DecodeWindow
+from rollplex.rl.schedules.overlap import Overlap
+from rollplex.rl.schedules.prompt_work import PrefixKind
+from rollplex.rl.step import StepState, StreamReport, norm_by_std, score_groups
+from rollplex.train.actor import Actor, PolicyBatch
 from rollplex.train.kept_prefix import KeptPrefix
 from rollplex.train.loss import group_advantages
 from rollplex.train.parallelize import fsdp_units, hold_gathered, release_gathered
+
+if TYPE_CHECKING:
+    from rollplex.rl.loop import RLTrainer
 
 
 @dataclass(frozen=True)
@@ -95,22 +107,6 @@ class StreamPlan:
                    update=whole and kept_actor and update_fits and (ref or a.kl_coef == 0), gather_ref=gather_ref)
 
 
-@dataclass
-class StreamReport:
-    hidden: float = 0.0  # seconds of finished groups' work in the decode window: scoring, and the passes (on CUDA
-    # the side stream's time for them, from events)
-    exposed: float = 0.0  # seconds of the same kinds of work after it (set by the loop)
-    # Host seconds the decode loop spent in `GroupStream.between_steps`: the loop adds them to the prefix
-    # slices' in timing_s/decode_slowdown.
-    decode_delay: float = 0.0
-    # What the window did: groups scored, and passes run per kind (ref, old, update: one per group)
-    done: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("scored", "ref", "old", "update"), 0))
-
-    def as_metrics(self) -> dict[str, float]:
-        return {"timing_s/stream_hidden": self.hidden, "timing_s/stream_exposed": self.exposed,
-                **{f"stream/{kind}_groups": float(count) for kind, count in self.done.items()}}
-
-
 class SideStreamBacklog:
     """The passes issued on the side stream and not finished yet, by their end events
     (`query()` does not block): room for another while fewer than `limit` are unfinished.
@@ -134,22 +130,15 @@ class GroupStream:
     """A step's finished groups and the work done on them in the decode window."""
 
     cfg: Config
-    examples: list  # this rank's, one per group
+    state: StepState  # what the window does goes here: the loop's phases do the rest
     tokenizer: object
     scorer: RewardScorer
     actor: Actor
     ref_model: VisionLanguageModel | None
-    prefix: PrefixScheduler
     plan: StreamPlan
     max_passes_per_step: int = 8
     backlog: SideStreamBacklog = field(default_factory=SideStreamBacklog)  # stays empty on CPU: passes run inline
-    # What is done, by group index (this rank's): the loop's phases do the rest.
-    scores: dict[int, RewardScores] = field(default_factory=dict)
-    texts: dict[int, list[str]] = field(default_factory=dict)  # the scored groups' decoded responses
     advantages: dict[int, list[float]] = field(default_factory=dict)  # of the groups whose update streams
-    ref: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    old: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    update: PolicyUpdate | None = None  # the first optimizer step, started on the groups it has
     report: StreamReport = field(default_factory=StreamReport)
     finished: dict[int, Group] = field(default_factory=dict)
     _new: list[int] = field(default_factory=list)
@@ -157,15 +146,15 @@ class GroupStream:
     _peak_running: int = 0
     _waited: bool = False
     _pass_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
-    # Host-side timeline (time.perf_counter), as PrefixScheduler.spans: each piece of work as (kind, start, end).
-    spans: list[tuple[str, float, float]] = field(default_factory=list)
     _scoring: dict[int, Future] = field(default_factory=dict)  # groups whose scores the reward workers compute
 
     def __post_init__(self):
-        self.chunks = update_chunks(len(self.examples), self.cfg.algorithm.updates_per_batch)
+        self.state.stream = self.report
+        self.chunks = update_chunks(len(self.state.examples), self.cfg.algorithm.updates_per_batch)
+        self.prefix = self.state.prompt_work
         self.side_stream = self.prefix.side_stream  # None on CPU: the passes run inline
         if self.plan.update:  # on every dp rank alike, whether or not its groups finish in the window
-            self.update = self.actor.start_update()
+            self.state.update = self.actor.start_update()
         if self.plan.gather_ref:  # a collective, on every dp rank alike
             hold_gathered(fsdp_units(self.ref_model))
         # Rewards in worker processes are waited for in a thread of ours, so that the decode loop never
@@ -210,13 +199,14 @@ class GroupStream:
             if end is not None:
                 self.backlog.issued(end)
             self.report.done[job[0]] += 1
-            self.spans.append((f"group {job[0]}", job_start, time.perf_counter()))
+            self.report.spans.append((f"group {job[0]}", job_start, time.perf_counter()))
 
     def _issue(self, kind: str, g: int) -> torch.cuda.Event | None:
         """Run a pass inline (on CPU: None), or issue it on the side stream: its end event."""
         if self.side_stream is None:
             start = time.perf_counter()
-            self._run(kind, g)
+            with no_collectives(f"the decode window's {kind} pass of group {g}"):
+                self._run(kind, g)
             self.report.hidden += time.perf_counter() - start
             return None
         if not self._waited:  # once: the caller's stream made the inputs (gathered weights, cached vision)
@@ -249,21 +239,21 @@ class GroupStream:
             for p in self.actor.model.parameters():
                 if p.grad is not None:
                     p.grad.record_stream(main)
-        for done in (self.ref, self.old):
+        for done in (self.state.ref, self.state.old):
             for g, logprobs in done.items():
                 done[g] = [lp.cpu() for lp in logprobs]
 
     def _score(self, g: int) -> tuple[RewardScores, float, float]:
         """Group `g`'s scores, and when scoring started and ended (time.perf_counter)."""
         start, group = time.perf_counter(), self.finished[g]
-        texts = self.texts[g] = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in group.samples]
-        return score_groups(self.scorer, [self.examples[g]], [group], texts, warn=False), start, time.perf_counter()
+        texts = self.state.texts[g] = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in group.samples]
+        return score_groups(self.scorer, [self.state.examples[g]], [group], texts, warn=False), start, time.perf_counter()
 
     def _take_scores(self, g: int, scores: RewardScores, start: float, end: float, queue_passes: bool = True) -> None:
-        self.scores[g] = scores
+        self.state.scores[g] = scores
         self.report.done["scored"] += 1
         self.report.hidden += end - start
-        self.spans.append(("group reward", start, end))
+        self.report.spans.append(("group reward", start, end))
         if not queue_passes:
             return
         update = self.plan.update and g < self.chunks[0].stop
@@ -290,7 +280,7 @@ class GroupStream:
         the loop's phases run them after decode."""
         if kind != "update":
             return self._kept(kind, self._chunk(g)) is not None
-        return ((not self.plan.ref or g in self.ref) and (not self.plan.old or g in self.old)
+        return ((not self.plan.ref or g in self.state.ref) and (not self.plan.old or g in self.state.old)
                 and self.prefix.result(PrefixKind.ACTOR, 0) is not None)
 
     def _run(self, kind: str, g: int) -> None:
@@ -302,25 +292,35 @@ class GroupStream:
         model = self.ref_model if kind == "ref" else self.actor.model
         logprobs = self.actor.logprobs(model, [self.finished[g]], self._kept(kind, c), positions=[position],
                                        agree=False, to_host=False)
-        (self.ref if kind == "ref" else self.old)[g] = logprobs
+        (self.state.ref if kind == "ref" else self.state.old)[g] = logprobs
 
     def _add_to_update(self, g: int, position: int) -> None:
         kept = self.prefix.result(PrefixKind.ACTOR, 0)
         group = self.finished[g]
         rollout_logprobs = [torch.tensor(s.logprobs) for s in group.samples]
-        self.actor.add_group(self.update, PolicyBatch([group], self.advantages[g], self.old.get(g, rollout_logprobs),
-                                                      self.ref.get(g), rollout_logprobs, kept), position)
+        self.state.update.add_group(PolicyBatch([group], self.advantages[g], self.state.old.get(g, rollout_logprobs),
+                                                self.state.ref.get(g), rollout_logprobs, kept), position)
 
 
-def norm_by_std(cfg: Config) -> bool:
-    """Whether advantages are divided by the group's standard deviation (GRPO) or only centred (Dr.GRPO)."""
-    return cfg.algorithm.adv_estimator == "grpo" and cfg.algorithm.norm_adv_by_std
+class OverlapStream(Overlap):
+    """overlap, with each finished group's reward, logprob passes and (first optimizer
+    step's groups) update in the decode tail (the module docstring)."""
 
+    name = "overlap-stream"
 
-def score_groups(scorer: RewardScorer, examples: list, groups: list[Group], texts: list[str],
-                 warn: bool = True) -> RewardScores:
-    """The rewards of every sample of `groups` (one example each; `texts`: the samples' decoded
-    responses), in group order."""
-    per_sample = [e for e, g in zip(examples, groups) for _ in g.samples]
-    return scorer.score(texts, [e.answer for e in per_sample], [s.token_ids for g in groups for s in g.samples],
-                        [e.columns for e in per_sample], warn=warn)
+    def before_decode(self, trainer: RLTrainer, state: StepState) -> tuple[list[Request], DecodeWindow | None]:
+        requests, window = super().before_decode(trainer, state)
+        plan = StreamPlan.of(self.cfg, trainer.dims.dp_shard, state.prompt_work,
+                             trainer.memory.streamed_update_bytes(), trainer.memory.gathered_ref_bytes())
+        self._stream = GroupStream(self.cfg, state, trainer.tokenizer, trainer.reward_scorer, trainer.actor,
+                                   trainer.ref_model, plan)
+
+        def between_steps(running: int) -> None:  # the prompt work's slices, then the finished groups' passes
+            window.between_steps(running)
+            self._stream.between_steps(running)
+        return requests, DecodeWindow(between_steps, self._stream.on_finished)
+
+    def after_decode(self, trainer: RLTrainer, state: StepState) -> None:
+        super().after_decode(trainer, state)
+        self._stream.join()
+        self._stream = None
