@@ -145,7 +145,7 @@ def test_every_device_operation_of_a_step_is_on_the_decode_stream(monkeypatch):
 
     def between_steps(running: int) -> None:
         where.append("between_steps")
-        torch.ones(2).add_(1)  # the caller's work, as the prefix slices
+        torch.ones(2).add_(1)  # the caller's work, as the prompt-work slices
         where.pop()
 
     # Samples that stop at different lengths leave the batch at different steps; 4-token blocks fill up.

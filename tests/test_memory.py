@@ -1,5 +1,5 @@
 """Phase-aware memory on CPU, measured: the memory plan sizes a run within a
-device-memory cap and predicts each phase's peak; the prefix scheduler admits
+device-memory cap and predicts each phase's peak; the prompt-work scheduler admits
 prompt work by the plan's own estimate, which matches what a prompt forward
 keeps; no tensor memory grows across steps; a run that cannot fit fails before
 any work starts, naming the bytes and the settings to change."""
@@ -12,12 +12,12 @@ from rollplex.config import load_config
 from rollplex.models import build_model
 from rollplex.models.inputs import Prompt
 from rollplex.models.qwen2_5_vl import ModelArgs, TextArgs, VisionArgs
-from rollplex.rl import memory, prefix
+from rollplex.rl import memory, prompt_work
 from rollplex.rl.loop import RLTrainer, balanced_share
 from rollplex.rl.trainer import build_trainer
 from rollplex.rl.memory import (MemoryOptions, MemoryPlanError, live_tensor_bytes, loop_phase_bytes,
-                                prefix_state)
-from rollplex.rl.schedules.prompt_work import PrefixItem
+                                kept_prompt_state)
+from rollplex.rl.schedules.prompt_items import PromptItem
 from rollplex.train.actor import Actor, ActorConfig
 from rollplex.train.kept_prefix import prepare_prompts, prompt_forward
 from rollplex.train.parallelize import apply_activation_checkpointing
@@ -96,15 +96,15 @@ def test_the_scheduler_admits_by_the_plans_estimate(tmp_path):
     state the plan counted."""
     trainer = RLTrainer(load_config(CAPPED + ["--trainer.output_dir", str(tmp_path)]))
     plan = trainer.memory
-    assert prefix.admitted is memory.admitted
+    assert prompt_work.admitted is memory.admitted
     state = trainer.rollout(balanced_share(next(trainer._batches(0)), 1, 0), 1)  # CAPPED: overlap
     scheduler = state.prompt_work
     items = scheduler.admitted + scheduler.deferred
-    assert sorted((w.kind, w.chunk) for w in items) == sorted((i.kind, i.chunk) for i in plan.prefix_items)
-    states = {(i.kind, i.chunk): s for i, s in zip(plan.prefix_items, plan.prefix_states)}
+    assert sorted((w.kind, w.chunk) for w in items) == sorted((i.kind, i.chunk) for i in plan.prompt_items)
+    states = {(i.kind, i.chunk): s for i, s in zip(plan.prompt_items, plan.prompt_states)}
     assert all(w.estimate == states[w.kind, w.chunk].total for w in items)
     assert [(w.kind, w.chunk) for w in scheduler.deferred] == \
-        [(i.kind, i.chunk) for i, a in zip(plan.prefix_items, plan.admitted) if not a]
+        [(i.kind, i.chunk) for i, a in zip(plan.prompt_items, plan.admitted) if not a]
 
 
 # ----------------------------------------------------------------------------- one prompt forward, measured
@@ -138,9 +138,9 @@ def bytes_kept(fn) -> int:
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-@pytest.mark.parametrize("item", [PrefixItem("ref", 0, keep_graph=False, reuses_vision=True),
-                                  PrefixItem("actor", 0, keep_graph=True, reuses_vision=True),
-                                  PrefixItem("actor", 0, keep_graph=True, reuses_vision=False)])
+@pytest.mark.parametrize("item", [PromptItem("ref", 0, keep_graph=False, reuses_vision=True),
+                                  PromptItem("actor", 0, keep_graph=True, reuses_vision=True),
+                                  PromptItem("actor", 0, keep_graph=True, reuses_vision=False)])
 def test_prefix_state_estimate_matches_what_a_prompt_forward_keeps(item, checkpointing):
     """The estimate the scheduler admits by is within 10% of the bytes a prompt
     forward keeps: K/V once (not also in the graph), and with activation
@@ -164,7 +164,7 @@ def test_prefix_state_estimate_matches_what_a_prompt_forward_keeps(item, checkpo
 
     held = bytes_kept(forward)
     options = MemoryOptions(param_dtype=torch.float32, activation_checkpointing=checkpointing)
-    estimate = prefix_state(model.args, item, len(ps), sum(len(p.input_ids) for p in ps),
+    estimate = kept_prompt_state(model.args, item, len(ps), sum(len(p.input_ids) for p in ps),
                             sum(p.pixel_values.shape[0] for p in ps), options).total
     assert abs(estimate / held - 1) <= 0.1, (estimate, held)
 

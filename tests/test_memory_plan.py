@@ -18,8 +18,8 @@ from rollplex.models.qwen2_5_vl.hf import hf_config_from_args
 from rollplex.models.qwen2_5_vl import ModelArgs, Qwen2_5_VL, TextArgs, VisionArgs
 from rollplex.rl.memory import (GiB, PHASES, PRESETS, TENSOR_CLASSES, UNCOUNTED_FRACTION, BatchShape, MemoryOptions,
                                 MemoryPlanError, ParallelLayout, count_params, kv_bytes_per_token,
-                                loop_phase_bytes, micro_batch, plan_memory, prefix_state)
-from rollplex.rl.schedules.prompt_work import PrefixItem, prompt_work_items
+                                loop_phase_bytes, micro_batch, plan_memory, kept_prompt_state)
+from rollplex.rl.schedules.prompt_items import PromptItem, prompt_work_items
 from rollplex.rl.schedules.registry import build_schedule
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
@@ -115,17 +115,17 @@ def test_prefix_items_and_their_state():
     assert [(i.kind, i.chunk, i.keep_graph) for i in prompt_work_items(options)] == \
         [("ref", 0, False), ("actor", 0, True), ("ref", 1, False), ("old", 1, False)]
     args, per_token = small_args(), 2 * LAYERS * KV_HEADS * HEAD_DIM * 2
-    ref = prefix_state(args, PrefixItem("ref", 0, False, False), 2, 72, 64, options)
+    ref = kept_prompt_state(args, PromptItem("ref", 0, False, False), 2, 72, 64, options)
     assert (ref.kv, ref.graph) == (72 * per_token + 2 * HID * 2, 0)
-    actor = prefix_state(args, PrefixItem("actor", 0, True, False), 2, 72, 64, options)
+    actor = kept_prompt_state(args, PromptItem("actor", 0, True, False), 2, 72, 64, options)
     assert actor.kv == ref.kv and actor.graph > 0
-    checkpointed = prefix_state(args, PrefixItem("actor", 0, True, False), 2, 72, 64,
+    checkpointed = kept_prompt_state(args, PromptItem("actor", 0, True, False), 2, 72, 64,
                                 dataclasses.replace(options, activation_checkpointing=True))
     assert checkpointed.kv == ref.kv and checkpointed.graph < actor.graph / 4
-    reusing = prefix_state(args, PrefixItem("actor", 0, True, True), 2, 72, 64, options)  # no vision tower graph
+    reusing = kept_prompt_state(args, PromptItem("actor", 0, True, True), 2, 72, 64, options)  # no vision tower graph
     assert reusing.graph < actor.graph
     with pytest.raises(ValueError, match="unknown prefix kind"):
-        prefix_state(args, PrefixItem("critic", 0, False, False), 1, 1, 0, options)
+        kept_prompt_state(args, PromptItem("critic", 0, False, False), 1, 1, 0, options)
     with pytest.raises(ValueError, match="does not divide"):
         kv_bytes_per_token(args, tp=4)
 

@@ -1,10 +1,10 @@
 """Prefix slices never make the host wait for the device.
 
 The overlap schedule issues prompt work in slices between decode steps
-(rollplex.rl.prefix). A slice that copies host data to the GPU, reads a device
+(rollplex.rl.prompt_work). A slice that copies host data to the GPU, reads a device
 value back, or runs an op whose output size depends on device data blocks the
 host until the side stream gets there, so the next decode step waits behind the
-slices queued before it. PrefixScheduler therefore prepares every item's device
+slices queued before it. PromptWorkScheduler therefore prepares every item's device
 tensors when it is made, before decode, and the slices only launch kernels.
 
 On CPU nothing waits, so `HostSyncGuard` records the calls that would on CUDA,
@@ -26,7 +26,7 @@ import rollplex.ops.attention
 from rollplex.models import build_model
 from rollplex.models.packing import pack_sequences
 from rollplex.models.inputs import VisionEmbeds
-from rollplex.rl.prefix import PrefixScheduler, PrefixWork
+from rollplex.rl.prompt_work import PromptWorkScheduler, PromptWork
 from test_model import tiny_args
 from test_shared_prefix import groups
 
@@ -139,9 +139,9 @@ def test_prefix_slices_copy_nothing_to_the_device_and_read_nothing_back(model):
     prompts = [g.prompt for g in groups()]
     cached = VisionEmbeds.concat([model.encode_vision(p.pixel_values, p.image_grid_thw, p.pixel_values_videos,
                                                       p.video_grid_thw) for p in prompts])
-    items = [PrefixWork("actor", 0, model, prompts, None, keep_graph=True, estimate=0),
-             PrefixWork("ref", 0, model, prompts, cached, keep_graph=False, estimate=0)]
-    scheduler = PrefixScheduler(items, budget_bytes=None)  # prepares the items: host reads and copies happen here
+    items = [PromptWork("actor", 0, model, prompts, None, keep_graph=True, estimate=0),
+             PromptWork("ref", 0, model, prompts, cached, keep_graph=False, estimate=0)]
+    scheduler = PromptWorkScheduler(items, budget_bytes=None)  # prepares the items: host reads and copies happen here
     with HostSyncGuard() as guard:
         while scheduler.queue:
             scheduler.between_steps(running=1)

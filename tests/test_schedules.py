@@ -70,7 +70,7 @@ def test_schedules_train_the_same_with_video_and_a_frozen_tower(tmp_path):
     video = ["--data.task", "direction", "--parallel.freeze_vision", "true", "--trainer.total_steps", "2"]
     trainer = RLTrainer(load_config(FAST + video + ["--trainer.output_dir", str(tmp_path / "items")]))
     prompts = [e.prompt for e in next(trainer._batches(0))]
-    items = trainer.prefix_planner.work(prompts, [trainer.encode(p) for p in prompts])
+    items = trainer.prompt_planner.work(prompts, [trainer.encode(p) for p in prompts])
     assert {i.kind for i in items} == {"ref", "actor", "old"} and all(i.vision is not None for i in items)
     runs = {}
     for name, extra in SCHEDULES.items():
@@ -99,7 +99,7 @@ def test_budget_defers_work_to_the_serial_path(tmp_path):
     _, unlimited = train(tmp_path / "unlimited", "--schedule.kind", "overlap")
     trainer = RLTrainer(load_config(FAST + ["--trainer.output_dir", str(tmp_path / "sizes")]))
     prompts = [e.prompt for e in next(trainer._batches(0))]
-    items = trainer.prefix_planner.work(prompts, [None] * len(prompts))
+    items = trainer.prompt_planner.work(prompts, [None] * len(prompts))
     budget = sum(i.estimate for i in items if i.kind != "actor")
     assert budget < sum(i.estimate for i in items)
     _, limited = train(tmp_path / "limited", "--schedule.kind", "overlap", "--schedule.prefix_memory_budget",
@@ -158,17 +158,17 @@ def test_disagg_equals_serial_on_one_process(tmp_path):
 def test_prompt_work_that_runs_out_of_memory_takes_the_serial_path(tmp_path, monkeypatch):
     """Prompt work that needs more memory than estimated is dropped mid-forward and
     its passes run the serial path: the run goes on, the parameters do not change."""
-    from rollplex.rl.prefix import PrefixWork
+    from rollplex.rl.prompt_work import PromptWork
 
     _, unlimited = train(tmp_path / "unlimited", "--schedule.kind", "overlap")
-    advance = PrefixWork.advance
+    advance = PromptWork.advance
 
     def out_of_memory_in_the_actors_second_slice(self):
         if self.kind == "actor" and self._slices is not None:
             raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
         return advance(self)
 
-    monkeypatch.setattr(PrefixWork, "advance", out_of_memory_in_the_actors_second_slice)
+    monkeypatch.setattr(PromptWork, "advance", out_of_memory_in_the_actors_second_slice)
     _, dropped = train(tmp_path / "dropped", "--schedule.kind", "overlap")
     rows = read_metrics(tmp_path / "dropped" / "metrics.jsonl")
     assert all(r["prefix/dropped_for_memory"] == 1 and r["prefix/deferred_items"] == 1 for r in rows)

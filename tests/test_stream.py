@@ -176,12 +176,12 @@ def test_the_reference_model_is_held_gathered_only_within_the_budget():
     from types import SimpleNamespace
 
     from rollplex.config import load_config
-    from rollplex.rl.schedules.prompt_work import PrefixKind
+    from rollplex.rl.schedules.prompt_items import PromptKind
 
     cfg = load_config(FAST + STREAM)  # kl_coef 0.01: the update reads the reference logprobs
 
     def plan(dp_shard: int, budget_left: int | None) -> StreamPlan:
-        prefix = SimpleNamespace(budget_left=budget_left, admitted=[SimpleNamespace(kind=PrefixKind.ACTOR)])
+        prefix = SimpleNamespace(budget_left=budget_left, admitted=[SimpleNamespace(kind=PromptKind.ACTOR)])
         return StreamPlan.of(cfg, dp_shard, prefix, update_bytes=10, gathered_ref_bytes=100)
 
     assert plan(2, None) == plan(2, 110) == StreamPlan(ref=True, old=True, update=True, gather_ref=True)
@@ -199,7 +199,7 @@ def test_streamed_update_only_within_the_memory_budget(tmp_path, room):
 
     trainer = RLTrainer(load_config(FAST + UNEVEN + ["--trainer.output_dir", str(tmp_path / "sizes")]))
     prompts = [e.prompt for e in next(trainer._batches(0))]
-    items = sum(i.estimate for i in trainer.prefix_planner.work(prompts, [None] * len(prompts)))
+    items = sum(i.estimate for i in trainer.prompt_planner.work(prompts, [None] * len(prompts)))
     update = trainer.memory.streamed_update_bytes()
     budget = items + (update if room == "enough" else update // 2)
     train(tmp_path / room, *UNEVEN, *STREAM, "--schedule.prefix_memory_budget", str(budget))
@@ -219,24 +219,24 @@ def test_logprob_passes_stream_only_over_their_kept_prompt(tmp_path, monkeypatch
     training is serial-prefix's all the same."""
     from rollplex.config import load_config
     from rollplex.rl.loop import RLTrainer
-    from rollplex.rl.prefix import PrefixWork
+    from rollplex.rl.prompt_work import PromptWork
 
     few = [*UNEVEN, "--trainer.total_steps", "2"]
     _, prefix = train(tmp_path / "prefix", *few)
     if lost == "deferred":
         trainer = RLTrainer(load_config(FAST + few + ["--trainer.output_dir", str(tmp_path / "sizes")]))
         prompts = [e.prompt for e in next(trainer._batches(0))]
-        chunk_0 = sum(i.estimate for i in trainer.prefix_planner.work(prompts, [None] * len(prompts)) if i.chunk == 0)
+        chunk_0 = sum(i.estimate for i in trainer.prompt_planner.work(prompts, [None] * len(prompts)) if i.chunk == 0)
         budget, missing = ["--schedule.prefix_memory_budget", str(chunk_0)], {("ref", 1), ("old", 1)}
     else:
-        advance = PrefixWork.advance
+        advance = PromptWork.advance
 
         def out_of_memory_in_the_references_second_slice(self):
             if self.kind == "ref" and self._slices is not None:
                 raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
             return advance(self)
 
-        monkeypatch.setattr(PrefixWork, "advance", out_of_memory_in_the_references_second_slice)
+        monkeypatch.setattr(PromptWork, "advance", out_of_memory_in_the_references_second_slice)
         budget, missing = [], {("ref", 0), ("ref", 1)}
     passes, run = [], GroupStream._run  # (kind, chunk, the host syncs it made)
 

@@ -31,7 +31,7 @@ Per schedule: 1 warm-up step (not counted), `--steps` measured steps, then one
 more step under torch.profiler (not counted either: the profiler slows it)
 whose Chrome trace (rank 0's) is written. `--out` gets report.json (rewritten
 after every schedule, so a run cut short keeps the schedules it finished),
-trace_<schedule>.json.gz and timeline.png (engine steps and prefix slices of
+trace_<schedule>.json.gz and timeline.png (engine steps and prompt-work slices of
 the last measured step; disagg's rank 0 runs no engine, so its panel shows only
 the rollout ranks' gen phase, taken from the step's metrics; `--no-timeline`
 skips it). Before each step
@@ -95,7 +95,7 @@ SCHEDULES = {  # colocated: every rank rolls out and trains
 PHASES = ("gen", "prefix", "ref", "old_log_prob", "update_actor")
 PLANNED_PHASES = ("gen", "update_actor")  # the phases the loop's memory plan is logged for
 RANDOM_NOTE = "weights are random: the figures are timings only"
-CPU_NOTE = ("on CPU there is no side stream: overlap runs its prefix slices inline between decode steps, "
+CPU_NOTE = ("on CPU there is no side stream: overlap runs its prompt-work slices inline between decode steps, "
             "so it does the same work as serial-prefix and no overlap gain is expected")
 CPU_RANKS_NOTE = ("on CPU the ranks are processes sharing this machine's cores and talking through gloo: "
                   "a per-GPU comparison in form only")
@@ -119,7 +119,7 @@ def schedules(world: int) -> dict[str, list[str]]:
 
 class Recorder:
     """Host timestamps of one trainer's rollouts: the gen phase, vision encodes,
-    each engine step, and the step's PrefixScheduler (its slices)."""
+    each engine step, and the step's PromptWorkScheduler (its slices)."""
 
     def __init__(self, trainer: RLTrainer):
         self.steps: list[dict] = []
@@ -146,14 +146,14 @@ class Recorder:
             engine = self.steps[-1]["engine"] if self.steps else []
             last = [time.perf_counter()]
 
-            def after_step(running: int) -> None:  # an engine step ended; prefix slices (overlap) follow
+            def after_step(running: int) -> None:  # an engine step ended; prompt-work slices (overlap) follow
                 engine.append((last[0], time.perf_counter()))
                 if between_steps is not None:
                     between_steps(running)
                 last[0] = time.perf_counter()
 
             # GPU time of the generation (prefill + decode), from events on the caller's stream, which the
-            # engine orders around its own decode stream; the side stream's prefix slices are not waited for.
+            # engine orders around its own decode stream; the side stream's prompt-work slices are not waited for.
             events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.cuda else None
             if events:
                 events[0].record()
@@ -294,7 +294,7 @@ def metrics_timeline(m: dict) -> dict:
     """disagg, on a trainer rank: the step's timeline from its metrics alone, seconds from
     the end of the weight broadcast (about when the rollout ranks start generating):
     the broadcast before it, the rollout ranks' gen phase (the slowest replica's), and
-    gen_end, when the samples reached the trainers. No engine steps or prefix work."""
+    gen_end, when the samples reached the trainers. No engine steps or prompt work."""
     return {"gen_end": m["timing_s/train_idle"], "engine_steps": [], "prefix_spans": [], "scheduler_step_ends": [],
             "from_metrics": True, "update_weights": [-m.get("timing_s/update_weights", 0.0), 0.0],
             "rollout_gen": [0.0, m["timing_s/gen"]]}
@@ -329,7 +329,7 @@ def ratios(results: dict) -> dict:
         if name not in results:
             continue
         o, suffix = results[name]["mean"], "" if name == "overlap" else f"_{_key(name)}"
-        # decode of the step (its gen phase without the prefix work it left exposed) against the
+        # decode of the step (its gen phase without the prompt work it left exposed) against the
         # decode-only gen phase of serial-prefix (same vision encode, same samples, no slices)
         out[f"decode_slowdown{suffix}"] = (o["timing_s/gen"] - o.get("timing_s/prefix_exposed", 0.0)) / \
             p["timing_s/gen"] - 1
@@ -444,7 +444,7 @@ def plot_timeline(results: dict, path: Path) -> bool:
         for kind, colour in KIND_COLOURS.items():
             ax.broken_barh([(a, b - a) for k, a, b in t["prefix_spans"] if k == kind], (0.1, 0.8), color=colour)
         if not t["prefix_spans"]:
-            ax.text(0.01, 0.25, "no prefix work: every pass recomputes vision and prompt per sample",
+            ax.text(0.01, 0.25, "no prompt work: every pass recomputes vision and prompt per sample",
                     transform=ax.transAxes, va="center", fontsize=8)
         ax.axvline(t["gen_end"], color="black", linestyle="--", linewidth=1)
         ax.set_yticks([0.5, 1.5], ["prefix", "engine"])
@@ -471,7 +471,7 @@ def _plot_from_metrics(ax, name: str, res: dict) -> None:
     ax.broken_barh([(w0, w1 - w0)], (1.1, 0.8), color="tab:gray")
     ax.broken_barh([(g0, g1 - g0)], (1.1, 0.8), color="tab:blue")
     ax.text(0.01, 0.25, "rank 0 is a trainer (no engine): grey, the weight broadcast; blue, the rollout ranks' gen "
-            "phase (slowest replica, from the metrics; no engine steps recorded); no prefix work",
+            "phase (slowest replica, from the metrics; no engine steps recorded); no prompt work",
             transform=ax.transAxes, va="center", fontsize=8)
     ax.axvline(t["gen_end"], color="black", linestyle="--", linewidth=1)
     ax.set_yticks([0.5, 1.5], ["prefix", "engine"])

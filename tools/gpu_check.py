@@ -383,13 +383,13 @@ def _host_syncs_are_errors(cuda: bool):
 
 @contextlib.contextmanager
 def _decode_window_guarded(cuda: bool, calls: dict[str, int]):
-    """Inside the block, every decode-window call (PrefixScheduler.between_steps, the prompt work's
+    """Inside the block, every decode-window call (PromptWorkScheduler.between_steps, the prompt work's
     slices; GroupStream.between_steps, the finished groups' scoring and passes) runs with host syncs
     made errors (CUDA) and is counted in `calls`, by kind."""
-    from rollplex.rl.prefix import PrefixScheduler
+    from rollplex.rl.prompt_work import PromptWorkScheduler
     from rollplex.rl.schedules.overlap_stream import GroupStream
 
-    classes = {"prefix": PrefixScheduler, "stream": GroupStream}
+    classes = {"prefix": PromptWorkScheduler, "stream": GroupStream}
 
     def guard(kind: str, between_steps: Callable) -> Callable:
         def guarded(self, running: int) -> None:
@@ -413,7 +413,7 @@ def check_overlap_stream_step(device: str) -> dict:
     """Three streamed overlap steps (schedule.kind overlap, schedule.stream_groups true) of a small
     model with the 3B's 36 decoder layers (graph capture costs what it costs there), video prompts,
     the reference model on, response limits of 8-48 tokens (so groups finish apart, and after the
-    36-layer prompt forwards their passes read): every decode-window call, the prefix slices and the
+    36-layer prompt forwards their passes read): every decode-window call, the prompt-work slices and the
     finished groups' work, runs with host syncs made errors (a sync raises, and the check fails);
     finished groups' reference and update passes must run in the window; the decode stream must
     outrank the side stream; prompt work must be hidden at every step. Reports per step the graph
@@ -853,7 +853,7 @@ def check_to_device_latency(device: str) -> dict:
     tensor, which waits for the stream. The figures measure what they say only if the stream was
     busy: on CUDA the blocking copy must have waited at least half the busy time. Every copy must
     arrive intact. Whether to_device waited too is reported, not required: the engine and the
-    prefix slices count on it not waiting, and the driver may stage pageable memory either way."""
+    prompt-work slices count on it not waiting, and the driver may stage pageable memory either way."""
     from rollplex.device import to_device
 
     cuda = _cuda(device)

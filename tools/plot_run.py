@@ -55,7 +55,7 @@ def plot(records: list[dict], out: Path, title: str) -> None:
         length.plot(steps, values, label="response_length/mean")
     _finish(length, "response tokens")
 
-    # Phases as lines rather than a stack: they can overlap (rollplex runs prefix work during decode),
+    # Phases as lines rather than a stack: they can overlap (rollplex runs prompt work during decode),
     # so stacking would overstate the step; timing_s/step, drawn thicker, is the real total.
     phases = sorted({k for r in records for k in r if k.startswith("timing_s/")})
     for key in phases:

@@ -32,7 +32,7 @@ once per engine at the highest stream priority and ordered against the caller's
 stream at each step's start and end; only a prefill's forward (its large
 temporaries belong to the caller's memory) runs on the caller's stream. The GPU
 schedules decode kernels ahead of those of lower-priority streams (the RL
-loop's prefix work), which fill the rest of it. `between_steps` and
+loop's prompt work), which fill the rest of it. `between_steps` and
 `on_finished` run on the caller's stream.
 
 A step whose logits hold NaN or inf samples nothing: its sampled logprobs, read
@@ -147,7 +147,7 @@ class Engine:
         """Sample every request's n responses. `between_steps(running)`, when
         given, is called after each engine step's tokens are read back (with the
         next decode step, run ahead, already issued) with the number of sequences
-        still decoding: the RL loop's prefix scheduler runs its work there.
+        still decoding: the RL loop's prompt-work scheduler runs its work there.
         `on_finished(index, group)`, before it, with each request whose samples
         have all finished in that step (the RL loop streams their work)."""
         params = params or SamplingParams()

@@ -25,7 +25,7 @@ allocated again, weights the trainer gathered into new memory, a longer rotary
 table.
 
 Decode steps run on the runner's decode stream, at the highest CUDA priority, so
-that the GPU schedules their kernels ahead of the prefix work on the RL loop's
+that the GPU schedules their kernels ahead of the prompt work on the RL loop's
 lower-priority side stream (see `on_decode_stream`); a prefill's forward runs on
 the caller's stream (`on_caller_stream`).
 """
@@ -111,7 +111,7 @@ class ModelRunner:
         self.captured: GraphAddresses | None = None  # what the graphs read; anything else needs new graphs
         self.captures, self.capture_seconds = 0, 0.0  # graphs captured so far, and their wall time
         self.start_generation()
-        # Highest priority (the lowest number): decode kernels go before the prefix work's side stream.
+        # Highest priority (the lowest number): decode kernels go before the prompt work's side stream.
         self.decode_stream = (torch.cuda.Stream(self.device, priority=min(torch.cuda.Stream.priority_range()))
                               if self.device.type == "cuda" else None)
 

@@ -42,10 +42,10 @@ from rollplex.metrics import CONFIG_FILE, GpuMonitor, MetricsLogger, Timer, star
 from rollplex.models import Prompt, VisionEmbeds, from_pretrained
 from rollplex.models.protocol import VisionLanguageModel
 from rollplex.rl.memory import GiB, MemoryPlan
-from rollplex.rl.prefix import PrefixPlanner, update_chunks
+from rollplex.rl.prompt_work import PromptWorkPlanner, update_chunks
 from rollplex.rl.reports import startup_summary, training_records, validation_records
 from rollplex.rl.rollout import RolloutRunner, balanced_share, build_engine
-from rollplex.rl.schedules.prompt_work import PrefixKind
+from rollplex.rl.schedules.prompt_items import PromptKind
 from rollplex.rl.schedules.registry import build_schedule
 from rollplex.rl.setup import PromptSource, load_run_processor, model_path, plan_run_memory, resume_point
 from rollplex.rl.step import StepState, norm_by_std, score_groups
@@ -183,10 +183,10 @@ class RLTrainer:
         tp_group = self.weights.engine_tp_group if cfg.rollout.tp > cfg.parallel.tp else None
         self.rollout_runner = RolloutRunner(self.engine, self.weights, self.model, self.tokenizer, cfg.rollout,
                                             cfg.trainer.seed, tp_group)
-        # The prefix slices' side stream, one for the trainer's lifetime (see rollplex.rl.prefix), at priority 0,
+        # The prompt-work slices' side stream, one for the trainer's lifetime (see rollplex.rl.prompt_work), at priority 0,
         # CUDA's lowest: the engine's decode stream goes first.
         self.side_stream = torch.cuda.Stream(self.device, priority=0) if self.device.type == "cuda" else None
-        self.prefix_planner = PrefixPlanner(self.memory, self.model, self.ref_model, cfg.parallel.tp,
+        self.prompt_planner = PromptWorkPlanner(self.memory, self.model, self.ref_model, cfg.parallel.tp,
                                             self.dims.dp_shard, self.dp_group, self.side_stream)
 
     def _build_actor(self) -> None:
@@ -296,10 +296,10 @@ class RLTrainer:
         self._advantages(state)
         if cfg.algorithm.recompute_old_logprobs:
             with phase(timer, "old_log_prob"):
-                self._logprobs(self.model, state, (PrefixKind.ACTOR, PrefixKind.OLD), state.old)
+                self._logprobs(self.model, state, (PromptKind.ACTOR, PromptKind.OLD), state.old)
         if self.ref_model is not None:
             with phase(timer, "ref"):
-                self._logprobs(self.ref_model, state, (PrefixKind.REF,), state.ref)
+                self._logprobs(self.ref_model, state, (PromptKind.REF,), state.ref)
                 # FSDP2 keeps a root unit gathered from its forward to its backward, which a frozen model never
                 # runs: without this its embedding and head would stay gathered for the rest of the run.
                 self.ref_model.reshard()
@@ -360,7 +360,7 @@ class RLTrainer:
             self.logger.log_samples(self.step, training_records(state.rollout, state.rewards, state.advantages,
                                                                 cfg.trainer.log_samples))
 
-    def _logprobs(self, model: VisionLanguageModel, state: StepState, kinds: tuple[PrefixKind, ...],
+    def _logprobs(self, model: VisionLanguageModel, state: StepState, kinds: tuple[PromptKind, ...],
                   by_group: dict[int, list[torch.Tensor]]) -> None:
         """Fill `by_group` with the logprobs under `model` of every group it lacks, chunk by chunk:
         suffix-only passes where a prompt item of one of `kinds` kept the chunk's prompts, full
@@ -387,7 +387,7 @@ class RLTrainer:
             start = time.perf_counter()
             at = rollout.responses_of(chunk)
             batch = PolicyBatch(rollout.groups[chunk], state.advantages[at], old[at], ref[at] if ref else None,
-                                rollout.logprobs[at], state.kept((PrefixKind.ACTOR,), i), rollout_weights=i == 0)
+                                rollout.logprobs[at], state.kept((PromptKind.ACTOR,), i), rollout_weights=i == 0)
             early = state.update if i == 0 else None
             updates.append(early.finish(batch) if early is not None else self.actor.update(batch))
             if i == 0:

@@ -17,9 +17,9 @@ import torch
 from rollplex.config import Config
 from rollplex.data.reward_scoring import RewardScorer, RewardScores
 from rollplex.models.inputs import Group
-from rollplex.rl.prefix import PrefixScheduler
+from rollplex.rl.prompt_work import PromptWorkScheduler
 from rollplex.rl.rollout import Rollout
-from rollplex.rl.schedules.prompt_work import PrefixKind
+from rollplex.rl.schedules.prompt_items import PromptKind
 from rollplex.train.actor import PolicyUpdate
 from rollplex.train.kept_prefix import KeptPrefix
 
@@ -36,7 +36,7 @@ class StreamReport:
     decode_delay: float = 0.0
     # What the window did: groups scored, and passes run per kind (ref, old, update: one per group)
     done: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("scored", "ref", "old", "update"), 0))
-    # Host-side timeline (time.perf_counter), as PrefixScheduler.spans: each piece of work as (kind, start, end).
+    # Host-side timeline (time.perf_counter), as PromptWorkScheduler.spans: each piece of work as (kind, start, end).
     spans: list[tuple[str, float, float]] = field(default_factory=list)
 
     def as_metrics(self) -> dict[str, float]:
@@ -51,7 +51,7 @@ class StepState:
     step: int
     examples: list  # this rank's prompts (rollplex.data Example), one group each
     rollout: Rollout | None = None  # the engine's samples
-    prompt_work: PrefixScheduler | None = None  # the kept prompt state (schedules that share prompt work)
+    prompt_work: PromptWorkScheduler | None = None  # the kept prompt state (schedules that share prompt work)
     texts: dict[int, list[str]] = field(default_factory=dict)  # responses decoded early, by group
     scores: dict[int, RewardScores] = field(default_factory=dict)  # rewards scored early, by group
     rewards: RewardScores | None = None  # every sample's, in group order
@@ -63,7 +63,7 @@ class StepState:
     first_update_s: float = 0.0  # the first optimizer step's seconds (finished-group work after decode)
     metrics: dict[str, float] = field(default_factory=dict)  # the rollout's and the schedule's
 
-    def kept(self, kinds: tuple[PrefixKind, ...], chunk: int) -> KeptPrefix | None:
+    def kept(self, kinds: tuple[PromptKind, ...], chunk: int) -> KeptPrefix | None:
         """Chunk `chunk`'s kept prompt state from the first of `kinds` whose item ran (None: none did)."""
         if self.prompt_work is None:
             return None

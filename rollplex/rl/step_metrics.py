@@ -19,7 +19,7 @@ from rollplex.data.reward_scoring import RewardScores
 from rollplex.dist import all_gather_objects, all_reduce_values
 from rollplex.metrics import Timer
 from rollplex.rl.memory import GiB, PHASE_MARK, CpuPhasePeaks, MemoryPlan, live_tensor_bytes, loop_phase_bytes
-from rollplex.rl.prefix import PrefixScheduler
+from rollplex.rl.prompt_work import PromptWorkScheduler
 from rollplex.rl.rollout import Rollout
 from rollplex.train.flops import peak_flops
 
@@ -102,7 +102,7 @@ def stop_if_every_reward_failed(rewards: RewardScores, name: str, group: dist.Pr
         raise RewardsFailed(f"reward function {name} failed on all {int(total)} responses of the step; {advice}")
 
 
-def prefix_metrics(prefix: PrefixScheduler) -> dict[str, float]:
+def prompt_work_metrics(prefix: PromptWorkScheduler) -> dict[str, float]:
     """How the step's prompt work ran: hidden in the decode window or exposed, deferred, dropped."""
     return {**prefix.timing.as_metrics(), "prefix/deferred_items": len(prefix.deferred),
             "prefix/dropped_for_memory": prefix.dropped_for_memory, "prefix/planned_bytes": prefix.planned_bytes}

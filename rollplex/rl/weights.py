@@ -10,7 +10,7 @@ when rollout.tp > 1, and free of FSDP's hooks. That is what lets decode be
 captured in CUDA graphs: FSDP's pre-forward hook makes its all-gather streams
 wait on the current stream, and inside a capture nothing would join them again.
 Its own TP process groups also keep decode's collectives off the communicator
-that the trainer's prompt forwards use on the side stream (rollplex.rl.prefix).
+that the trainer's prompt forwards use on the side stream (rollplex.rl.prompt_work).
 Each of its parameters gets its data from the trainer's gathered parameter,
 chosen by comparing which block of the global tensor each side holds on this
 rank:

@@ -20,7 +20,7 @@ the vision tower.
 positions, attention and vision indices) up front, and `prompt_forward` then
 reads nothing back from the device and copies nothing to it: the RL loop
 prepares before rollout and runs the forward in slices between decode steps,
-which must never wait on the GPU (rollplex.rl.prefix).
+which must never wait on the GPU (rollplex.rl.prompt_work).
 """
 
 from __future__ import annotations

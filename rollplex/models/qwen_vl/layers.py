@@ -188,7 +188,7 @@ class LanguageModel(nn.Module):
                        after_layer: AfterLayer | None = None) -> Iterator[torch.Tensor]:
         """The forward one decoder layer at a time: yields the hidden state after each
         layer (`after_layer` applied, when given), then the final normed state. The
-        prefix scheduler (rollplex.rl.prefix) advances it between two decode steps of
+        prompt-work scheduler (rollplex.rl.prompt_work) advances it between two decode steps of
         the engine. position_ids (3, T), or the rotary cos, sin (T, head_dim) they
         give, read off `rotary.text_table` by the engine's decode steps."""
         cos, sin = position_ids if isinstance(position_ids, tuple) else self.rotary(position_ids, h.dtype)

@@ -11,13 +11,13 @@ parallel layout and a batch:
     inputs     the parallel layout, the batch and the options (the model shapes of
                the published sizes, PRESETS, are every family's, rollplex.models.registry)
     estimates  one estimator per tensor class, used by the plan and by the run
-               itself (the prefix scheduler admits prompt work by them)
+               itself (the prompt-work scheduler admits prompt work by them)
     plan       each phase's bytes, the sizes the plan decides, the loop's phases
     report     the plan as text
     measure    what the tensors hold on CPU: live bytes, each phase's peak
 """
 
-from rollplex.rl.memory.estimates import admitted, count_params, kv_bytes_per_token, micro_batch, prefix_state
+from rollplex.rl.memory.estimates import admitted, count_params, kv_bytes_per_token, micro_batch, kept_prompt_state
 from rollplex.models.registry import PRESETS
 from rollplex.rl.memory.inputs import GiB, SCHEDULES, UNCOUNTED_FRACTION, BatchShape, MemoryOptions, ParallelLayout
 from rollplex.rl.memory.measure import PHASE_MARK, CpuPhasePeaks, live_tensor_bytes
@@ -29,5 +29,5 @@ __all__ = [
     "GiB", "PHASES", "PHASE_MARK", "PRESETS", "SCHEDULES", "TENSOR_CLASSES", "UNCOUNTED_FRACTION", "BatchShape",
     "CpuPhasePeaks", "MemoryOptions", "MemoryPlan", "MemoryPlanError", "ParallelLayout", "admitted", "count_params",
     "format_plan", "kv_bytes_per_token", "live_tensor_bytes", "loop_phase_bytes", "micro_batch", "plan_memory",
-    "prefix_state",
+    "kept_prompt_state",
 ]

@@ -1,5 +1,5 @@
 """One estimator per tensor class, used by the plan and by the run itself: the
-prefix scheduler admits prompt work by `prefix_state` and `admitted`, the
+prompt-work scheduler admits prompt work by `kept_prompt_state` and `admitted`, the
 functions the plan sums. Exact (closed formulas on the model's shape):
 parameters, gradients, optimizer state, KV pool, prompt K/V, vision embeddings.
 Estimated, from the tensors the model's code saves for backward (checked against
@@ -18,7 +18,7 @@ import torch
 from rollplex.models.family import FamilyArgs, ParamCounts
 from rollplex.models.registry import family_of
 from rollplex.rl.memory.inputs import BatchShape, MemoryOptions
-from rollplex.rl.schedules.prompt_work import PrefixItem
+from rollplex.rl.schedules.prompt_items import PromptItem
 
 FP32 = 4  # bytes: RMSNorm and the loss work in float32 whatever the model's dtype
 
@@ -119,8 +119,8 @@ def _logits_bytes(args: FamilyArgs, grad: bool, entropy: bool) -> int:
 
 
 @dataclass(frozen=True)
-class PrefixState:
-    """What one prefix item keeps from its prompt forward to its suffix passes, on one rank."""
+class KeptPromptState:
+    """What one prompt-work item keeps from its prompt forward to its suffix passes, on one rank."""
 
     kv: int  # every layer's K/V of the prompt tokens and each prompt's last hidden state (exact)
     graph: int  # the actor's autograd graph: saved activations, vision tower included when it runs (estimate)
@@ -130,26 +130,26 @@ class PrefixState:
         return self.kv + self.graph
 
 
-def prefix_state(args: FamilyArgs, item: PrefixItem, prompts: int, tokens: int, patches: int,
-                 options: MemoryOptions, tp: int = 1) -> PrefixState:
-    """The estimate the prefix scheduler admits by and the plan sums, for `prompts`
+def kept_prompt_state(args: FamilyArgs, item: PromptItem, prompts: int, tokens: int, patches: int,
+                 options: MemoryOptions, tp: int = 1) -> KeptPromptState:
+    """The estimate the prompt-work scheduler admits by and the plan sums, for `prompts`
     prompts of `tokens` tokens in all and `patches` vision patches. The K/V are
     kept once per item; with flash-attn the graph saves those same tensors, with
     the torch path it saves its own gathered copies (`decoder_layer_bytes`)."""
     t, size = args.text, options.param_dtype.itemsize
     kv = tokens * kv_bytes_per_token(args, options.param_dtype, tp) + prompts * t.hidden_size * size
     if not item.keep_graph:
-        return PrefixState(kv, 0)
+        return KeptPromptState(kv, 0)
     shared_kv = 0 if options.attention == "torch" or options.activation_checkpointing else \
         t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim // tp * size
     graph = tokens * (_decoder_saved(t, size, tp, options) - shared_kv)
     if not (item.reuses_vision or options.freeze_vision):
         graph += patches * vision_patch_bytes(args, size, options.activation_checkpointing, options.attention)
-    return PrefixState(kv, graph)
+    return KeptPromptState(kv, graph)
 
 
 def admitted(estimates: list[int], budget: int | None) -> list[bool]:
-    """Which prefix items a byte budget admits (None: all): in order, each one whose
+    """Which prompt-work items a byte budget admits (None: all): in order, each one whose
     estimate fits beside those admitted before it. The rest take the serial path."""
     used, out = 0, []
     for estimate in estimates:

@@ -29,13 +29,13 @@ import torch
 from rollplex.engine.engine import EngineConfig
 from rollplex.models.family import FamilyArgs
 from rollplex.models.registry import family_of
-from rollplex.rl.memory.estimates import (FP32, MicroBatch, ParamCounts, PrefixState, _layer_forward_bytes,
+from rollplex.rl.memory.estimates import (FP32, MicroBatch, ParamCounts, KeptPromptState, _layer_forward_bytes,
                                           _vision_forward_bytes, admitted, count_params, decoder_layer_bytes,
                                           kv_bytes_per_token, kv_pool_need, micro_batch, micro_batch_bytes,
-                                          prefix_state)
+                                          kept_prompt_state)
 from rollplex.rl.memory.inputs import (GiB, UNCOUNTED_FRACTION, BatchShape, MemoryOptions, ParallelLayout,
                                        usable_bytes)
-from rollplex.rl.schedules.prompt_work import PrefixItem, PrefixKind, prompt_work_items
+from rollplex.rl.schedules.prompt_items import PromptItem, PromptKind, prompt_work_items
 
 PHASES = ("rollout", "prefix", "logprobs", "train", "optimizer")
 TENSOR_CLASSES = ("params_sharded", "optimizer_state", "ref_params", "params_gathered", "grads", "kv_pool",
@@ -99,8 +99,8 @@ class MemoryPlan:
     naive: SchedulePlan
     rollplex: SchedulePlan
     prompts_per_rank: int  # of a trainer dp rank
-    prefix_items: list[PrefixItem]  # a rank's prompt work in a step
-    prefix_states: list[PrefixState]  # what each keeps (`prefix_state`)
+    prompt_items: list[PromptItem]  # a rank's prompt work in a step
+    prompt_states: list[KeptPromptState]  # what each keeps (`kept_prompt_state`)
     admitted: list[bool]  # which of them the step's prefix budget admits (the rest take the serial path)
     prefix_budget: int  # the step's, for this batch's KV pool
     model_name: str = ""
@@ -141,7 +141,7 @@ class _Shapes:
         self.chunk_prompts = math.ceil(self.prompts_per_rank / options.updates_per_batch)
         self.patches = batch.vision_patches(args)
         self.items = prompt_work_items(options) if options.share_prefix else []
-        self.states = [prefix_state(args, i, self.chunk_prompts, self.chunk_prompts * batch.prompt_len,
+        self.states = [kept_prompt_state(args, i, self.chunk_prompts, self.chunk_prompts * batch.prompt_len,
                                     self.chunk_prompts * self.patches, options, layout.tp) for i in self.items]
 
     def resident(self) -> dict[str, int]:
@@ -213,7 +213,7 @@ class _Shapes:
         tokens = self.chunk_prompts * self.batch.prompt_len
         return max(tokens * _layer_forward_bytes(self.args.text, self.size, self.layout.tp), vision)
 
-    def prefix_state(self, admitted: list[bool], graphs: bool = True) -> dict[str, int]:
+    def kept_prompt_state(self, admitted: list[bool], graphs: bool = True) -> dict[str, int]:
         states = [s for s, a in zip(self.states, admitted) if a]
         return dict(prompt_kv=sum(s.kv for s in states), prefix_graph=sum(s.graph for s in states) if graphs else 0,
                     vision_embeds=self.vision_embeds())
@@ -240,9 +240,9 @@ def _rollout_phases(s: _Shapes, admitted: list[bool], base: dict[str, int]) -> d
     if not s.o.share_prefix:
         return {"rollout": rollout}
     # The reference model's root unit stays gathered from its prompt forward to its logprob passes.
-    ref_admitted = any(a and i.kind == PrefixKind.REF for i, a in zip(s.items, admitted))
+    ref_admitted = any(a and i.kind == PromptKind.REF for i, a in zip(s.items, admitted))
     ref_root = s.pass_weights(s.o.ref_dtype) if ref_admitted else 0
-    work = dict(s.prefix_state(admitted), params_gathered=s.prefix_weights() + ref_root)
+    work = dict(s.kept_prompt_state(admitted), params_gathered=s.prefix_weights() + ref_root)
     if s.o.schedule == "overlap":
         prefix = dict(rollout, **work, workspace=max(rollout["workspace"], s.slice_workspace(admitted)))
     else:
@@ -258,7 +258,7 @@ def _logprobs(s: _Shapes, admitted: list[bool], base: dict[str, int]) -> dict[st
         return {}
     kept = bool(s.items) and all(admitted)
     return dict(base, params_gathered=s.pass_weights(o.ref_dtype if o.ref_model else o.param_dtype),
-                **s.prefix_state(admitted), activations=s.pass_bytes(kept, grad=False))
+                **s.kept_prompt_state(admitted), activations=s.pass_bytes(kept, grad=False))
 
 
 def _train(s: _Shapes, admitted: list[bool], base: dict[str, int]) -> dict[str, int]:
@@ -273,7 +273,7 @@ def _train(s: _Shapes, admitted: list[bool], base: dict[str, int]) -> dict[str, 
     only the other items' K/V."""
     o, grads = s.o, s.grads()
     root_grads = s.root_weights(o.param_dtype)
-    actor = next((st for i, st, a in zip(s.items, s.states, admitted) if a and i.kind == PrefixKind.ACTOR), None)
+    actor = next((st for i, st, a in zip(s.items, s.states, admitted) if a and i.kind == PromptKind.ACTOR), None)
 
     def update(state: dict[str, int], kept: bool) -> list[dict[str, int]]:
         in_pass = dict(base, **state, params_gathered=s.pass_weights(o.param_dtype),
@@ -281,13 +281,13 @@ def _train(s: _Shapes, admitted: list[bool], base: dict[str, int]) -> dict[str, 
                        activations=s.pass_bytes(kept, grad=True))
         return [in_pass, dict(base, **state, grads=grads + root_grads)]
 
-    candidates = update(s.prefix_state(admitted), actor is not None)
+    candidates = update(s.kept_prompt_state(admitted), actor is not None)
     if actor is not None:
         layer = decoder_layer_bytes(s.args.text, s.size, s.layout.tp, o.attention)
-        candidates.append(dict(base, **s.prefix_state(admitted), params_gathered=s.pass_weights(o.param_dtype),
+        candidates.append(dict(base, **s.kept_prompt_state(admitted), params_gathered=s.pass_weights(o.param_dtype),
                                grads=grads, activations=actor.kv + s.chunk_prompts * s.batch.prompt_len * layer))
     if o.updates_per_batch > 1:
-        candidates += update(s.prefix_state(admitted, graphs=False), False)
+        candidates += update(s.kept_prompt_state(admitted, graphs=False), False)
     return max(candidates, key=_total)
 
 

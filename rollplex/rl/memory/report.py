@@ -14,7 +14,7 @@ def _gib(n: int) -> str:
 def _header(plan: MemoryPlan) -> list[str]:
     args, lay, b, o, p, z = plan.args, plan.layout, plan.batch, plan.options, plan.params, plan.sizes
     t = args.text
-    deferred = [f"{i.kind} (chunk {i.chunk})" for i, a in zip(plan.prefix_items, plan.admitted) if not a]
+    deferred = [f"{i.kind} (chunk {i.chunk})" for i, a in zip(plan.prompt_items, plan.admitted) if not a]
     return [
         f"model {plan.model_name or '(config)'}: {p.total / 1e9:.2f}B parameters ({p.vision / 1e9:.2f}B vision, "
         f"{p.tp_split / 1e9:.2f}B split by tp), {t.num_hidden_layers} layers, hidden {t.hidden_size}, "

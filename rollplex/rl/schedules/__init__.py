@@ -4,5 +4,5 @@ One module per schedule, each a `Schedule` (rollplex.rl.schedules.base) with the
 same few hooks: before decode, between decode steps, after decode.
 `build_schedule` (rollplex.rl.schedules.registry) is the only reader of
 `schedule.kind`. This package's own module imports nothing, so that the memory
-plan can read the items the schedules declare (`prompt_work`) without a cycle.
+plan can read the prompt-work items (`prompt_items`) without a cycle.
 """

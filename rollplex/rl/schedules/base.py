@@ -13,7 +13,8 @@ under every schedule (tests/test_schedules.py holds them equal). Its hooks:
 
 `PromptWorkSchedule` is the base of the schedules that share the prompt work
 across a prompt's samples: it encodes each prompt's vision once, plans the
-items it declares (rollplex.rl.schedules.prompt_work) and reports them.
+prompt-work items (declared in rollplex.rl.schedules.prompt_items, which the
+memory plan counts) and reports them.
 """
 
 from __future__ import annotations
@@ -24,11 +25,9 @@ from typing import TYPE_CHECKING, Callable, ClassVar
 from rollplex.config import Config
 from rollplex.engine import Request
 from rollplex.models.inputs import Group
-from rollplex.rl.memory import MemoryOptions
 from rollplex.rl.rollout import Rollout
-from rollplex.rl.schedules.prompt_work import PrefixItem, prompt_work_items
 from rollplex.rl.step import StepState, StreamReport
-from rollplex.rl.step_metrics import prefix_metrics, summed_over_ranks
+from rollplex.rl.step_metrics import prompt_work_metrics, summed_over_ranks
 
 if TYPE_CHECKING:  # the hooks' argument; the trainer imports the schedules
     from rollplex.rl.loop import RLTrainer
@@ -53,10 +52,6 @@ class Schedule:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-
-    def prompt_items(self, options: MemoryOptions) -> list[PrefixItem]:
-        """The prompt work this schedule declares (the memory plan counts the same)."""
-        return []
 
     def rollout(self, trainer: RLTrainer, state: StepState) -> None:
         """The gen phase: before decode, the engine's decode with this schedule's window, after decode."""
@@ -85,21 +80,18 @@ class PromptWorkSchedule(Schedule):
     """The prompt work once per prompt: vision encoded before rollout (the engine's
     prefill reads it), the declared items planned beside the KV pool."""
 
-    def prompt_items(self, options: MemoryOptions) -> list[PrefixItem]:
-        return prompt_work_items(options)
-
     def before_decode(self, trainer: RLTrainer, state: StepState) -> tuple[list[Request], DecodeWindow | None]:
         prompts = [e.prompt for e in state.examples]
         vision = [trainer.encode(p) for p in prompts]
         requests = trainer.rollout_runner.requests(state.examples, state.step, vision)
-        work = trainer.prefix_planner.work(prompts, vision)
-        state.prompt_work = trainer.prefix_planner.scheduler(work, trainer.engine.cache.pool_bytes())
+        work = trainer.prompt_planner.work(prompts, vision)
+        state.prompt_work = trainer.prompt_planner.scheduler(work, trainer.engine.cache.pool_bytes())
         return requests, None
 
     def report(self, trainer: RLTrainer, state: StepState, metrics: dict[str, float]) -> None:
         """The prompt work's metrics, and the finished groups' work left after decode: what
         streaming them (schedule.stream_groups) hides, or could."""
-        metrics.update(prefix_metrics(state.prompt_work))
+        metrics.update(prompt_work_metrics(state.prompt_work))
         report = state.stream or StreamReport()
         metrics["timing_s/decode_slowdown"] += report.decode_delay  # the decode window's host time: both parts
         report.exposed = sum(metrics.get(f"timing_s/{p}", 0.0) for p in ("reward", "old_log_prob", "ref")) + \

@@ -1,7 +1,7 @@
 """overlap: the prompt work in the rollout's decode window.
 
 The prompt work is response-independent, and decode is memory-bound: the
-items run in slices between the engine's decode steps (rollplex.rl.prefix), on
+items run in slices between the engine's decode steps (rollplex.rl.prompt_work), on
 a low-priority side stream on CUDA, more slices per step as the decode batch
 empties in the long tail. What the window does not finish runs after the last
 decode step, while the weights are still in their rollout layout.

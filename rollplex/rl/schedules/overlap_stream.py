@@ -4,7 +4,7 @@ In a synchronous GRPO step, a group whose n samples have all finished needs
 nothing from the groups still decoding for:
   reward   - its samples' scores (and so its advantages: normalised within the group);
   ref, old - its reference and recomputed old logprobs: suffix passes over its
-             chunk's kept prompt (rollplex.rl.prefix) once that prompt item is
+             chunk's kept prompt (rollplex.rl.prompt_work) once that prompt item is
              done;
   update   - the actor's forward and backward over it, for the first optimizer
              step's groups (`Actor.start_update`): gradients accumulate, and the
@@ -14,8 +14,8 @@ The engine reports each group as its last sample finishes (`on_finished`).
 `between_steps` then scores it: at once with an in-process reward, or in the
 reward's worker processes, which a thread of ours waits for while decode goes
 on. Once its scores are in, its model passes are queued; they run after the
-step's prefix slices, one per step at a full decode batch and more as the batch
-empties, as the prefix slices do. On CUDA they go on the prefix side stream,
+step's prompt-work slices, one per step at a full decode batch and more as the batch
+empties, as the prompt-work slices do. On CUDA they go on the prefix side stream,
 and only while fewer than `SideStreamBacklog.limit` of the passes issued are
 unfinished there: nothing else holds the host back from issuing them faster
 than the side stream runs them, and the decode steps would compete with the
@@ -28,7 +28,7 @@ finish, after it, through the same functions: the results here say what is
 done. What the window does goes into the step's
 state (rollplex.rl.step.StepState), which the phases after decode complete.
 The host time `between_steps` takes counts in timing_s/decode_slowdown
-beside the prefix slices'.
+beside the prompt-work slices'.
 
 No streamed pass may issue a collective: each dp rank finishes its groups in its
 own order, so collectives would not line up. On CPU every pass runs under
@@ -61,10 +61,10 @@ from rollplex.dist import no_collectives
 from rollplex.engine import Request
 from rollplex.models.inputs import Group
 from rollplex.models.protocol import VisionLanguageModel
-from rollplex.rl.prefix import PrefixScheduler, update_chunks
+from rollplex.rl.prompt_work import PromptWorkScheduler, update_chunks
 from rollplex.rl.schedules.base import DecodeWindow
 from rollplex.rl.schedules.overlap import Overlap
-from rollplex.rl.schedules.prompt_work import PrefixKind
+from rollplex.rl.schedules.prompt_items import PromptKind
 from rollplex.rl.step import StepState, StreamReport, norm_by_std, score_groups
 from rollplex.train.actor import Actor, PolicyBatch
 from rollplex.train.kept_prefix import KeptPrefix
@@ -85,7 +85,7 @@ class StreamPlan:
     gather_ref: bool = False  # the reference model held gathered through the window (dp_shard > 1), for `ref`
 
     @classmethod
-    def of(cls, cfg: Config, dp_shard: int, prefix: PrefixScheduler, update_bytes: int,
+    def of(cls, cfg: Config, dp_shard: int, prefix: PromptWorkScheduler, update_bytes: int,
            gathered_ref_bytes: int) -> StreamPlan:
         """What streams, the same on every dp rank (the prefix budget is agreed): the
         passes that issue no collective. The actor's units are gathered for the engine
@@ -100,7 +100,7 @@ class StreamPlan:
 
         gather_ref = a.kl_coef > 0 and whole and dp_shard > 1 and fits(gathered_ref_bytes)
         ref = a.kl_coef > 0 and whole and (dp_shard == 1 or gather_ref)
-        kept_actor = any(w.kind == PrefixKind.ACTOR for w in prefix.admitted)
+        kept_actor = any(w.kind == PromptKind.ACTOR for w in prefix.admitted)
         update_fits = fits(update_bytes + (gathered_ref_bytes if gather_ref else 0))
         # The update's loss reads the group's reference logprobs (kl_coef > 0): they must stream too.
         return cls(ref=ref, old=a.recompute_old_logprobs and whole,
@@ -271,7 +271,7 @@ class GroupStream:
     def _kept(self, kind: str, c: int) -> KeptPrefix | None:
         """Chunk `c`'s kept prompt that a `kind` logprob pass reads: None until its item is
         done, and for good where the item was deferred or dropped."""
-        kinds = (PrefixKind.REF,) if kind == "ref" else (PrefixKind.ACTOR, PrefixKind.OLD)
+        kinds = (PromptKind.REF,) if kind == "ref" else (PromptKind.ACTOR, PromptKind.OLD)
         return next((k for k in (self.prefix.result(k, c) for k in kinds) if k is not None), None)
 
     def _ready(self, kind: str, g: int) -> bool:
@@ -281,7 +281,7 @@ class GroupStream:
         if kind != "update":
             return self._kept(kind, self._chunk(g)) is not None
         return ((not self.plan.ref or g in self.state.ref) and (not self.plan.old or g in self.state.old)
-                and self.prefix.result(PrefixKind.ACTOR, 0) is not None)
+                and self.prefix.result(PromptKind.ACTOR, 0) is not None)
 
     def _run(self, kind: str, g: int) -> None:
         c = self._chunk(g)
@@ -295,7 +295,7 @@ class GroupStream:
         (self.state.ref if kind == "ref" else self.state.old)[g] = logprobs
 
     def _add_to_update(self, g: int, position: int) -> None:
-        kept = self.prefix.result(PrefixKind.ACTOR, 0)
+        kept = self.prefix.result(PromptKind.ACTOR, 0)
         group = self.finished[g]
         rollout_logprobs = [torch.tensor(s.logprobs) for s in group.samples]
         self.state.update.add_group(PolicyBatch([group], self.advantages[g], self.state.old.get(g, rollout_logprobs),

@@ -1,8 +1,8 @@
-"""Prefix work: the response-independent part of a step's training passes,
+"""Prompt work: the response-independent part of a step's training passes,
 computed once per prompt, in the rollout's decode window.
 
 A step's prompts are cut into chunks (the mini-batches of its optimizer
-steps). Per chunk the work items (`PrefixKind`) are:
+steps). Per chunk the work items (`PromptKind`) are:
   ref   - the reference model's prompt forward, K/V kept (no grad);
   actor - the actor's prompt forward with its autograd graph kept, for the
           chunk of the first optimizer step (later chunks train on weights that
@@ -12,9 +12,9 @@ steps). Per chunk the work items (`PrefixKind`) are:
           actor item's K/V: same weights, detached).
 Vision features are encoded once per prompt before rollout; the engine's
 prefill and every item whose tower weights equal the rollout's and needs no
-gradient into the tower read them (`PrefixPlanner`).
+gradient into the tower read them (`PromptWorkPlanner`).
 
-`PrefixScheduler` runs the items one slice (vision tower, embedding, one
+`PromptWorkScheduler` runs the items one slice (vision tower, embedding, one
 decoder layer, ...) at a time between the engine's steps, more slices per
 step as the decode batch shrinks in the long tail. On CUDA the slices run on a
 low-priority side stream, so the decode steps (CUDA graphs on the engine's
@@ -62,22 +62,22 @@ import torch.distributed as dist
 from rollplex.dist import all_reduce_values
 from rollplex.models.inputs import Prompt, VisionEmbeds
 from rollplex.models.protocol import VisionLanguageModel
-from rollplex.rl.memory import MemoryPlan, admitted, prefix_state
-from rollplex.rl.schedules.prompt_work import PrefixKind
+from rollplex.rl.memory import MemoryPlan, admitted, kept_prompt_state
+from rollplex.rl.schedules.prompt_items import PromptKind
 from rollplex.train.kept_prefix import KeptPrefix, PromptChunk, prepare_prompts, prompt_forward
 
 
 @dataclass
-class PrefixWork:
+class PromptWork:
     """One prompt forward of one chunk of prompts, run in slices."""
 
-    kind: PrefixKind
+    kind: PromptKind
     chunk: int
     model: VisionLanguageModel
     prompts: list[Prompt]
     vision: VisionEmbeds | None  # cached features of the prompts, or None: the item runs the tower
     keep_graph: bool
-    estimate: int  # bytes it keeps until its suffix passes: rollplex.rl.memory.prefix_state, as the plan counts
+    estimate: int  # bytes it keeps until its suffix passes: rollplex.rl.memory.kept_prompt_state, as the plan counts
     # Whether an out-of-memory error in this item may drop it on this rank alone: only when its forward
     # issues no collectives (a peer would wait in one forever otherwise).
     may_drop_alone: bool = True
@@ -102,10 +102,10 @@ class PrefixWork:
 
 
 @dataclass
-class PrefixTiming:
-    hidden: float = 0.0  # prefix work done inside the decode window
-    exposed: float = 0.0  # prefix work left after decode
-    # Host time the decode loop spent issuing prefix slices (timing_s/decode_slowdown: the loop adds the
+class PromptWorkTiming:
+    hidden: float = 0.0  # prompt work done inside the decode window
+    exposed: float = 0.0  # prompt work left after decode
+    # Host time the decode loop spent issuing prompt-work slices (timing_s/decode_slowdown: the loop adds the
     # finished groups' work, rollplex.rl.step.StreamReport.decode_delay).
     decode_delay: float = 0.0
 
@@ -116,10 +116,10 @@ class PrefixTiming:
                 "perf/overlap_efficiency": self.hidden / total if total > 0 else 0.0}
 
 
-class PrefixScheduler:
-    """Runs admitted prefix work in slices between decode steps (see the module docstring)."""
+class PromptWorkScheduler:
+    """Runs admitted prompt work in slices between decode steps (see the module docstring)."""
 
-    def __init__(self, items: list[PrefixWork], budget_bytes: int | None,
+    def __init__(self, items: list[PromptWork], budget_bytes: int | None,
                  side_stream: torch.cuda.Stream | None = None, max_slices_per_step: int = 8):
         """`side_stream`: the trainer's low-priority stream for the slices; None runs them inline
         (on CPU)."""
@@ -133,7 +133,7 @@ class PrefixScheduler:
         self.queue = list(self.admitted)
         self.max_slices = max_slices_per_step
         self.peak_running = 0
-        self.timing = PrefixTiming()
+        self.timing = PromptWorkTiming()
         self.cuda = side_stream is not None
         self.side_stream = side_stream
         # Where the inputs were made (and the suffix passes will run): the caller's stream, not the engine's
@@ -147,7 +147,7 @@ class PrefixScheduler:
         self.step_ends: list[float] = []
         self.dropped_for_memory = 0  # items that ran out of memory and took the serial path
 
-    def result(self, kind: PrefixKind, chunk: int) -> KeptPrefix | None:
+    def result(self, kind: PromptKind, chunk: int) -> KeptPrefix | None:
         return next((w.result for w in self.admitted if w.kind == kind and w.chunk == chunk), None)
 
     def between_steps(self, running: int) -> None:
@@ -193,7 +193,7 @@ class PrefixScheduler:
         else:
             self._advance(slices)
 
-    def _drop(self, item: PrefixWork) -> None:
+    def _drop(self, item: PromptWork) -> None:
         """Free an item's partial state and hand it to the serial path (same results)."""
         item._slices, item.result = None, None
         self.queue.remove(item)
@@ -236,9 +236,9 @@ def update_chunks(n_groups: int, updates: int) -> list[slice]:
 
 
 @dataclass
-class PrefixPlanner:
+class PromptWorkPlanner:
     """A step's prompt work as the memory plan counts it: the items the schedule
-    declares (rollplex.rl.schedules.prompt_work), each with the plan's estimate of the state it
+    declares (rollplex.rl.schedules.prompt_items), each with the plan's estimate of the state it
     keeps, and the byte budget the scheduler admits them by."""
 
     plan: MemoryPlan
@@ -249,34 +249,34 @@ class PrefixPlanner:
     dp_group: dist.ProcessGroup | None
     side_stream: torch.cuda.Stream | None  # the trainer's (module docstring); None on CPU
 
-    def work(self, prompts: list[Prompt], vision: list[VisionEmbeds | None]) -> list[PrefixWork]:
+    def work(self, prompts: list[Prompt], vision: list[VisionEmbeds | None]) -> list[PromptWork]:
         """The step's items for `prompts`, with their cached vision features (None: not encoded)."""
         options, tp = self.plan.options, self.tp
         chunks = update_chunks(len(prompts), options.updates_per_batch)
         items = []
-        for spec in self.plan.prefix_items:  # the schedule's (rollplex.rl.schedules.prompt_work), as counted
+        for spec in self.plan.prompt_items:  # the schedule's (rollplex.rl.schedules.prompt_items), as counted
             chunk = chunks[spec.chunk]
             if chunk.start == chunk.stop:
                 continue
             ps = prompts[chunk]
             patches = sum(t.shape[0] for p in ps for t in (p.pixel_values, p.pixel_values_videos) if t is not None)
-            estimate = prefix_state(self.actor.args, spec, len(ps), sum(len(p.input_ids) for p in ps), patches,
+            estimate = kept_prompt_state(self.actor.args, spec, len(ps), sum(len(p.input_ids) for p in ps), patches,
                                     options, tp).total
             # Collectives in its passes: TP all-reduces; with dp_shard > 1, the sharded reference model's FSDP
             # gathers in its forward, and the actor item's in the prompt's backward after rollout (a rank
             # without the item would not run it).
-            alone = tp == 1 and (self.dp_shard == 1 or spec.kind == PrefixKind.OLD)
-            model = self.ref if spec.kind == PrefixKind.REF else self.actor
-            items.append(PrefixWork(spec.kind, spec.chunk, model, ps,
+            alone = tp == 1 and (self.dp_shard == 1 or spec.kind == PromptKind.OLD)
+            model = self.ref if spec.kind == PromptKind.REF else self.actor
+            items.append(PromptWork(spec.kind, spec.chunk, model, ps,
                                     VisionEmbeds.concat(vision[chunk]) if spec.reuses_vision else None,
                                     spec.keep_graph, estimate, may_drop_alone=alone))
         return items
 
-    def scheduler(self, items: list[PrefixWork], pool_bytes: int) -> PrefixScheduler:
+    def scheduler(self, items: list[PromptWork], pool_bytes: int) -> PromptWorkScheduler:
         """The step's scheduler for `items`, beside a KV pool of `pool_bytes`."""
-        return PrefixScheduler(items, self.budget(items, pool_bytes), self.side_stream)
+        return PromptWorkScheduler(items, self.budget(items, pool_bytes), self.side_stream)
 
-    def budget(self, items: list[PrefixWork], pool_bytes: int) -> int:
+    def budget(self, items: list[PromptWork], pool_bytes: int) -> int:
         """The step's prefix budget: the memory plan's beside this rank's KV pool.
         Every dp rank must admit the same items, or their collectives (the reference
         model's FSDP gathers) would not line up: the items take the largest estimate
