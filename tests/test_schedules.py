@@ -5,6 +5,7 @@ read it, and within its byte budget (the rest takes the serial path)."""
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from distributed import run_distributed
@@ -153,6 +154,19 @@ def test_disagg_equals_serial_on_one_process(tmp_path):
     for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "val/score"):
         assert [r.get(key) for r in disagg_rows] == [r.get(key) for r in serial_rows], key
     assert all(r["timing_s/rollout_idle"] >= 0 and r["timing_s/train_idle"] > 0 for r in disagg_rows)
+
+
+def test_a_trainer_refuses_a_schedule_of_the_other_kind(tmp_path):
+    """disagg has its own trainer, which build_trainer picks; the colocated one, given a
+    disagg config, stops before anything starts, and says where to go."""
+    from rollplex.rl.disagg import DisaggTrainer
+
+    disagg = ["--schedule.kind", "disagg", "--schedule.rollout_ranks", "1"]
+    with pytest.raises(ValueError, match=r"schedule disagg runs on another trainer than RLTrainer: .*build_trainer"):
+        RLTrainer(load_config(FAST + ["--trainer.output_dir", str(tmp_path), *disagg]))
+    with pytest.raises(ValueError, match="schedule overlap runs on another trainer than DisaggTrainer"):
+        DisaggTrainer(load_config(FAST + ["--trainer.output_dir", str(tmp_path), "--schedule.kind", "overlap"]))
+    assert not (tmp_path / "checkpoints").exists()
 
 
 def test_prompt_work_that_runs_out_of_memory_takes_the_serial_path(tmp_path, monkeypatch):

@@ -192,6 +192,8 @@ class DisaggTrainer(RLTrainer):
     reference model), a rollout rank only its engine's copy of the weights in
     model.dtype, refilled by the broadcast each step."""
 
+    separate_ranks = True
+
     def _parallel_dims(self) -> ParallelDims:
         cfg = self.cfg
         self.layout = DisaggLayout(self.world, cfg.schedule.rollout_ranks, cfg.rollout.tp)

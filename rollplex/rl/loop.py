@@ -72,6 +72,8 @@ def _kill_if_asked(step: int, rank: int) -> None:
 class RLTrainer:
     """The colocated trainer: on every rank, the engine and the actor share one copy of the weights."""
 
+    separate_ranks = False  # its schedules' kind (Schedule.separate_ranks): rollplex.rl.trainer picks the trainer
+
     def __init__(self, cfg: Config):
         self.run_lock: RunLock | None = None  # rank 0's, on trainer.output_dir (rollplex.run_lock)
         try:
@@ -84,6 +86,9 @@ class RLTrainer:
         """The trainer's start-up: the run folder claimed, the resume point found, then the weights and engine."""
         self.cfg = cfg
         self.schedule = build_schedule(cfg)
+        if self.schedule.separate_ranks != self.separate_ranks:
+            raise ValueError(f"schedule {self.schedule.name} runs on another trainer than {type(self).__name__}: "
+                             "build it with rollplex.rl.trainer.build_trainer(cfg)")
         self.rank, self.world, self.device = init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
