@@ -14,7 +14,8 @@ import torch
 from distributed import run_distributed
 from rollplex.config import load_config
 from rollplex.models import build_model
-from rollplex.train.actor import Actor, ActorConfig, PolicyBatch, token_logprobs
+from rollplex.train.actor import Actor, ActorConfig, PolicyBatch
+from rollplex.train.logprob_head import token_logprobs
 from rollplex.train.loss import group_advantages
 from test_model import tiny_args
 from test_shared_prefix import groups

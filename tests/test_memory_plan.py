@@ -251,6 +251,8 @@ def h200_plan(schedule: str, config: dict):
     batch = BatchShape(cfg.data.batch_size, cfg.rollout.n, 28, cfg.rollout.max_tokens, 2048)
     options = MemoryOptions.from_config(cfg, build_schedule(cfg).memory_layout, torch.bfloat16, 143_771 * 2**20,
                                         "torch")
+    # That run's logprob head computed each micro-batch's logits at once (chunked since, rollplex.train.logprob_head).
+    options = dataclasses.replace(options, logits_chunk_tokens=2**31)
     return plan_memory(args, ParallelLayout(), batch, options)
 
 

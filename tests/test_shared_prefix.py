@@ -71,7 +71,7 @@ def test_shared_prefix_computes_the_prompt_once(model):
 def kept_loss_and_grads(model):
     """The same loss with the prompts computed first (graph kept) and the
     responses in a later suffix-only pass, split over two micro-batches."""
-    from rollplex.train.actor import token_logprobs
+    from rollplex.train.logprob_head import token_logprobs
     from rollplex.train.kept_prefix import SuffixUnit, prepare_prompts, prompt_forward, suffix_hidden
 
     model.zero_grad()

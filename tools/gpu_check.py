@@ -48,7 +48,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))  # sibling tools (bench_schedules, bench_sampler)
+sys.path.insert(0, str(REPO / "tools"))  # sibling tools (bench_schedules, bench_sampler, bench_logprob_head)
 
 from rollplex.models import build_model, family_named, family_of, from_pretrained, save_pretrained  # noqa: E402
 from rollplex.models.qwen2_5_vl import ModelArgs, TextArgs, VisionArgs  # noqa: E402
@@ -943,6 +943,28 @@ def _samples_validly(batch: int, vocab: int, device: str, dtype: torch.dtype, tr
     return valid and torch.allclose(logprobs.float(), expected, atol=1e-3)
 
 
+def check_logprob_head(device: str) -> dict:
+    """The logprob head's forward and backward at one micro-batch's shape, chunked (rollplex.train.logprob_head)
+    beside the whole batch's logits at once: 4,096 tokens, hidden 2048, the 151,936-token vocabulary, bf16, as
+    tools/bench_logprob_head.py measures them. The chunked head must peak at most an eighth of the whole
+    batch's and give its logprobs within 1e-2 (bf16 matmuls of other shapes round otherwise)."""
+    import bench_logprob_head
+
+    cuda = _cuda(device)
+    tokens, hidden_size, vocab, chunk = (4096, 2048, 151936, None) if cuda else (256, 32, 1000, 14)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    head, hidden, targets = bench_logprob_head.inputs(tokens, hidden_size, vocab, torch.device(device), dtype)
+    whole = bench_logprob_head.run_head(head, hidden, targets, chunked=False)
+    chunked = bench_logprob_head.run_head(head, hidden, targets, chunked=True, chunk_tokens=chunk)
+    result = {"tokens": tokens, "hidden": hidden_size, "vocab": vocab, "dtype": str(dtype),
+              **{f"{name}_{k}": v for name, r in (("whole", whole), ("chunked", chunked))
+                 for k, v in (("ms", r.seconds * 1e3), ("peak_mb", r.peak_bytes / 2**20))},
+              "peak_ratio": chunked.peak_bytes / whole.peak_bytes, "time_ratio": chunked.seconds / whole.seconds}
+    criteria = {"peak_under_an_eighth": chunked.peak_bytes <= whole.peak_bytes / 8,
+                "same_logprobs": bool((chunked.logprobs - whole.logprobs).abs().max() <= 1e-2)}
+    return {**result, **verdict_of(criteria, "chunked peak <= whole / 8; logprobs within 1e-2")}
+
+
 def check_gpu_tests(device: str) -> dict:
     """tests/paged_decode_triton_cases.py and tests/cascade_decode_triton_cases.py, compiled on the GPU, and
     the test files with CUDA cases, which skip them on a CPU: none may be skipped there. The CPU dry run
@@ -1006,6 +1028,7 @@ CHECKS = {
     "forward_timing_3b": Check(check_forward_timing, 6, "rest"),
     "to_device_latency": Check(check_to_device_latency, 3, "rest"),
     "sampler_timing": Check(check_sampler_timing, 3, "rest"),
+    "logprob_head": Check(check_logprob_head, 5, "rest"),
     "gpu_tests": Check(check_gpu_tests, 60, "rest"),
     "bench_serial_naive": Check(check_bench_serial_naive, 110, "serial-naive", optional=True),
 }

@@ -26,7 +26,8 @@ from rollplex.models.packing import TrainBatch, pack_groups
 from rollplex.models.protocol import VisionLanguageModel
 from rollplex.train.flops import forward_flops, suffix_flops
 from rollplex.train.kept_prefix import KeptPrefix, SuffixUnit, suffix_hidden
-from rollplex.train.loss import agg_loss, entropy_from_logits, kl_penalty, policy_loss
+from rollplex.train.logprob_head import token_logprobs
+from rollplex.train.loss import agg_loss, kl_penalty, policy_loss
 from rollplex.train.optim import OptimizerOffload, global_grad_norm
 
 if TYPE_CHECKING:
@@ -41,18 +42,6 @@ def response_logprobs(model: VisionLanguageModel, batch: TrainBatch, vision: Vis
     that predict a response token."""
     hidden = model.forward_packed(batch.packed, vision)
     return token_logprobs(model, hidden[batch.target_index], batch.target_ids, with_entropy, temperature)
-
-
-def token_logprobs(model: VisionLanguageModel, hidden: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False,
-                   temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprob (float32) of `targets[i]` under softmax(logits / temperature) of `hidden[i]`, and
-    optionally that distribution's entropy: the policy the rollout sampled from at that temperature
-    (the engine returns the same logprob, rollplex.engine.sampler), as verl's and TRL's actors do."""
-    logits = model.logits(hidden).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
-    return logprobs, entropy_from_logits(logits) if with_entropy else None
 
 
 @dataclass

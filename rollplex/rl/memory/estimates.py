@@ -19,6 +19,7 @@ from rollplex.models.family import FamilyArgs, ParamCounts
 from rollplex.models.registry import family_of
 from rollplex.rl.memory.inputs import BatchShape, MemoryOptions
 from rollplex.rl.schedules.prompt_items import PromptItem
+from rollplex.train.logprob_head import logits_chunk_tokens
 
 FP32 = 4  # bytes: RMSNorm and the loss work in float32 whatever the model's dtype
 
@@ -105,14 +106,16 @@ def _vision_forward_bytes(args: FamilyArgs, size: int) -> int:
     return (FP32 + size) * v.hidden_size + family_of(args).vision_mlp_widths[1] * v.intermediate_size * size
 
 
-def _logits_bytes(args: FamilyArgs, grad: bool, entropy: bool) -> int:
-    """Per response token, the peak of the logits and the loss over them (measured
-    with the torch profiler on CPU, in float32 and bfloat16 alike): a pass without
-    gradients holds two float32 vocabulary rows (the logits and their
-    log-softmax); forward and backward hold up to six with the entropy bonus,
-    four without it."""
-    rows = (6 if entropy else 4) if grad else 2
-    return rows * FP32 * args.text.vocab_size
+def _logits_bytes(args: FamilyArgs, tokens: int, grad: bool, options: MemoryOptions) -> int:
+    """The peak of the logits and the loss over them for `tokens` response tokens: the
+    head computes them a chunk of tokens at a time (rollplex.train.logprob_head), so
+    for at most one chunk's. Per token (measured with the torch profiler on CPU, in
+    float32 and bfloat16 alike): a pass without gradients holds two float32
+    vocabulary rows (the logits and their log-softmax); forward and backward hold up
+    to six with the entropy bonus, four without it."""
+    tokens = min(tokens, options.logits_chunk_tokens or logits_chunk_tokens(args.text.vocab_size))
+    rows = (6 if options.entropy else 4) if grad else 2
+    return tokens * rows * FP32 * args.text.vocab_size
 
 
 # ----------------------------------------------------------------------------- prefix state
@@ -203,7 +206,9 @@ def micro_batch_bytes(args: FamilyArgs, mb: MicroBatch, batch: BatchShape, optio
     forward and the logits. The torch path also keeps, per response and layer, its
     copy of the prompt's K/V (`PrefixedSegments`)."""
     t, size = args.text, options.param_dtype.itemsize
-    logits = mb.responses * _logits_bytes(args, grad, options.entropy)
+    logits = _logits_bytes(args, mb.responses, grad, options)
+    if grad:  # the head's gradient of the response tokens' hidden states, written chunk by chunk
+        logits += mb.responses * t.hidden_size * size
     if not grad:
         vision = mb.patches * _vision_forward_bytes(args, size)
         return max(mb.tokens * _layer_forward_bytes(t, size, tp), logits, vision) + mb.tokens * t.hidden_size * size

@@ -105,6 +105,8 @@ class MemoryOptions:
     kv_pool: float | None = None  # the KV pool's capacity: <= 1 a fraction of device_memory, else bytes
     prefix_budget: float | None = None  # kept prompt state per GPU, as kv_pool
     device_memory: int = 80 * GiB  # one GPU's memory
+    # The logprob head's tokens per chunk (rollplex.train.logprob_head); None: the head's own for the vocabulary.
+    logits_chunk_tokens: int | None = None
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:

@@ -62,7 +62,8 @@ def format_plan(plan: MemoryPlan) -> str:
         "4 x intermediate; with checkpointing the layer's input; the prefix graph = that over the actor's prompt "
         "tokens (+ the vision tower over its patches unless it reuses cached features); a training micro-batch = "
         "that over its tokens + max(logits: 6 float32 vocabulary rows per response token with the entropy bonus, "
-        "one layer's backward); a logprob pass = max(one layer's forward, logits: 2 rows); workspace = the engine's "
+        "over one chunk of the head's tokens at most, one layer's backward); a logprob pass = max(one layer's "
+        "forward, logits: 2 rows); workspace = the engine's "
         "prefill layer or decode logits and sampling, or a prompt slice's layer.",
         "naive = the same tensors with nothing ever freed: each class at its largest, in every phase "
         "(so optimizer offload does not apply to it).",

@@ -15,7 +15,7 @@ The engine reports each group as its last sample finishes (`on_finished`).
 reward's worker processes, which a thread of ours waits for while decode goes
 on. Once its scores are in, its model passes are queued; they run after the
 step's prompt-work slices, one per step at a full decode batch and more as the batch
-empties, as the prompt-work slices do. On CUDA they go on the prefix side stream,
+empties, as the prompt-work slices do. On CUDA they go on the prompt work's side stream,
 and only while fewer than `SideStreamBacklog.limit` of the passes issued are
 unfinished there: nothing else holds the host back from issuing them faster
 than the side stream runs them, and the decode steps would compete with the
@@ -24,24 +24,22 @@ an item deferred by the budget or dropped for memory it would be a full pass,
 outside the budget, that reads values back and copies to the device blocking
 between two decode steps; such groups' passes, and the update that reads their
 logprobs, are left to the loop's phases. They run what the window does not
-finish, after it, through the same functions: the results here say what is
-done. What the window does goes into the step's
-state (rollplex.rl.step.StepState), which the phases after decode complete.
-The host time `between_steps` takes counts in timing_s/decode_slowdown
-beside the prompt-work slices'.
+finish, after it, through the same functions: what the window does goes into
+the step's state (rollplex.rl.step.StepState), which the phases after decode
+complete. The host time `between_steps` takes counts in
+timing_s/decode_slowdown beside the prompt-work slices'.
 
 No streamed pass may issue a collective: each dp rank finishes its groups in its
-own order, so collectives would not line up. On CPU every pass runs under
-`no_collectives` (rollplex.dist), which raises on one. A pass streams only where its model
-is whole on this rank during rollout: the actor's when parallel.tp is 1 (every
+own order, so collectives would not line up; on CPU every pass runs under
+`no_collectives` (rollplex.dist), which raises at one. A pass streams only
+where its model is whole on this rank during rollout: the actor's when parallel.tp is 1 (every
 FSDP unit is gathered for the engine and stays so through backward,
 rollplex.rl.weights), the reference model's when it is not sharded (one dp
 rank) or when holding it gathered through the window fits the prefix budget
 left after the prompt items (`MemoryPlan.gathered_ref_bytes`; `StreamPlan`
 decides, the same on every rank). The streamed update keeps FSDP from
 reducing gradients until the prompt's backward after rollout, which reduces
-them all at once. It is admitted
-when its gradients and one micro-batch fit the prefix budget left after the
+them all at once. It is admitted when its gradients and one micro-batch fit the prefix budget left after the
 prompt items (`MemoryPlan.streamed_update_bytes`), the same on every rank, since
 the update's collectives after rollout depend on it.
 """
