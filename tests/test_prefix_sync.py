@@ -151,3 +151,21 @@ def test_prefix_slices_copy_nothing_to_the_device_and_read_nothing_back(model):
     last = torch.tensor([len(p.input_ids) for p in prompts]).cumsum(0) - 1
     for kind in ("actor", "ref"):
         assert torch.equal(scheduler.result(kind, 0).last_hidden, hidden[last])
+
+
+def test_a_packed_pass_reads_nothing_back_in_its_layers(model):
+    """Sequences packed one per sample (share_prefix false), each attending only to itself:
+    the attention's index tensors are built once, from the host's boundaries, so no decoder
+    layer waits on the device (each used to read the boundaries back twice, and rebuild them).
+    (The model's forward finds its vision slots once, before the layers.)"""
+    from rollplex.models.inputs import Prompt
+    from rollplex.ops.attention import VarlenAttention
+
+    batch = pack_sequences(model.args, [Prompt(torch.arange(n) + 10) for n in (5, 3, 5, 8)])
+    attn = VarlenAttention(batch.cu_seqlens.tolist(), "cpu")
+    embedded = model.language_model.embed_tokens(batch.input_ids)
+    with HostSyncGuard() as guard:
+        hidden = model.language_model(embedded, batch.position_ids, attn)
+    assert guard.calls == [] and hidden.shape[0] == 21
+    whole = model.language_model(embedded[:5], batch.position_ids[:, :5], VarlenAttention([0, 5], "cpu"))
+    torch.testing.assert_close(hidden[:5], whole, rtol=0, atol=1e-5)  # the first sequence sees only itself

@@ -413,7 +413,7 @@ def test_layer_by_layer_and_decode_paths(pair):
     _, _, ours = pair
     p = image_and_video_prompt(seed=17)
     batch = pack_sequences(ours.args, [p])
-    attn = VarlenAttention(batch.cu_seqlens, batch.max_seqlen, causal=True)
+    attn = VarlenAttention(batch.cu_seqlens.tolist(), "cpu")
     with torch.no_grad():
         vision = ours.encode_vision(p.pixel_values, p.image_grid_thw, p.pixel_values_videos, p.video_grid_thw)
         slots = VisionSlots.find(ours.args, batch.input_ids)

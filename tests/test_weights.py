@@ -38,7 +38,7 @@ def nbytes(t: torch.Tensor) -> int:
 def sgd_step(model) -> None:
     """One plain SGD step on next-token loss, through FSDP's forward, backward and sharded update."""
     ids = torch.tensor([1, 5, 9, 13, 2, 7, 3, 4, 8, 6])
-    attn = VarlenAttention(torch.tensor([0, len(ids)], dtype=torch.int32), len(ids), causal=True, backend="torch")
+    attn = VarlenAttention([0, len(ids)], "cpu")
     logits = model.logits(model(ids, torch.arange(len(ids)).expand(3, -1), attn))
     F.cross_entropy(logits[:-1], ids[1:]).backward()
     torch.optim.SGD(model.parameters(), lr=2.0).step()

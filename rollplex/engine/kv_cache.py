@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from rollplex.device import to_device
-from rollplex.ops.attention import paged_decode_attention, varlen_attention
+from rollplex.ops.attention import PackedSegments, paged_decode_attention
 
 
 class KVCache:
@@ -105,8 +105,9 @@ class PagedAttention:
 
     cache: KVCache
     slot_mapping: torch.Tensor  # (tokens,) flat slot of every new token
-    cu_seqlens: torch.Tensor | None = None  # prefill: sequence boundaries of the packed tokens
-    max_seqlen: int = 0
+    # Prefill: the packed new tokens' sequences, each attending causally to itself (built once per prefill,
+    # from host boundaries: no layer reads anything back).
+    prefill: PackedSegments | None = None
     block_tables: torch.Tensor | None = None  # decode: (batch, max_blocks) int32
     context_lens: torch.Tensor | None = None  # decode: (batch,) int32, including the new token
     backend: str = "torch"
@@ -117,8 +118,7 @@ class PagedAttention:
         k_cache, v_cache = self.cache.layer(layer)
         store_kv(k_cache, v_cache, k, v, self.slot_mapping)
         if self.block_tables is None:
-            return varlen_attention(q, k, v, self.cu_seqlens, self.cu_seqlens, self.max_seqlen, self.max_seqlen,
-                                    causal=True, backend=self.backend)
+            return self.prefill(q, k, v)
         if self.shared_prefix is not None:
             return self.shared_prefix(q, k_cache, v_cache)
         return paged_decode_attention(q, k_cache, v_cache, self.block_tables, self.context_lens, self.backend)

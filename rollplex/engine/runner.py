@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rollplex.device import to_device
 from rollplex.dist import local_tensor
 from rollplex.engine.cascade import SharedPrefixDecode, StepGroups
 from rollplex.engine.decode_batch import DecodeBatch
@@ -47,6 +48,7 @@ from rollplex.engine.kv_cache import KVCache, PagedAttention
 from rollplex.engine.sequence import Sequence
 from rollplex.models.inputs import VisionEmbeds
 from rollplex.models.protocol import VisionLanguageModel
+from rollplex.ops.attention import PackedSegments
 
 
 @dataclass(frozen=True)
@@ -156,13 +158,13 @@ class ModelRunner:
         dev = self.device
         ids = torch.tensor([t for s in seqs for t in s.token_ids], device=dev)
         positions = torch.cat([s.positions(0, len(s)) for s in seqs], dim=1)
-        lengths = torch.tensor([len(s) for s in seqs])
-        cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(device=dev, dtype=torch.int32)
+        bounds = [0, *itertools.accumulate(len(s) for s in seqs)]
         attn = PagedAttention(self.cache, torch.tensor([x for sl in slots for x in sl], device=dev),
-                              cu_seqlens=cu, max_seqlen=int(lengths.max()), backend=self.model.attn_backend)
+                              prefill=PackedSegments(bounds, True, self.model.attn_backend, dev),
+                              backend=self.model.attn_backend)
         prompt_mask = torch.cat([torch.arange(len(s)) < s.num_prompt for s in seqs]).to(dev)
         hidden = self.model(ids, positions, attn, self._vision_of(seqs), prompt_mask)
-        return self.model.logits(hidden[cu[1:].long() - 1]).float()
+        return self.model.logits(hidden[to_device([b - 1 for b in bounds[1:]], dev)]).float()
 
     def _vision_of(self, seqs: list[Sequence]) -> VisionEmbeds:
         """Vision features of the step's prompts in token order; each prompt's

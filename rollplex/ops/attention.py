@@ -60,28 +60,27 @@ class AttentionBackend(Protocol):
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
-@dataclass
 class VarlenAttention:
-    """Packed sequences, each attending only to itself (causal for text, full for vision).
+    """Packed sequences, each attending only to itself (causal for text, full for vision),
+    in every layer of a forward: the index tensors its kernel reads are built once, from
+    host boundaries (`PackedSegments`), so no layer reads a value back from the device.
+    A plain class, not a dataclass: FSDP2 rebuilds dataclass arguments of a module call.
 
-    `cu_seqlens` are the cumulative sequence boundaries (int32, starting at 0),
-    as flash-attn's varlen API takes them.
+    `cu_seqlens` are the cumulative sequence boundaries (0, l0, l0 + l1, ...), as
+    flash-attn's varlen API takes them.
     """
 
-    cu_seqlens: torch.Tensor
-    max_seqlen: int
-    causal: bool = True
-    backend: str = "torch"
+    def __init__(self, cu_seqlens: list[int], device: torch.device | str, causal: bool = True,
+                 backend: str = "torch"):
+        self.segments = PackedSegments(cu_seqlens, causal, backend, torch.device(device))
 
     @classmethod
     def from_lengths(cls, lengths: list[int], device: torch.device | str, causal: bool = True,
                      backend: str = "auto") -> "VarlenAttention":
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
-        return cls(cu, max(lengths), causal, resolve_backend(backend, torch.device(device)))
+        return cls([0, *itertools.accumulate(lengths)], device, causal, resolve_backend(backend, torch.device(device)))
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return varlen_attention(q, k, v, self.cu_seqlens, self.cu_seqlens, self.max_seqlen, self.max_seqlen,
-                                causal=self.causal, backend=self.backend)
+        return self.segments(q, k, v)
 
 
 def varlen_attention(

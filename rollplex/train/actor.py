@@ -448,7 +448,8 @@ def _pad(rows: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
 def _to(batch: TrainBatch, device: torch.device) -> TrainBatch:
     """Move a packed batch's tensors to the model's device."""
     p = batch.packed
-    for name in ("input_ids", "position_ids", "cu_seqlens", "prompt_mask", "pixel_values", "image_grid_thw",
+    # cu_seqlens stays on the host, where the attention builds its index tensors from it once per pass.
+    for name in ("input_ids", "position_ids", "prompt_mask", "pixel_values", "image_grid_thw",
                  "pixel_values_videos", "video_grid_thw"):
         t = getattr(p, name)
         if t is not None:

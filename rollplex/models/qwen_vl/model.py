@@ -210,7 +210,8 @@ class QwenVL(nn.Module):
         if batch.groups is not None:
             attn = SharedPrefixAttention(batch.groups, self.attn_backend)
         else:
-            attn = VarlenAttention(batch.cu_seqlens, batch.max_seqlen, causal=True, backend=self.attn_backend)
+            # Boundaries on the host (the packed batch keeps them there): no layer waits on the device.
+            attn = VarlenAttention(batch.cu_seqlens.tolist(), batch.input_ids.device, backend=self.attn_backend)
         return self(batch.input_ids, batch.position_ids, attn, vision, batch.prompt_mask)
 
     @torch.no_grad()
