@@ -3,6 +3,10 @@
     python tools/bench_sampler.py                                   # B=128, V=151936, bf16 logits
     python tools/bench_sampler.py --compare /tmp/old_sampler.py     # beside another file's sample()
 
+Every backend of sample() that runs on the device is timed side by side: "torch"
+(four passes over the logits and a stable sort when truncating) and, on CUDA with
+triton, "triton" (rollplex/ops/sample_triton.py: one read of the logits untruncated).
+
 Each row is one sample() call on random logits, every row sampled at temperature
 1, without truncation (`truncate=False`, the engine's call when no request uses
 top-k or top-p) and with top_k=50, top_p=0.9. Time and peak memory are measured
@@ -13,6 +17,7 @@ warm-up; CPU: one call's wall time after an untimed one).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import sys
 from typing import Callable
@@ -21,6 +26,7 @@ import torch
 
 from bench_train_attention import measure
 from rollplex.engine.sampler import sample, uniforms
+from rollplex.ops.paged_decode_triton import triton_available
 
 
 def load_sample(path: str) -> Callable:
@@ -29,6 +35,12 @@ def load_sample(path: str) -> Callable:
     module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module.sample
+
+
+def backends(device: torch.device) -> dict[str, Callable]:
+    """sample() with each backend that runs on `device`, by name."""
+    names = ("torch", "triton") if device.type == "cuda" and triton_available(device) else ("torch",)
+    return {name: functools.partial(sample, backend=name) for name in names}
 
 
 def bench(sample_fn: Callable, batch: int, vocab: int, device: torch.device, dtype: torch.dtype,
@@ -55,7 +67,7 @@ def main() -> None:
     parser.add_argument("--compare", metavar="FILE", help="a file whose sample() to time beside rollplex's")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    samplers = {"rollplex": sample} | ({args.compare: load_sample(args.compare)} if args.compare else {})
+    samplers = backends(device) | ({args.compare: load_sample(args.compare)} if args.compare else {})
     print(f"B={args.batch} V={args.vocab} {args.dtype} logits on {device}")
     for name, sample_fn in samplers.items():
         for truncate in (False, True):

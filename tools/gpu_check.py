@@ -904,43 +904,50 @@ def _busy_stream(device: str) -> tuple[Callable[[], None], float]:
 def check_sampler_timing(device: str) -> dict:
     """rollplex.engine.sampler.sample at a decode step's shape: batch 64 and 256 over the
     151,936-token vocabulary, bf16 logits, without truncation (the engine's call when no request
-    uses top-k or top-p) and with top_k 50, top_p 0.9; time per call and peak workspace as
-    tools/bench_sampler.py measures them (CUDA: the median of five after a warm-up). Each setting's
-    tokens must be in the vocabulary (truncated: among the 50 largest logits) and their logprobs
-    those of log_softmax within 1e-3."""
+    uses top-k or top-p) and with top_k 50, top_p 0.9; time per call and peak workspace of each
+    backend that runs here, side by side, as tools/bench_sampler.py measures them (CUDA: the median
+    of five after a warm-up; the torch path and the one-pass Triton path). Each backend's tokens
+    must be in the vocabulary (truncated: among the 50 largest logits) and their logprobs those of
+    log_softmax within 1e-3; the Triton path's tokens must equal the torch path's on the CPU."""
     import bench_sampler
-    from rollplex.engine.sampler import sample
 
     cuda = _cuda(device)
     vocab, batches = (151936, (64, 256)) if cuda else (1000, (4, 8))
     dtype = torch.bfloat16 if cuda else torch.float32  # CPU: what the dry run's model computes in
-    result: dict = {"vocab": vocab, "logits_dtype": str(dtype)}
+    samplers = bench_sampler.backends(torch.device(device))
+    result: dict = {"vocab": vocab, "logits_dtype": str(dtype), "backends": list(samplers)}
     criteria = {}
     for batch in batches:
         for truncate in (False, True):
             key = f"batch_{batch}_{'truncated' if truncate else 'full'}"
-            ms, peak_mb = bench_sampler.bench(sample, batch, vocab, torch.device(device), dtype, truncate)
-            result[key] = {"ms": ms, "peak_mb": peak_mb}
-            criteria[f"{key}_valid"] = _samples_validly(batch, vocab, device, dtype, truncate)
+            for name, sample_fn in samplers.items():
+                ms, peak_mb = bench_sampler.bench(sample_fn, batch, vocab, torch.device(device), dtype, truncate)
+                result[f"{key}_{name}"] = {"ms": ms, "peak_mb": peak_mb}
+                criteria[f"{key}_{name}_valid"] = _samples_validly(sample_fn, batch, vocab, device, dtype, truncate)
+            if "triton" in samplers:
+                result[f"{key}_triton_over_torch"] = result[f"{key}_triton"]["ms"] / result[f"{key}_torch"]["ms"]
     return {**result, **verdict_of(criteria, "tokens in the vocabulary (truncated: in the top 50); logprobs those of "
-                                             "log_softmax within 1e-3")}
+                                             "log_softmax within 1e-3; triton's tokens the CPU torch path's")}
 
 
-def _samples_validly(batch: int, vocab: int, device: str, dtype: torch.dtype, truncate: bool) -> bool:
-    """One sample() call on random logits gives valid tokens with log_softmax's logprobs."""
+def _samples_validly(sample_fn: Callable, batch: int, vocab: int, device: str, dtype: torch.dtype,
+                     truncate: bool) -> bool:
+    """One sample_fn call on random logits gives valid tokens with log_softmax's logprobs (and
+    the tokens of the torch path on the CPU, the reference of tests/sample_triton_cases.py)."""
     from rollplex.engine.sampler import sample, uniforms
 
     g = torch.Generator().manual_seed(batch)
     logits = (torch.randn(batch, vocab, generator=g) * 3).to(device, dtype)
     top_p, top_k = (0.9, 50) if truncate else (1.0, -1)
     u = uniforms(torch.arange(batch), torch.full((batch,), 100)).to(device)
-    tokens, logprobs = sample(logits, 1.0, top_p, top_k, u, truncate=truncate)
+    tokens, logprobs = sample_fn(logits, 1.0, top_p, top_k, u, truncate=truncate)
     full = logits.float()
     valid = bool(((tokens >= 0) & (tokens < vocab)).all())
     if truncate:
         valid &= bool((full.gather(-1, tokens[:, None]) >= full.topk(top_k).values[:, -1:]).all())
     expected = torch.log_softmax(full, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-    return valid and torch.allclose(logprobs.float(), expected, atol=1e-3)
+    reference, _ = sample(logits.cpu(), 1.0, top_p, top_k, u.cpu(), truncate=truncate, backend="torch")
+    return valid and torch.allclose(logprobs.float(), expected, atol=1e-3) and torch.equal(tokens.cpu(), reference)
 
 
 def check_logprob_head(device: str) -> dict:
@@ -971,12 +978,14 @@ def check_gpu_tests(device: str) -> dict:
     runs one case of each kernel file, in the interpreter (tests/test_paged_decode_triton.py runs them all).
     pytest runs in a session of its own, killed with its whole process group when this check's time limit
     or the run's budget ends, whichever is first (10 s before, so that this process reports it)."""
-    files = ["tests/paged_decode_triton_cases.py", "tests/cascade_decode_triton_cases.py"]
+    files = ["tests/paged_decode_triton_cases.py", "tests/cascade_decode_triton_cases.py",
+             "tests/sample_triton_cases.py"]
     if _cuda(device):
         files += ["tests/test_cuda_graphs.py", "tests/test_sampler.py",
                   "tests/test_nonfinite.py::test_a_weight_gone_bad_under_a_decode_graph_is_caught_and_located"]
     else:
-        files = [f"{files[0]}::test_odd_head_dim_and_group", f"{files[1]}::test_a_group_cut_leaves_a_group_of_one"]
+        files = [f"{files[0]}::test_odd_head_dim_and_group", f"{files[1]}::test_a_group_cut_leaves_a_group_of_one",
+                 f"{files[2]}::test_empty_batch"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     timeout = max(1.0, min(CHECKS["gpu_tests"].limit_s, DEADLINE - time.time()) - 10)
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
@@ -1029,7 +1038,7 @@ CHECKS = {
     "to_device_latency": Check(check_to_device_latency, 3, "rest"),
     "sampler_timing": Check(check_sampler_timing, 3, "rest"),
     "logprob_head": Check(check_logprob_head, 5, "rest"),
-    "gpu_tests": Check(check_gpu_tests, 60, "rest"),
+    "gpu_tests": Check(check_gpu_tests, 90, "rest"),
     "bench_serial_naive": Check(check_bench_serial_naive, 110, "serial-naive", optional=True),
 }
 

@@ -40,11 +40,15 @@ normalizer, so the logprob needs no pass of its own over the vocabulary.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from rollplex.ops.paged_decode_triton import triton_available
+from rollplex.ops.sample_triton import sample_triton
 
 if TYPE_CHECKING:
     from rollplex.config import RolloutConfig
@@ -186,6 +190,7 @@ def sample(
     top_k: int | torch.Tensor,
     u: torch.Tensor,
     truncate: bool = True,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row, and its logprob under the tempered logits (module docstring).
 
@@ -203,7 +208,15 @@ def sample(
     A number for the temperature (the engine's case: one per generation) skips what
     it makes needless: at 0 or 1 the division, and at a number above 0 the argmax
     (no row is greedy).
+
+    `backend`: "triton" (rollplex.ops.sample_triton: one read of the logits, the same
+    tokens), "torch" (the code below, the reference), or "auto", the default: Triton for
+    float32/bf16/fp16 logits on CUDA when it is installed, else torch. None reads the
+    ROLLPLEX_SAMPLER environment variable (default "auto"): the switch back to the torch
+    path on a GPU without touching the engine.
     """
+    if _resolve_backend(backend, logits) == "triton":
+        return sample_triton(logits, temperature, top_p, top_k, u, truncate)
     greedy, temperature = _temperature(temperature, logits.device)
     if truncate:
         # Stable sort: among equal logits the lower vocab index ranks first, so the
@@ -224,6 +237,23 @@ def sample(
     else:
         tokens = argmax if greedy else sampled
     return tokens, _tempered_logprobs(logits, tokens, top, cdf[:, -1], temperature)
+
+
+SAMPLER_BACKEND_ENV = "ROLLPLEX_SAMPLER"
+
+
+def _resolve_backend(name: str | None, logits: torch.Tensor) -> str:
+    """"triton" or "torch" for `sample`'s backend argument (see there)."""
+    name = os.environ.get(SAMPLER_BACKEND_ENV, "auto") if name is None else name
+    if name not in ("auto", "torch", "triton"):
+        raise ValueError(f"unknown sampler backend {name!r}: expected auto, torch or triton")
+    if name == "triton" and not triton_available(logits.device):
+        raise ValueError(f"the triton sampler needs triton and a CUDA device (or TRITON_INTERPRET=1), "
+                         f"got logits on {logits.device}")
+    if name == "auto":
+        fits = logits.is_cuda and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        return "triton" if fits and triton_available(logits.device) else "torch"
+    return name
 
 
 def _temperature(temperature: float | torch.Tensor,
