@@ -844,6 +844,32 @@ def check_forward_timing(device: str) -> dict:
             "tokens": tokens, "forward_s": dt, "tokens_per_s": tokens / dt, "note": "random weights; timing only"}
 
 
+def check_packed_train_3b(device: str) -> dict:
+    """A training pass (shared-prefix forward, chunked logprob head, backward) of a 3B-shaped model
+    (random weights, bf16) over 2 text-only groups of a 512-token prompt and 8 responses of up to
+    1,024 tokens, once per attention backend that works here, on the same weights and batch
+    (tools/bench_packed_train.py): time per pass, tokens per second and MFU against the dense bf16
+    peak side by side. Each backend's pass must give finite logprobs and gradients (the CPU tests
+    hold the backends equal)."""
+    import bench_packed_train
+
+    cuda = _cuda(device)
+    args = _3b_args(cuda)
+    model = build_model(args, dtype=torch.bfloat16 if cuda else torch.float32, device=device, seed=0)
+    shape = (2, 8, 512, 1024) if cuda else (2, 2, 16, 8)
+    groups = bench_packed_train.groups_of(*shape, args.text.vocab_size)
+    backends = bench_packed_train.working_backends(torch.device(device))
+    result = bench_packed_train.timed_passes(model, groups, backends, repeats=3 if cuda else 1)
+    result["backends"] = backends
+    for name in backends[1:]:
+        result[f"{name}_over_torch"] = result[name]["pass_ms"] / result["torch"]["pass_ms"]
+    grads = [p.grad for p in model.language_model.parameters() if p.grad is not None]
+    grads_finite = bool(grads) and all(bool(g.isfinite().all()) for g in grads)
+    criteria = {"timed_every_backend": all(result[name]["pass_ms"] > 0 for name in backends),
+                "finite_gradients": grads_finite}
+    return {**result, **verdict_of(criteria, "every working backend timed; finite gradients")}
+
+
 TO_DEVICE_SIZES = (2 << 10, 16 << 10, 128 << 10, 1 << 20)  # bytes of pageable host memory
 
 
@@ -1035,6 +1061,7 @@ CHECKS = {
     "paged_decode_triton": Check(check_paged_decode_triton, 5, "rest"),
     "cascade_decode_triton": Check(check_cascade_decode_triton, 8, "rest"),
     "forward_timing_3b": Check(check_forward_timing, 6, "rest"),
+    "packed_train_3b": Check(check_packed_train_3b, 40, "rest"),
     "to_device_latency": Check(check_to_device_latency, 3, "rest"),
     "sampler_timing": Check(check_sampler_timing, 3, "rest"),
     "logprob_head": Check(check_logprob_head, 5, "rest"),

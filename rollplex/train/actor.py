@@ -368,7 +368,7 @@ class Actor:
             flops = suffix_flops(model.args, [(kept.prompt_lens[u.index], [len(r) for r in u.group.responses])
                                               for u in units])
             return *token_logprobs(model, hidden, targets, with_entropy, self.config.temperature), lens, flops
-        batch = _to(pack_groups(model.args, [u.group for u in units], self.config.share_prefix), model.device)
+        batch = batch_to(pack_groups(model.args, [u.group for u in units], self.config.share_prefix), model.device)
         return (*response_logprobs(model, batch, with_entropy=with_entropy, temperature=self.config.temperature),
                 lens, forward_flops(model.args, batch))
 
@@ -445,7 +445,7 @@ def _pad(rows: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
     return torch.nn.utils.rnn.pad_sequence([to_device(r, mask.device, torch.float32) for r in rows], batch_first=True)
 
 
-def _to(batch: TrainBatch, device: torch.device) -> TrainBatch:
+def batch_to(batch: TrainBatch, device: torch.device) -> TrainBatch:
     """Move a packed batch's tensors to the model's device."""
     p = batch.packed
     # cu_seqlens stays on the host, where the attention builds its index tensors from it once per pass.
