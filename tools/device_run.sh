@@ -11,7 +11,7 @@
 # schedule) and bench_schedules/timeline.png, bench_small_prefix_budget/report.json
 # and, when the budget leaves time for it, bench_serial_naive/report.json: at most
 # six files, within the eight that come back. Options go to tools/gpu_check.py:
-# `--only NAME ...`, `--budget-s S` (default 480), `--device cpu` (the same run end
+# `--only NAME ...`, `--budget-s S` (default 540), `--device cpu` (the same run end
 # to end on a CPU at the smallest sizes: tests/test_gpu_check.py). PYTHON picks the
 # interpreter (default python3, the GPU machine's).
 set -euo pipefail

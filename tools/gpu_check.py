@@ -11,7 +11,7 @@ raises ends its process, since a CUDA error can leave the context unusable, and
 the checks after it get a fresh one. Each child is started in a session of its
 own and killed with its whole process group when its running check passes its
 time limit (twice its estimate plus 30 s) or the run's budget (`--budget-s`,
-default 480 s). The JSON report is rewritten after every check, so a run cut
+default 540 s). The JSON report is rewritten after every check, so a run cut
 short still reports what it did; what the budget does not reach is reported
 as not run. An optional check starts only when the budget left covers its
 estimate, and skipping it is no failure. `--only NAME ...` runs a subset; an
@@ -870,6 +870,46 @@ def check_packed_train_3b(device: str) -> dict:
     return {**result, **verdict_of(criteria, "every working backend timed; finite gradients")}
 
 
+HBM_BYTES_PER_S = 4.3e12  # read bandwidth measured on the H200 at c98158e (benchmarks/2026-11-30-h200-c98158e)
+
+
+def check_decode_layer(device: str) -> dict:
+    """A decode step of 4 decoder layers at Qwen2.5-VL 3B's shapes (bf16, random weights, contexts of
+    512 tokens), batch 64 and 256, with the fused layer ops (rollplex.ops.fused_decode_triton) and with
+    the torch ops, side by side (tools/bench_decode_layer.py): kernel launches per layer (torch.profiler),
+    the step's time as a CUDA graph replay, and that time over the HBM floor (the layers' weights and
+    KV read once at HBM_BYTES_PER_S). The fused layer must launch at most 12 kernels (13 if cuBLAS
+    splits a GEMM) and agree with the torch ops within bf16 rounding."""
+    import bench_decode_layer
+
+    cuda = _cuda(device)
+    result: dict = {}
+    criteria = {}
+    for batch in (64, 256) if cuda else (4,):
+        figures = bench_decode_layer.bench_decode_layer(batch=batch, layers=4, context=512 if cuda else 32,
+                                                        repeats=20 if cuda else 1, device=device)
+        floor_ms = _decode_floor_ms(figures, bench_decode_layer.layer_args(torch.device(device)))
+        for name in ("fused", "torch"):
+            figures[name]["over_floor"] = figures[name]["step_ms"] / floor_ms
+        figures["floor_ms"] = floor_ms
+        figures["fused_over_torch"] = figures["fused"]["step_ms"] / figures["torch"]["step_ms"]
+        result[f"batch_{batch}"] = figures
+        criteria[f"batch_{batch}_launches"] = figures["fused"]["launches"] <= (13 if cuda else 12)
+        criteria[f"batch_{batch}_agree"] = figures["max_abs_diff"] <= (0.1 if cuda else 1e-2)
+    return {**result, **verdict_of(criteria, "fused layer <= 12 launches (13 with a split GEMM); fused and torch "
+                                             "steps agree within bf16 rounding")}
+
+
+def _decode_floor_ms(figures: dict, args) -> float:
+    """The step's bytes (the layers' weights, each row's KV context) at HBM_BYTES_PER_S, in ms."""
+    t, bytes_per_value = args, 2  # bf16
+    attention = t.hidden_size * (t.num_attention_heads + 2 * t.num_key_value_heads) * t.head_dim
+    attention += t.num_attention_heads * t.head_dim * t.hidden_size
+    weights = (attention + 3 * t.hidden_size * t.intermediate_size) * bytes_per_value
+    kv = figures["batch"] * figures["context"] * 2 * t.num_key_value_heads * t.head_dim * bytes_per_value
+    return figures["layers"] * (weights + kv) / HBM_BYTES_PER_S * 1e3
+
+
 TO_DEVICE_SIZES = (2 << 10, 16 << 10, 128 << 10, 1 << 20)  # bytes of pageable host memory
 
 
@@ -1062,6 +1102,7 @@ CHECKS = {
     "cascade_decode_triton": Check(check_cascade_decode_triton, 8, "rest"),
     "forward_timing_3b": Check(check_forward_timing, 6, "rest"),
     "packed_train_3b": Check(check_packed_train_3b, 40, "rest"),
+    "decode_layer": Check(check_decode_layer, 15, "rest"),
     "to_device_latency": Check(check_to_device_latency, 3, "rest"),
     "sampler_timing": Check(check_sampler_timing, 3, "rest"),
     "logprob_head": Check(check_logprob_head, 5, "rest"),
@@ -1240,7 +1281,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="gpu_check.json", help="where to write the JSON report")
     parser.add_argument("--only", nargs="+", metavar="NAME", help=f"run only these checks: {', '.join(CHECKS)}")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu: the script's own dry run")
-    parser.add_argument("--budget-s", type=float, default=480.0, help="stop starting checks past this time")
+    parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting checks past this time")
     parser.add_argument("--run-checks", nargs="+", choices=list(CHECKS), help=argparse.SUPPRESS)
     parser.add_argument("--events", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--artifacts", type=Path, help=argparse.SUPPRESS)

@@ -23,9 +23,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 
 from rollplex.device import to_device
+from rollplex.models.rope import apply_rotary
 from rollplex.ops.attention import PackedSegments, paged_decode_attention
+from rollplex.ops.fused_decode_triton import FusedLayerOps, rotary_store
+from rollplex.ops.paged_decode_triton import paged_decode_attention_triton
 
 
 class KVCache:
@@ -101,6 +105,12 @@ class PagedAttention:
     Decode: one new token per sequence attends to its whole context in the pool
     through its block table; with `shared_prefix`, each group's shared prompt
     blocks are read once for all its rows (rollplex.engine.cascade.CascadeDecodeAttention).
+
+    The layers hand it unrotated q and k with their cos/sin (`rotary_attention`). With
+    `layer_ops` (the fused kernels, rollplex.ops.fused_decode_triton: the runner's
+    switch) the rotary and the KV write are one kernel, plain decode attention is the
+    Triton kernel, and the layer's norms, activation and adds are fused too; without,
+    all of it is the torch ops the trainer runs.
     """
 
     cache: KVCache
@@ -113,12 +123,34 @@ class PagedAttention:
     backend: str = "torch"
     # Decode: the step's group-shared attention, (q, k_cache, v_cache) -> out (rollplex.engine.cascade).
     shared_prefix: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    layer_ops: FusedLayerOps | None = None  # the decoder layers' fused ops, or None: torch's
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of rotated q, k: k and v are stored first."""
         k_cache, v_cache = self.cache.layer(layer)
         store_kv(k_cache, v_cache, k, v, self.slot_mapping)
+        return self._attend(q, k, v, k_cache, v_cache)
+
+    def rotary_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, qk_norm: tuple[nn.Module, nn.Module] | None = None) -> torch.Tensor:
+        """Attention of q, k before their rotary by cos/sin (tokens, head_dim), and before
+        their per-head norms `qk_norm` (Qwen3's q_norm, k_norm) where given. Fused, q and
+        k are normalised and rotated in place (they are the layer's temporaries: no grad here)."""
+        if self.layer_ops is None:
+            if qk_norm is not None:
+                q, k = qk_norm[0](q), qk_norm[1](k)
+            return self(layer, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
+        k_cache, v_cache = self.cache.layer(layer)
+        rotary_store(q, k, v, cos, sin, self.slot_mapping, k_cache, v_cache, qk_norm)
+        return self._attend(q, k, v, k_cache, v_cache)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> torch.Tensor:
         if self.block_tables is None:
             return self.prefill(q, k, v)
         if self.shared_prefix is not None:
             return self.shared_prefix(q, k_cache, v_cache)
+        if self.layer_ops is not None and self.backend == "torch":
+            # The Triton kernel, as paged_decode_attention picks it on CUDA (here on CPU too, in the interpreter).
+            return paged_decode_attention_triton(q, k_cache, v_cache, self.block_tables, self.context_lens)
         return paged_decode_attention(q, k_cache, v_cache, self.block_tables, self.context_lens, self.backend)

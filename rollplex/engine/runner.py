@@ -28,6 +28,10 @@ Decode steps run on the runner's decode stream, at the highest CUDA priority, so
 that the GPU schedules their kernels ahead of the prompt work on the RL loop's
 lower-priority side stream (see `on_decode_stream`); a prefill's forward runs on
 the caller's stream (`on_caller_stream`).
+
+Prefill and decode run the decoder layers with the fused Triton ops
+(rollplex.ops.fused_decode_triton, `layer_ops`) where `fused_decode_enabled` says so
+(on CUDA unless ROLLPLEX_FUSED_DECODE=0), else with the torch ops the trainer runs.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from rollplex.engine.sequence import Sequence
 from rollplex.models.inputs import VisionEmbeds
 from rollplex.models.protocol import VisionLanguageModel
 from rollplex.ops.attention import PackedSegments
+from rollplex.ops.fused_decode_triton import FUSED_OPS, fused_decode_enabled
 
 
 @dataclass(frozen=True)
@@ -88,9 +93,12 @@ class GraphAddresses:
 
 class ModelRunner:
     def __init__(self, model: VisionLanguageModel, cache: KVCache, max_model_len: int, max_num_seqs: int,
-                 use_cuda_graphs: bool, shared_prefix_decode: bool = False):
+                 use_cuda_graphs: bool, shared_prefix_decode: bool = False, fused_decode: bool | None = None):
         self.model, self.cache = model, cache
         self.device = model.device
+        # The layers' fused ops, or None: the torch ops. Set before the first decode: graphs capture it.
+        use_fused = fused_decode_enabled(self.device) if fused_decode is None else fused_decode
+        self.layer_ops = FUSED_OPS if use_fused else None
         self.block_size = cache.block_size
         self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // cache.block_size)
@@ -161,7 +169,7 @@ class ModelRunner:
         bounds = [0, *itertools.accumulate(len(s) for s in seqs)]
         attn = PagedAttention(self.cache, torch.tensor([x for sl in slots for x in sl], device=dev),
                               prefill=PackedSegments(bounds, True, self.model.attn_backend, dev),
-                              backend=self.model.attn_backend)
+                              backend=self.model.attn_backend, layer_ops=self.layer_ops)
         prompt_mask = torch.cat([torch.arange(len(s)) < s.num_prompt for s in seqs]).to(dev)
         hidden = self.model(ids, positions, attn, self._vision_of(seqs), prompt_mask)
         return self.model.logits(hidden[to_device([b - 1 for b in bounds[1:]], dev)]).float()
@@ -237,7 +245,8 @@ class ModelRunner:
         with `groups` (the rows sharing prompt blocks), group-shared attention."""
         shared_prefix = None if groups is None else groups.attention(tables, lens, self.block_size)
         attn = PagedAttention(cache or self.cache, slots, block_tables=tables, context_lens=lens,
-                              backend=self.model.attn_backend, shared_prefix=shared_prefix)
+                              backend=self.model.attn_backend, shared_prefix=shared_prefix,
+                              layer_ops=self.layer_ops)
         rotary = tuple(self.rotary_table[positions].chunk(2, dim=-1))
         return self.model.logits(self.model.forward_generated(ids, rotary, attn))
 

@@ -65,6 +65,37 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class TorchLayerOps:
+    """A decoder layer's norms, activation and residual adds as torch ops: the training
+    forward's arithmetic, op for op. The engine's model calls may hand the layer fused
+    kernels with the same signatures instead (rollplex.ops.fused_decode_triton, through
+    the attention backend's `layer_ops`): one layer forward serves both."""
+
+    def rms_norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        return norm(x)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                     norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm(residual + x), and residual + x."""
+        total = residual + x
+        return norm(total), total
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+    def add_linear(self, residual: torch.Tensor, x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
+        return residual + linear(x)
+
+
+TORCH_OPS = TorchLayerOps()
+
+
+def layer_ops(attn: AttentionBackend) -> TorchLayerOps:
+    """The ops a layer runs with `attn`: the backend's own (`layer_ops`, the engine's
+    fused kernels) where it has them, else the torch ops."""
+    return getattr(attn, "layer_ops", None) or TORCH_OPS
+
+
 # ----------------------------------------------------------------------------- vision
 
 
@@ -146,10 +177,16 @@ class Attention(nn.Module):
         T = x.shape[0]
         q = self.q_proj(x).view(T, -1, self.head_dim)
         k = self.k_proj(x).view(T, -1, self.head_dim)
+        v = self.v_proj(x).view(T, -1, self.head_dim)
+        # The engine's backend norms and rotates q and k itself (with the KV write, in one kernel
+        # when fused); the training backends take them rotated.
+        rotary_attention = getattr(attn, "rotary_attention", None)
+        if rotary_attention is not None:
+            qk_norm = (self.q_norm, self.k_norm) if self.qk_norm else None
+            return self.o_proj(rotary_attention(self.layer, q, k, v, cos, sin, qk_norm).reshape(T, -1))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        v = self.v_proj(x).view(T, -1, self.head_dim)
         return self.o_proj(attn(self.layer, q, k, v).reshape(T, -1))
 
 
@@ -162,8 +199,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """x + attention, then + the MLP, with the ops of `attn` (`layer_ops`): the residual
+        add after attention goes with the second norm, the one after the MLP with down_proj
+        (a GEMM accumulating into the residual, when fused), so a layer's output is its
+        hidden state, as hooks and the layer-by-layer forward read it."""
+        ops = layer_ops(attn)
+        h = self.self_attn(ops.rms_norm(x, self.input_layernorm), cos, sin, attn)
+        h, x = ops.add_rms_norm(h, x, self.post_attention_layernorm)
+        mlp = self.mlp
+        return ops.add_linear(x, ops.silu_mul(mlp.gate_proj(h), mlp.up_proj(h)), mlp.down_proj)
 
 
 class LanguageModel(nn.Module):
