@@ -48,9 +48,12 @@ def groups_of(num_groups: int, members: int, prompt_len: int, max_response: int,
 
 
 def working_backends(device: torch.device) -> list[str]:
-    """The attention backends that resolve on this device (one that needs what is missing is left out)."""
+    """The attention backends that train on this device (one that needs what is missing is left out;
+    flex off CUDA too: torch has no FlexAttention backward there)."""
     names = []
     for name in BACKENDS:
+        if name == "flex" and device.type != "cuda":
+            continue
         try:
             if resolve_backend(name, device) == name:
                 names.append(name)

@@ -88,8 +88,11 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     """Compute dtype: of the weights forwards and the engine read (FSDP gathers them in it), activations, the KV
     cache and the reference model. The trainer's master weights, gradients and AdamW state stay fp32 (one GPU too)."""
-    attn_backend: Literal["auto", "torch", "flash"] = "auto"
-    """Attention kernels: auto = flash-attn when available on GPU, else torch SDPA."""
+    attn_backend: Literal["auto", "torch", "flash", "flex", "varlen"] = "auto"
+    """Attention kernels. torch: SDPA, one call per (query length, key length) of the segments (the reference);
+    flash: flash-attn varlen; flex: FlexAttention, one compiled call per layer (CPU: forward only); varlen: torch's
+    varlen_attn (CUDA, fp16/bf16). auto = flash when flash-attn is installed on GPU, else torch (flex and varlen
+    are not yet measured on a GPU: ask for them by name)."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Tiny model built when model.path is empty."""
 

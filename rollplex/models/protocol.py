@@ -62,7 +62,7 @@ class VisionLanguageModel(Protocol):
     # The family's args; the engine reads text.num_hidden_layers, text.head_dim,
     # text.max_position_embeddings, eos_token_id and rope_spec (M-RoPE positions).
     args: Any
-    attn_backend: str  # "torch" or "flash", as rollplex.ops.attention names them
+    attn_backend: str  # "torch", "flash", "flex" or "varlen", as rollplex.ops.attention names them
 
     @property
     def device(self) -> torch.device: ...

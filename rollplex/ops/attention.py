@@ -8,27 +8,34 @@ or a plain prefill, the engine's paged backends for rollout (they also write
 the KV cache), the shared-prefix backend for GRPO groups. That keeps model code
 free of scheduling, as in nano-vllm.
 
-Kernels: flash-attn's `flash_attn_varlen_func` on CUDA when it is installed,
-else PyTorch SDPA. The torch path batches segments of equal length into one
-SDPA call (vision windows are mostly equal-sized), so it does not loop over
-thousands of windows one by one.
+Kernels (`resolve_backend`): "torch", PyTorch SDPA, batching segments of equal
+length into one call (vision windows are mostly equal-sized, RL responses are not:
+then it is about one call per response); "flash", flash-attn's
+`flash_attn_varlen_func`; "flex", FlexAttention with a block mask
+(rollplex.ops.flex_attention), and "varlen", torch's own `varlen_attn`: one kernel
+call per layer whatever the number of segments. The torch path is the reference.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import itertools
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.attention.varlen
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from rollplex.device import to_device
+from rollplex.ops.flex_attention import FlexPacked, FlexPrefixed
 from rollplex.ops.paged_decode_triton import paged_decode_attention_triton, triton_available
 
 _HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+_VARLEN_GQA = "enable_gqa" in inspect.signature(torch.nn.attention.varlen.varlen_attn).parameters
+BACKENDS = ("auto", "torch", "flash", "flex", "varlen")
 
 
 def flash_attn_available(device: torch.device) -> bool:
@@ -36,7 +43,16 @@ def flash_attn_available(device: torch.device) -> bool:
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
-    """Turn a configured backend name (auto / torch / flash) into the one that runs."""
+    """Turn a configured backend name (auto / torch / flash / flex / varlen) into the one that runs.
+
+    "auto" is flash-attn where it is installed on CUDA, else "torch": "flex" and "varlen"
+    (one kernel call per layer, whatever the number of segments) have not yet run on a GPU,
+    so they are asked for by name until the device command has timed them beside torch
+    (its packed_train_3b check) and "auto" can pick by that measurement. "flex" runs on CPU
+    forward-only (torch has no FlexAttention backward there).
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}: expected one of {', '.join(BACKENDS)}")
     if name == "auto":
         return "flash" if flash_attn_available(device) else "torch"
     if name == "flash" and not flash_attn_available(device):
@@ -44,8 +60,11 @@ def resolve_backend(name: str, device: torch.device) -> str:
             "attn_backend 'flash' needs the flash-attn package and a CUDA device "
             "(pip install 'rollplex[gpu]'); use 'auto' or 'torch' otherwise"
         )
-    if name not in ("torch", "flash"):
-        raise ValueError(f"unknown attention backend {name!r}: expected auto, torch or flash")
+    if name == "varlen" and device.type != "cuda":
+        raise RuntimeError(
+            f"attn_backend 'varlen' (torch.nn.attention.varlen.varlen_attn) runs only on CUDA, not on {device.type}: "
+            "use 'auto' or 'torch' there"
+        )
     return name
 
 
@@ -104,7 +123,27 @@ def varlen_attention(
 
         return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       causal=causal)
+    if backend == "varlen":
+        return _torch_varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
     return _varlen_attention_torch(q, k, v, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), causal)
+
+
+def _torch_varlen_attn(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
+                       causal: bool) -> torch.Tensor:
+    """torch's own flash kernel (torch.nn.attention.varlen, CUDA, fp16/bf16). Its causal mask is
+    bottom-right per segment, as flash-attn's. torch 2.11's takes no `enable_gqa`: K/V are
+    expanded to the query's head count there."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    window = (-1, 0) if causal else (-1, -1)
+    if q.shape[1] == k.shape[1]:
+        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, window_size=window)
+    if _VARLEN_GQA:
+        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, window_size=window, enable_gqa=True)
+    rows, kv_heads, dim = k.shape
+    k, v = (t[:, :, None].expand(rows, kv_heads, q.shape[1] // kv_heads, dim).reshape(rows, q.shape[1], dim)
+            for t in (k, v))
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, window_size=window)
 
 
 def _varlen_attention_torch(q, k, v, cu_q: list[int], cu_k: list[int], causal: bool) -> torch.Tensor:
@@ -239,11 +278,12 @@ class SharedPrefixAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.segments is None:  # built once per forward: every layer attends the same segments
-            self.segments = PrefixedSegments(_shared_prefix_segments(self.groups), self.backend, q.device)
+            self.segments = PrefixedSegments(shared_prefix_segments(self.groups), self.backend, q.device)
         return self.segments(q, k, v)
 
 
-def _shared_prefix_segments(groups: list[GroupLayout]) -> list[QuerySegment]:
+def shared_prefix_segments(groups: list[GroupLayout]) -> list[QuerySegment]:
+    """SharedPrefixAttention's query segments: per group its prompt, then its responses."""
     segments = []
     for g in groups:
         # The prompt: causal over itself.
@@ -293,17 +333,20 @@ class QuerySegment:
 
 class PrefixedSegments:
     """Attention of query segments that cover a packed batch in order, each over
-    its prefix plus itself (`QuerySegment`), on kernels: flash-attn varlen, whose
-    causal mask is bottom-right, or SDPA with segments of equal (length, prefix)
-    batched into one call, GQA without copying K/V per head. Each segment's keys
-    are gathered into a run of their own, so a prompt's K/V are copied once per
-    response reading them (small beside the scores a kernel never stores), and
-    the gather sums every response's gradient back into them. Index tensors are
-    built once, on `device`, at construction."""
+    its prefix plus itself (`QuerySegment`), on kernels: flash-attn varlen or torch's
+    varlen_attn, whose causal mask is bottom-right, or SDPA with segments of equal
+    (length, prefix) batched into one call, GQA without copying K/V per head. On
+    those each segment's keys are gathered into a run of their own, so a prompt's
+    K/V are copied once per response reading them (small beside the scores a kernel
+    never stores), and the gather sums every response's gradient back into them.
+    "flex" reads the key rows in place through a block mask (`FlexPrefixed`).
+    Index tensors and masks are built once, on `device`, at construction."""
 
     def __init__(self, segments: list[QuerySegment], backend: str, device: torch.device):
         self.backend = backend
-        if backend == "flash":
+        if backend == "flex":
+            self.flex = FlexPrefixed(segments, device)
+        elif backend in ("flash", "varlen"):
             key_lens = [s.prefix_len + s.length for s in segments]
             self.key_index = to_device([r for s in segments for r in s.key_rows()], device)
             self.cu_seqlens_q = _cumulative([s.length for s in segments], device)
@@ -315,7 +358,9 @@ class PrefixedSegments:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: the packed queries; k/v: the key rows the segments index."""
-        if self.backend == "flash":
+        if self.backend == "flex":
+            return self.flex(q, k, v)
+        if self.backend in ("flash", "varlen"):
             return varlen_attention(q, k[self.key_index], v[self.key_index], self.cu_seqlens_q, self.cu_seqlens_k,
                                     self.max_seqlen_q, self.max_seqlen_k, causal=True, backend=self.backend)
         return _attend_segment_groups(q, k, v, self.groups, causal=True)
@@ -338,7 +383,7 @@ def _cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:
 
 class PackedSegments:
     """Attention within each segment of packed sequences (each attends only to
-    itself), with every index tensor its kernel reads built once, on `device`, at
+    itself), with every index tensor or block mask its kernel reads built once, on `device`, at
     construction: from host boundaries, so building it reads nothing back from the
     device, and calling it (once per layer or vision block) issues no host-device
     transfer. A plain class, not a dataclass: FSDP2 rebuilds dataclass arguments
@@ -346,14 +391,18 @@ class PackedSegments:
 
     def __init__(self, cu_seqlens: list[int], causal: bool, backend: str, device: torch.device):
         self.causal, self.backend = causal, backend
-        if backend == "flash":
+        if backend == "flex":
+            self.flex = FlexPacked(cu_seqlens, causal, device)
+        elif backend in ("flash", "varlen"):
             self.cu_seqlens = to_device(cu_seqlens, device, torch.int32)
             self.max_seqlen = max(b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]))
         else:
             self.groups = _segment_groups(cu_seqlens, cu_seqlens, device)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.backend == "flash":
+        if self.backend == "flex":
+            return self.flex(q, k, v)
+        if self.backend in ("flash", "varlen"):
             return varlen_attention(q, k, v, self.cu_seqlens, self.cu_seqlens, self.max_seqlen, self.max_seqlen,
                                     causal=self.causal, backend=self.backend)
         return _attend_segment_groups(q, k, v, self.groups, self.causal)

@@ -65,7 +65,7 @@ class QwenVL(nn.Module):
         self.attn_backend = "torch"
 
     def set_attn_backend(self, name: str) -> None:
-        """auto / torch / flash, resolved for the model's device."""
+        """auto / torch / flash / flex / varlen, resolved for the model's device (ops.attention.resolve_backend)."""
         self.attn_backend = self.visual.attn_backend = resolve_backend(name, self.device)
 
     @property
