@@ -53,7 +53,7 @@ def random_case(batch, vocab, seed, scale=3.0, dtype=torch.float32):
     return logits, uniforms(torch.arange(batch) * 7919 + seed, torch.arange(batch) + 11)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # fp16 reads as bf16 does: one cast
 @pytest.mark.parametrize("vocab", [1000, 5000])  # one tile, and three with a partial last one
 def test_untruncated_draws_what_the_torch_path_draws(dtype, vocab):
     logits, u = random_case(32, vocab, seed=vocab, dtype=dtype)

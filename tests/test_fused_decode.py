@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from rollplex.models import build_model
@@ -87,6 +88,7 @@ def test_kernel_and_engine_cases():
     assert "passed" in summary and not re.search(r"failed|skipped|error", summary), tail
 
 
+@pytest.mark.slow  # ~30 s of two interpreted ranks; python -m pytest -q -m slow tests/test_fused_decode.py
 def test_tensor_parallel_engine_runs_fused():
     """Under TP a layer's all-reduced outputs arrive wrapped and its norms' weights as DTensors:
     the fused ops read them as plain tensors. tests/test_engine_tp.py (2 ranks equal 1) with the
