@@ -3,15 +3,14 @@ path's arithmetic unchanged, and the kernel and engine cases, which run in a fre
 process (tests/fused_decode_triton_cases.py: Triton's CPU interpreter without a GPU,
 compiled on a CUDA machine)."""
 
-import importlib.util
 import os
-import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from kernel_cases import ROOT, assert_cases_pass, assert_imports_without_triton, fresh_env
 from rollplex.models import build_model
 from rollplex.models.qwen2_5_vl import tiny_args
 from rollplex.models.qwen_vl.layers import TORCH_OPS, layer_ops
@@ -19,25 +18,10 @@ from rollplex.models.rope import apply_rotary
 from rollplex.ops import fused_decode_triton as fdt
 from rollplex.ops.attention import VarlenAttention
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CASES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fused_decode_triton_cases.py")
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, **extra)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    return env
-
 
 def test_module_imports_without_triton():
-    code = ("import sys; sys.modules['triton'] = None\n"
-            "import rollplex.ops.fused_decode_triton as m\n"
-            "import rollplex.engine\n"
-            "assert not m.fused_decode_enabled('cpu')\n"
-            "print('ok')")
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                         timeout=120)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stderr
+    assert_imports_without_triton(["rollplex.ops.fused_decode_triton as m", "rollplex.engine"],
+                                  "assert not m.fused_decode_enabled('cpu')")
 
 
 def test_switch(monkeypatch):
@@ -77,15 +61,7 @@ def test_torch_path_is_the_training_arithmetic():
 
 
 def test_kernel_and_engine_cases():
-    assert importlib.util.find_spec("triton"), "triton (a dev dependency) is missing: a failure, not a skip"
-
-    env = _env() if torch.cuda.is_available() else _env(TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", CASES],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    tail = res.stdout[-4000:] + res.stderr[-2000:]
-    assert res.returncode == 0, tail
-    summary = (res.stdout.strip().splitlines() or [""])[-1]  # e.g. "29 passed, 4 warnings in 85.38s"
-    assert "passed" in summary and not re.search(r"failed|skipped|error", summary), tail
+    assert_cases_pass(["fused_decode_triton_cases.py"], timeout=600)
 
 
 @pytest.mark.slow  # ~30 s of two interpreted ranks; python -m pytest -q -m slow tests/test_fused_decode.py
@@ -93,7 +69,7 @@ def test_tensor_parallel_engine_runs_fused():
     """Under TP a layer's all-reduced outputs arrive wrapped and its norms' weights as DTensors:
     the fused ops read them as plain tensors. tests/test_engine_tp.py (2 ranks equal 1) with the
     fused ops on, in the interpreter on CPU."""
-    env = _env(ROLLPLEX_FUSED_DECODE="1", **({} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"}))
+    env = fresh_env(ROLLPLEX_FUSED_DECODE="1", **({} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"}))
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           os.path.join(ROOT, "tests", "test_engine_tp.py") + "::test_tp2_equals_tp1"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -6,45 +6,17 @@ before triton is first imported) without a GPU, compiled on a CUDA machine.
 triton comes with the dev extra.
 """
 
-import os
-import re
-import subprocess
-import sys
-
-import torch
-
+from kernel_cases import assert_cases_pass, assert_imports_without_triton
 from rollplex.ops import paged_decode_triton as pdt
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CASES = [os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
-         for name in ("paged_decode_triton_cases.py", "cascade_decode_triton_cases.py")]
 
 
 def test_module_imports_without_triton():
-    code = ("import sys; sys.modules['triton'] = None\n"
-            "import rollplex.ops.paged_decode_triton as m\n"
-            "import rollplex.ops.cascade_decode_triton\n"
-            "assert not m.triton_available()\n"
-            "print('ok')")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stderr
+    assert_imports_without_triton(["rollplex.ops.paged_decode_triton as m", "rollplex.ops.cascade_decode_triton"],
+                                  "assert not m.triton_available()")
 
 
 def test_kernel_cases():
-    import triton  # noqa: F401  (a dev dependency: its absence is a failure, not a skip)
-
-    env = dict(os.environ)
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *CASES],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    tail = res.stdout[-4000:] + res.stderr[-2000:]
-    assert res.returncode == 0, tail
-    passed = re.search(r"(\d+) passed", res.stdout)
-    assert passed and int(passed.group(1)) >= 25 and "failed" not in res.stdout, tail
+    assert_cases_pass(["paged_decode_triton_cases.py", "cascade_decode_triton_cases.py"], timeout=900)
 
 
 def test_default_num_splits_shape_only():

@@ -6,41 +6,21 @@ imported) without a GPU, compiled on a CUDA machine. triton comes with the dev e
 """
 
 import os
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from kernel_cases import assert_cases_pass, assert_imports_without_triton
 from rollplex.engine import sampler
 from rollplex.engine.sampler import sample, uniforms
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CASES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sample_triton_cases.py")
-
 
 def test_modules_import_without_triton():
-    code = ("import sys; sys.modules['triton'] = None\n"
-            "import rollplex.ops.sample_triton, rollplex.engine.sampler\n"
-            "print('ok')")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stderr
+    assert_imports_without_triton(["rollplex.ops.sample_triton", "rollplex.engine.sampler"])
 
 
 def test_kernel_cases():
-    env = dict(os.environ)
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", CASES],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-    tail = res.stdout[-4000:] + res.stderr[-2000:]
-    assert res.returncode == 0, tail
-    summary = (res.stdout.strip().splitlines() or [""])[-1]  # e.g. "29 passed, 4 warnings in 85.38s"
-    assert "passed" in summary and not re.search(r"failed|skipped|error", summary), tail
+    assert_cases_pass(["sample_triton_cases.py"], timeout=1200)
 
 
 def test_the_torch_path_runs_on_cpu_whatever_is_asked_by_default(monkeypatch):
