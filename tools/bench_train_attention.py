@@ -7,8 +7,9 @@
 
 `--compare` (and `compare_backends`, which tools/gpu_check.py can call for a dict of ms
 and peak MB per backend) times one shared-prefix layer per training backend that runs
-on the device, on the same q/k/v; see compare_backends for what each number is. It
-decides the "auto" choice on CUDA without flash-attn (now "flex", unmeasured).
+on the device, on the same q/k/v; see compare_backends for what each number is. Its
+figures (and packed_train_3b's) are what "auto" on CUDA without flash-attn should follow;
+until a GPU has run them, "auto" stays "torch".
 
 What is measured: forward + backward of one attention layer (the kernel call,
 from rotary-applied q/k/v to its output), not of the whole model. The two passes:

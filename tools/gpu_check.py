@@ -870,6 +870,27 @@ def check_packed_train_3b(device: str) -> dict:
     return {**result, **verdict_of(criteria, "every working backend timed; finite gradients")}
 
 
+def check_train_attention_backends(device: str) -> dict:
+    """One shared-prefix attention layer of 4 groups x 8 responses (512-token prompts, responses of
+    up to 1,024 tokens, 16/2 heads, head_dim 128, bf16) per training backend that runs here, on the
+    same q/k/v (tools/bench_train_attention.py compare_backends): build, forward and forward+backward
+    time and peak. Each backend's output and q/k/v gradients must be within 5e-2 (relative to the
+    largest) of the torch path's, and its training pass free of host syncs: on a GPU, the only check of
+    FlexAttention's backward (torch has none on CPU)."""
+    import bench_train_attention
+
+    cuda = _cuda(device)
+    shape = {} if cuda else dict(num_groups=2, n=2, prompt_len=16, max_response=16, q_heads=4)
+    result = bench_train_attention.compare_backends(device, torch.bfloat16 if cuda else torch.float32, **shape)
+    criteria = {}
+    for name, row in result["backends"].items():
+        criteria[f"{name}_equals_torch"] = all(err <= 5e-2 for err in row["max_err_vs_torch"].values())
+        if cuda:
+            criteria[f"{name}_host_sync_free"] = bool(row.get("host_sync_free"))
+    return {**result, **verdict_of(criteria, "every backend's output and gradients within 5e-2 of torch's; no host "
+                                             "sync in a training pass (CUDA)")}
+
+
 HBM_BYTES_PER_S = 4.3e12  # read bandwidth measured on the H200 at c98158e (benchmarks/2026-11-30-h200-c98158e)
 
 
@@ -1101,6 +1122,7 @@ CHECKS = {
     "paged_decode_triton": Check(check_paged_decode_triton, 5, "rest"),
     "cascade_decode_triton": Check(check_cascade_decode_triton, 8, "rest"),
     "forward_timing_3b": Check(check_forward_timing, 6, "rest"),
+    "train_attention_backends": Check(check_train_attention_backends, 20, "rest"),
     "packed_train_3b": Check(check_packed_train_3b, 40, "rest"),
     "decode_layer": Check(check_decode_layer, 15, "rest"),
     "to_device_latency": Check(check_to_device_latency, 3, "rest"),
