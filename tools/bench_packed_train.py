@@ -22,17 +22,14 @@ import time
 
 import torch
 
+from bench_train_attention import available_backends
 from rollplex.models import build_model
 from rollplex.models.inputs import Group, Prompt, Sample
 from rollplex.models.packing import pack_groups
 from rollplex.models.qwen2_5_vl import ModelArgs, TextArgs, VisionArgs
-from rollplex.ops.attention import resolve_backend
 from rollplex.train.actor import batch_to
 from rollplex.train.flops import forward_flops, peak_flops
 from rollplex.train.logprob_head import token_logprobs
-
-BACKENDS = ("torch", "flex", "varlen", "flash")
-
 
 def groups_of(num_groups: int, members: int, prompt_len: int, max_response: int, vocab: int) -> list[Group]:
     """Text-only groups: responses of lengths spread over [max_response / 4, max_response], as RL's vary."""
@@ -48,18 +45,8 @@ def groups_of(num_groups: int, members: int, prompt_len: int, max_response: int,
 
 
 def working_backends(device: torch.device) -> list[str]:
-    """The attention backends that train on this device (one that needs what is missing is left out;
-    flex off CUDA too: torch has no FlexAttention backward there)."""
-    names = []
-    for name in BACKENDS:
-        if name == "flex" and device.type != "cuda":
-            continue
-        try:
-            if resolve_backend(name, device) == name:
-                names.append(name)
-        except (RuntimeError, ValueError):
-            pass
-    return names
+    """The attention backends that train on this device (bench_train_attention.available_backends)."""
+    return [name for name, unavailable in available_backends(device).items() if unavailable is None]
 
 
 def timed_passes(model, groups: list[Group], backends: list[str], repeats: int) -> dict:
@@ -118,7 +105,7 @@ def main() -> None:
     groups = groups_of(args.groups, args.members, args.prompt, args.max_response, model_args.text.vocab_size)
     result = timed_passes(model, groups, working_backends(device), repeats=3 if cuda else 1)
     print(f"{result['tokens']} tokens ({result['response_tokens']} response), {result['pass_tflop']:.1f} TFLOP a pass")
-    for name in BACKENDS:
+    for name in working_backends(device):
         if name in result:
             r = result[name]
             mfu = f"  MFU {r['mfu']:.1%}" if r["mfu"] is not None else ""
