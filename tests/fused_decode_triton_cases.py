@@ -20,7 +20,9 @@ from rollplex.models.qwen2_5_vl import tiny_args
 from rollplex.models.qwen3_vl.args import tiny_args as qwen3_tiny_args
 from rollplex.models.qwen_vl.layers import TORCH_OPS, RMSNorm
 from rollplex.models.rope import MRotaryEmbedding, apply_rotary
+from rollplex.config import LoRAConfig
 from rollplex.ops import fused_decode_triton as fdt
+from rollplex.train.lora import LoRALinear, apply_lora
 from test_model import IMG, VEND, VSTART
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
@@ -119,7 +121,22 @@ def test_add_linear(dtype):
         handle = linear.register_forward_hook(lambda *_: calls.append(1))
         torch.testing.assert_close(fdt.FUSED_OPS.add_linear(residual.clone(), x, linear), want, **TOL[dtype])
         handle.remove()
+        # A LoRA layer is not a plain Linear: its adapter's product is added too.
+        torch.nn.init.normal_(apply_lora_to(linear).lora_B)
+        torch.testing.assert_close(fdt.FUSED_OPS.add_linear(residual.clone(), x, linear),
+                                   TORCH_OPS.add_linear(residual, x, linear), **TOL[dtype])
+        assert not torch.allclose(TORCH_OPS.add_linear(residual, x, linear), want)
     assert calls == [1]
+
+
+def apply_lora_to(linear: torch.nn.Linear) -> LoRALinear:
+    """`linear` with a rank-4 adapter in its dtype (the engine reads adapters in the compute dtype)."""
+    holder = torch.nn.Module()
+    holder.layer = linear
+    apply_lora(holder, LoRAConfig(rank=4, target_modules=["layer"]))
+    holder.layer.lora_A.data = holder.layer.lora_A.data.to(linear.weight.dtype)
+    holder.layer.lora_B.data = holder.layer.lora_B.data.to(linear.weight.dtype)
+    return holder.layer
 
 
 def _generate(model, fused: bool, requests, graphs: bool, monkeypatch):

@@ -24,7 +24,7 @@ from rollplex.config import (
     save_config,
 )
 
-SECTIONS = ["model", "parallel", "rollout", "algorithm", "data", "trainer", "schedule", "logging"]
+SECTIONS = ["model", "parallel", "lora", "rollout", "algorithm", "data", "trainer", "schedule", "logging"]
 
 
 def write_yaml(path: Path, data: dict | str) -> Path:

@@ -2,6 +2,8 @@
 
     python tools/export_hf.py runs/my_run --out hf_model               # the latest complete checkpoint
     python tools/export_hf.py runs/my_run --step 200 --out hf_model --dtype float32
+    python tools/export_hf.py runs/lora_run --out adapter              # a LoRA run: its PEFT adapter
+    python tools/export_hf.py runs/lora_run --out hf_model --merged    # a LoRA run: the merged model
 
 It reads the run's config.yaml for the model it started from (model.path, or
 the tiny model the run wrote in its folder), loads that model in one process
@@ -11,6 +13,17 @@ files of the model it started from. The one process holds the whole model in
 `--dtype` (2 bytes per parameter in bfloat16). `trainer.save_hf` writes the
 same folder at the end of a run through the same code (export_hf), where each
 rank writes only its own shards.
+
+A LoRA run (lora.rank > 0) checkpoints its adapters only (and the vision tower
+under lora.train_vision). The tool builds the model as the run did: the model it
+started from, its base in the run's model.dtype, with the run's adapters
+(rollplex.train.lora), then loads the checkpoint's. By default it writes them as
+a PEFT adapter folder (adapter_config.json and adapter_model.safetensors, in
+float32 as trained, which `peft.PeftModel.from_pretrained` loads onto the model
+the run started from; `--dtype` does not apply). With `--merged` it writes the
+full model folder above instead, each adapted weight W + (alpha / r) B A, in
+`--dtype`. A run that trained the vision tower in full (lora.train_vision) has
+weights no adapter holds: it exports with `--merged` only.
 """
 
 import argparse
@@ -21,9 +34,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rollplex.config import load_config_file  # noqa: E402
+from rollplex.config import Config, load_config_file  # noqa: E402
 from rollplex.models import from_pretrained  # noqa: E402
+from rollplex.models.protocol import VisionLanguageModel  # noqa: E402
+from rollplex.models.registry import family_of  # noqa: E402
 from rollplex.train.checkpoint import export_hf, latest_checkpoint, load_model_weights, step_dir_name  # noqa: E402
+from rollplex.train.lora import apply_lora, freeze_base  # noqa: E402
+from rollplex.train.lora_export import export_peft_adapter  # noqa: E402
 
 
 def checkpoint_of(run_dir: Path, step: int | None) -> Path:
@@ -36,6 +53,17 @@ def checkpoint_of(run_dir: Path, step: int | None) -> Path:
     return latest
 
 
+def lora_model(cfg: Config, source: Path) -> VisionLanguageModel:
+    """The model as a LoRA run held it (rollplex.rl.loop): the base in model.dtype, frozen, with
+    the run's adapters (their values are the checkpoint's); under train_vision the tower in float32."""
+    run_dtype = getattr(torch, cfg.model.dtype)
+    model = from_pretrained(source, dtype=torch.float32 if cfg.lora.train_vision else run_dtype)
+    tower = family_of(model).vision_tower(model)
+    apply_lora(model, cfg.lora, cfg.trainer.seed, skip=tower if cfg.parallel.freeze_vision else None)
+    freeze_base(model, run_dtype, train=(tower,) if cfg.lora.train_vision else ())
+    return model
+
+
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", type=Path, help="a run's trainer.output_dir")
@@ -43,14 +71,23 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the latest complete one)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="dtype of the written weights (default: the run's model.dtype)")
+    p.add_argument("--merged", action="store_true",
+                   help="a LoRA run: write the full model with its adapters merged, not the PEFT adapter folder")
     a = p.parse_args(argv)
     cfg = load_config_file(a.run_dir / "config.yaml")
     source = Path(cfg.model.path) if cfg.model.path else a.run_dir / "tiny_model"
     checkpoint = checkpoint_of(a.run_dir, a.step)
     dtype = getattr(torch, a.dtype or cfg.model.dtype)
-    model = from_pretrained(source, dtype=dtype)
-    load_model_weights(checkpoint, model)  # the checkpoint's fp32 weights, rounded to dtype as they load
-    out = export_hf(model, a.out, source, dtype)
+    adapter = cfg.lora.rank > 0 and not a.merged
+    if adapter and cfg.lora.train_vision:  # before loading the model, which export_peft_adapter would refuse
+        raise SystemExit(f"{a.run_dir} trained its vision tower in full (lora.train_vision), which no adapter "
+                         "holds: export it with --merged")
+    model = lora_model(cfg, source) if cfg.lora.rank > 0 else from_pretrained(source, dtype=dtype)
+    load_model_weights(checkpoint, model)  # the checkpoint's fp32 weights, rounded to the model's dtype as they load
+    if adapter:
+        out = export_peft_adapter(model, a.out, cfg.lora, str(source))
+    else:
+        out = export_hf(model, a.out, source, dtype)
     print(f"wrote {out} from {checkpoint}")
     return out
 

@@ -22,14 +22,15 @@ the dotted key and the file, so a typo never silently falls back to a default.
 
 from rollplex.config.loader import (TEMPLATE_PATH, TINY_PRESET_PATH, config_from_dict, config_to_dict, load_config,
                                     load_config_file, save_config)
-from rollplex.config.sections import (AlgorithmConfig, Config, ConfigError, DataConfig, LoggingConfig, ModelConfig,
-                                      ParallelConfig, RolloutConfig, ScheduleConfig, TinyModelConfig, TrainerConfig)
+from rollplex.config.sections import (AlgorithmConfig, Config, ConfigError, DataConfig, LoggingConfig, LoRAConfig,
+                                      ModelConfig, ParallelConfig, RolloutConfig, ScheduleConfig, TinyModelConfig, TrainerConfig)
 
 __all__ = [
     "ConfigError",
     "TinyModelConfig",
     "ModelConfig",
     "ParallelConfig",
+    "LoRAConfig",
     "RolloutConfig",
     "AlgorithmConfig",
     "DataConfig",

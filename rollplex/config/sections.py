@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -117,6 +118,40 @@ class ParallelConfig(Section):
     def _check_ranges(self) -> None:
         self._require(self.tp >= 1, "tp", ">= 1")
         self._require(self.dp_shard == -1 or self.dp_shard >= 1, "dp_shard", "-1 or >= 1")
+
+
+@dataclass
+class LoRAConfig(Section):
+    """Low-rank adapters on a frozen base (rollplex.train.lora). rank 0 trains every weight."""
+
+    _section: ClassVar[str] = "lora"
+
+    rank: int = 0
+    """Adapter rank r; 0 = no adapters (full fine-tuning)."""
+    alpha: float = 16.0
+    """The adapters' output is scaled by alpha / rank (PEFT's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (PEFT's lora_dropout); the engine runs without it."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Linear layers that get adapters, by name (a layer matches when its dotted name ends with one: q_proj,
+    mlp.down_proj); all-linear = every Linear but the LM head."""
+    exclude_modules: str = ".*visual.*"
+    """Regular expression (matched against the whole dotted name) of layers that get no adapter; the default
+    leaves the vision tower without adapters."""
+    train_vision: bool = False
+    """Train the vision tower's own weights in full (fp32 masters, AdamW) beside the adapters; false freezes
+    its weights (it still gets adapters where target_modules reach it and exclude_modules does not)."""
+
+    def _check_ranges(self) -> None:
+        self._require(self.rank >= 0, "rank", ">= 0 (0 = no adapters)")
+        self._require(self.alpha > 0, "alpha", "> 0")
+        self._require(0.0 <= self.dropout < 1.0, "dropout", "in [0, 1)")
+        self._require(bool(self.target_modules) and all(m.strip() for m in self.target_modules), "target_modules",
+                      "one or more layer names (or all-linear)")
+        try:
+            re.compile(self.exclude_modules)
+        except re.error as e:
+            raise ConfigError(f"lora.exclude_modules: not a regular expression ({e}): {self.exclude_modules!r}") from None
 
 
 @dataclass
@@ -356,7 +391,8 @@ class TrainerConfig(Section):
     """Checkpoints kept on disk; 0 = keep all."""
     save_hf: bool = False
     """At the end of the run, write the final weights as a Hugging Face folder (in model.dtype, with the tokenizer
-    and processor files) that transformers loads, to hf_dir. tools/export_hf.py does the same for any checkpoint."""
+    and processor files) that transformers loads, to hf_dir; with LoRA, the adapters as a PEFT folder (the merged
+    model under lora.train_vision). tools/export_hf.py does the same for any checkpoint (--merged: LoRA merged)."""
     hf_dir: str = ""
     """Where save_hf writes; "" = <output_dir>/hf. Weight files already there are replaced."""
     eval_every: int = 50
@@ -472,6 +508,8 @@ class Config:
     """Which model to train and how to hold it."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """How the trainer shards the model over ranks."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters on a frozen base (rank 0: full fine-tuning)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation of responses."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -494,3 +532,12 @@ class Config:
                 value = getattr(section, sub.name)
                 if isinstance(value, Section):
                     value.validate()
+        self._check_across_sections()
+
+    def _check_across_sections(self) -> None:
+        if self.lora.rank > 0 and self.schedule.kind == "disagg":
+            raise ConfigError("lora.rank > 0 with schedule.kind disagg: the disaggregated rollout ranks hold a "
+                              "copy of the weights of their own, which has no adapters yet; use serial or overlap")
+        if self.lora.train_vision and self.parallel.freeze_vision:
+            raise ConfigError("lora.train_vision and parallel.freeze_vision both set: the first trains the vision "
+                              "tower in full, the second freezes it")

@@ -82,6 +82,8 @@ class ModelFamily:
     hf_config_from_args: Callable[[Any], dict]  # args -> config.json that transformers loads
     hf_key_to_params: Callable[[str], list[str]]  # checkpoint key -> the parameters it holds, in row order
     param_to_hf_key: Callable[[str], str]  # parameter name -> its checkpoint key (the hub's style)
+    # parameter name -> its name in transformers' model (nested: model.language_model.*), which peft matches
+    param_to_hf_module_key: Callable[[str], str]
     check_tp: Callable[[Any, int], None]  # (args, tp): raise when the model cannot be split tp ways
     apply_tp: Callable[[nn.Module, DeviceMesh], nn.Module]  # the TP plan, applied in place
     repeated_blocks: Callable[[nn.Module], list[nn.ModuleList]]  # FSDP's units, activation checkpointing's too

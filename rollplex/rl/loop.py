@@ -33,6 +33,7 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from rollplex.config import Config, config_to_dict, save_config
 from rollplex.data.prefetch import Prefetcher
@@ -55,6 +56,8 @@ from rollplex.rl.weights import SharedWeights
 from rollplex.run_lock import RunLock, claim_run_folder
 from rollplex.train.actor import Actor, ActorConfig, PolicyBatch
 from rollplex.train.checkpoint import export_hf, load_checkpoint, remove_unfinished_saves, save_checkpoint
+from rollplex.train.lora import base_model_view
+from rollplex.train.lora_export import export_peft_adapter
 from rollplex.train.loss import group_advantages
 from rollplex.train.optim import lr_schedule
 from rollplex.train.parallelize import parallelize
@@ -151,13 +154,21 @@ class RLTrainer:
 
     def _load_models(self, path: Path) -> None:
         """fp32 master weights, computed in model.dtype (FSDP gathers them in it, one process too);
-        the frozen reference model in model.dtype only."""
+        with LoRA the frozen base in model.dtype only (unless the vision tower trains in full: the
+        adapters are fp32 whatever it loads in); the frozen reference model in model.dtype only."""
         cfg = self.cfg
-        self.model = from_pretrained(path, dtype=torch.float32, device=self.device,
-                                     attn_backend=cfg.model.attn_backend)
+        frozen_base = cfg.lora.rank > 0 and not cfg.lora.train_vision
+        self.model = from_pretrained(path, dtype=self.compute_dtype if frozen_base else torch.float32,
+                                     device=self.device, attn_backend=cfg.model.attn_backend)
         self.ref_model = None
-        if cfg.algorithm.kl_coef > 0:
+        if cfg.algorithm.kl_coef > 0 and not self._reference_is_the_base:
             self.ref_model = self._frozen_reference(path)
+
+    @property
+    def _reference_is_the_base(self) -> bool:
+        """With LoRA on a wholly frozen base, the reference model is that base itself, on the same
+        tensors (rollplex.train.lora.base_model_view): no second copy of the weights."""
+        return self.cfg.lora.rank > 0 and not self.cfg.lora.train_vision
 
     def _frozen_reference(self, path: Path) -> VisionLanguageModel:
         return from_pretrained(path, dtype=self.compute_dtype, device=self.device,
@@ -169,16 +180,18 @@ class RLTrainer:
         cfg = self.cfg
         mesh = build_mesh(self.dims, self.device.type)
         self._shard_models(mesh)
-        self.weights = SharedWeights(self.model, cfg.parallel.tp, cfg.rollout.tp)
+        self.weights = SharedWeights(self.model, cfg.parallel.tp, cfg.rollout.tp, cfg.lora)
         self.checkpoint_group = None  # every rank writes its shards
 
     def _shard_models(self, mesh) -> None:
         cfg = self.cfg
         self.dp_rank, self.dp_group = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].get_group()
         parallelize(self.model, mesh, cfg.parallel.activation_checkpointing, cfg.parallel.freeze_vision,
-                    self.compute_dtype)
+                    self.compute_dtype, cfg.lora, cfg.trainer.seed)
         if self.ref_model is not None:
             parallelize(self.ref_model, mesh, compute_dtype=self.compute_dtype)
+        elif cfg.algorithm.kl_coef > 0:
+            self.ref_model = base_model_view(self.model, mesh["tp"])
 
     def _build_rollout(self, engine_group: dist.ProcessGroup | None = None) -> None:
         """The engine on the rollout layout of the weights, and the prompt work's planner."""
@@ -233,7 +246,9 @@ class RLTrainer:
                 print(f"run already complete at step {self.step} in {self.out}: raise trainer.total_steps (or "
                       f"total_epochs) to train further, or set a new trainer.output_dir for another run")
             return
-        parameters = sum(p.numel() for p in self.model.parameters())  # DTensors count their whole tensor
+        # DTensors count their whole tensor.
+        parameters = (sum(p.numel() for p in self.model.parameters()),
+                      sum(p.numel() for p in self.model.parameters() if p.requires_grad))
         self.logger.message(startup_summary(cfg, self.model_dir, parameters, self.data, self.total_steps,
                                             self._layout_summary(), self.start))
         self._resume()
@@ -307,7 +322,8 @@ class RLTrainer:
                 self._logprobs(self.ref_model, state, (PromptKind.REF,), state.ref)
                 # FSDP2 keeps a root unit gathered from its forward to its backward, which a frozen model never
                 # runs: without this its embedding and head would stay gathered for the rest of the run.
-                self.ref_model.reshard()
+                if isinstance(self.ref_model, FSDPModule):  # not LoRA's base view: FSDP leaves the base alone
+                    self.ref_model.reshard()
         with phase(timer, "update_actor"):
             actor_metrics = self._update(state)
         return self._step_metrics(state, actor_metrics, timer, data_s, time.perf_counter() - start)
@@ -454,12 +470,17 @@ class RLTrainer:
         self.logger.message(f"step {self.step}: saved checkpoint {path} ({time.perf_counter() - start:.1f} s)")
 
     def _save_hf(self) -> None:
-        """trainer.save_hf: the final weights as a Hugging Face folder, each rank writing its own shards."""
-        start = time.perf_counter()
-        out = export_hf(self.model, self.cfg.trainer.hf_dir or self.out / "hf", self.model_dir, self.compute_dtype,
-                        group=self.checkpoint_group)
-        self.logger.message(f"step {self.step}: wrote the Hugging Face model {out} "
-                            f"({time.perf_counter() - start:.1f} s)")
+        """trainer.save_hf: the final weights as a Hugging Face folder, each rank writing its own shards;
+        a LoRA run's adapters as a PEFT folder (the merged model when its vision tower trained in full)."""
+        start, cfg = time.perf_counter(), self.cfg
+        out_dir = cfg.trainer.hf_dir or self.out / "hf"
+        if cfg.lora.rank > 0 and not cfg.lora.train_vision:
+            out = export_peft_adapter(self.model, out_dir, cfg.lora, str(self.model_dir), group=self.checkpoint_group)
+            what = "LoRA adapter"
+        else:
+            out = export_hf(self.model, out_dir, self.model_dir, self.compute_dtype, group=self.checkpoint_group)
+            what = "Hugging Face model"
+        self.logger.message(f"step {self.step}: wrote the {what} {out} ({time.perf_counter() - start:.1f} s)")
 
     def _resume(self) -> None:
         """Load the checkpoint `resume_point` chose."""

@@ -48,13 +48,16 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def startup_summary(cfg: Config, model_dir: Path, parameters: int, data: PromptSource, total_steps: int,
+def startup_summary(cfg: Config, model_dir: Path, parameters: tuple[int, int], data: PromptSource, total_steps: int,
                     layout: str, start: ResumePoint) -> str:
-    """The lines a run prints before its first step: what it trains, on what, how long, how laid out
-    (`layout`: the trainer's ranks and schedule), where to."""
+    """The lines a run prints before its first step: what it trains (`parameters`: all and trained),
+    on what, how long, how laid out (`layout`: the trainer's ranks and schedule), where to."""
     run = (f"resuming {cfg.trainer.output_dir} from {start.checkpoint} (step {start.step})" if start.checkpoint
            else f"new run in {cfg.trainer.output_dir}")
     model = cfg.model.path or f"tiny (model.tiny, built in {model_dir})"
+    total, trained = parameters
+    counts = f"{_count(total)} parameters" + (f", {_count(trained)} trained (LoRA rank {cfg.lora.rank})"
+                                              if cfg.lora.rank else "")
     d, r = cfg.data, cfg.rollout
     if data.train_data is not None:
         train = f"{len(data.train_data):,} rows, {len(data.train_data) / d.batch_size:.4g} steps per epoch"
@@ -62,7 +65,7 @@ def startup_summary(cfg: Config, model_dir: Path, parameters: int, data: PromptS
         train = f"built-in task {d.task!r} (endless)"
     return "\n".join([
         f"rollplex: {run}",
-        f"  model   {model}: {_count(parameters)} parameters, compute {cfg.model.dtype}",
+        f"  model   {model}: {counts}, compute {cfg.model.dtype}",
         f"  data    train: {train}; val: {len(data.val_examples)} prompts; reward {d.reward}",
         f"  steps   {total_steps} ({total_steps - start.step} to go); {d.batch_size} prompts x {r.n} responses = "
         f"{d.batch_size * r.n} samples per step, {cfg.algorithm.updates_per_batch} optimizer step(s) each",

@@ -26,7 +26,12 @@ rank:
   (a strided view for a column shard), same storage.
 - rebuilt: data another rank holds; a buffer of the engine's local shape,
   refilled by an all-gather on the trainer's TP group at each rollout start.
-  Like the gathered parameters, the buffers hold memory during rollout only.
+  Like the gathered parameters, the buffers hold memory during rollout only,
+  except LoRA adapters' (rollplex.train.lora): a few MB, rebuilt into buffers kept
+  for the run, so that the decode graphs read them at one address.
+With LoRA the frozen base is outside FSDP (rollplex.train.parallelize), whole on
+every dp rank in the rollout dtype: the engine reads it in place, never gathered
+nor rebuilt, and it stays put, so the graphs are captured once for the run.
 During rollout the units are told not to reshard after forward: the vision
 encode and the prompt work run through the trainer's model (and its hooks)
 while the engine reads the same gathered tensors.
@@ -64,9 +69,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from rollplex.config.sections import LoRAConfig
 from rollplex.dist import all_reduce_values, full_tensor, local_tensor
 from rollplex.models.protocol import VisionLanguageModel
 from rollplex.models.registry import family_of
+from rollplex.train.lora import apply_lora, is_adapter
 from rollplex.train.parallelize import apply_tp, fsdp_units, hold_gathered, release_gathered
 
 
@@ -93,13 +100,15 @@ class _Binding:
     kind: str  # "shared" | "viewed" | "rebuilt"
     block: tuple[slice, ...]  # viewed: in the trainer's local tensor; rebuilt: in the global tensor
     buffer: torch.Tensor | None = None  # rebuilt only
+    persistent: bool = False  # rebuilt into a buffer kept between rollouts (adapters)
     # shared, where the trainer's own parameter is whole on this rank and in the rollout's dtype (dp_shard 1,
     # no mixed-precision cast): its local tensor, which the engine reads in place, at one address for the run.
     master: torch.Tensor | None = None
 
 
 class SharedWeights:
-    def __init__(self, model: VisionLanguageModel, trainer_tp: int = 1, engine_tp: int = 1):
+    def __init__(self, model: VisionLanguageModel, trainer_tp: int = 1, engine_tp: int = 1,
+                 lora: LoRAConfig | None = None):
         self.model = model
         self.units = fsdp_units(model)
         self.report = SharingReport()
@@ -107,7 +116,7 @@ class SharedWeights:
         self._engine_model = None
         self.engine_tp_group: dist.ProcessGroup | None = None  # the engine's own TP group, when rollout.tp > 1
         if self.units:
-            self._engine_model, self.engine_tp_group = _engine_skeleton(model, engine_tp)
+            self._engine_model, self.engine_tp_group = _engine_skeleton(model, engine_tp, lora)
             masters = dict(model.named_parameters())  # FSDP's sharded parameters: outside a gather
             with torch.no_grad():
                 self._gather()
@@ -151,7 +160,7 @@ class SharedWeights:
 
     def _release(self) -> None:
         for b in self.bindings:
-            if b.buffer is not None:
+            if b.buffer is not None and not b.persistent:
                 b.buffer.untyped_storage().resize_(0)
         release_gathered(self.units, through_backward=True)
 
@@ -172,17 +181,21 @@ class SharedWeights:
         needs_rebuild = all_reduce_values([block is None for *_, block, _ in found], dist.ReduceOp.MAX)
         for (trainer_module, engine_module, name, layout, block, sharded), rebuild in zip(found, needs_rebuild):
             trainer_local = local_tensor(trainer_module._parameters[name])
-            if rebuild:
+            kind = "shared" if not rebuild and _local_shape(layout) == tuple(trainer_local.shape) else "viewed"
+            master = local_tensor(sharded)
+            # FSDP's gather of a whole, uncast parameter is a copy in new memory at each rollout, which
+            # would cost the decode graphs a capture per step: the engine reads the parameter itself.
+            in_place = (not rebuild and kind == "shared" and tuple(master.shape) == tuple(sharded.shape)
+                        and master.dtype == trainer_local.dtype)
+            # An adapter not read in place is copied into a buffer of the engine's own, kept for the run: the
+            # same price as a view per rollout (its bytes are few), and the graphs keep their addresses.
+            persistent = not in_place and is_adapter(name)
+            if rebuild or persistent:
                 b = _Binding(trainer_module, engine_module, name, layout, "rebuilt", _global_block(layout),
-                             torch.empty(_local_shape(layout), dtype=trainer_local.dtype, device=trainer_local.device))
+                             torch.empty(_local_shape(layout), dtype=trainer_local.dtype, device=trainer_local.device),
+                             persistent=persistent)
                 _set_param(engine_module, name, b.buffer, layout)
             else:
-                kind = "shared" if _local_shape(layout) == tuple(trainer_local.shape) else "viewed"
-                master = local_tensor(sharded)
-                # FSDP's gather of a whole, uncast parameter is a copy in new memory at each rollout, which
-                # would cost the decode graphs a capture per step: the engine reads the parameter itself.
-                in_place = (kind == "shared" and tuple(master.shape) == tuple(sharded.shape)
-                            and master.dtype == trainer_local.dtype)
                 b = _Binding(trainer_module, engine_module, name, layout, kind, block,
                              master=master if in_place else None)
                 if in_place:
@@ -201,7 +214,8 @@ class SharedWeights:
             if b.master is not None:
                 continue
             if b.kind == "rebuilt":
-                b.buffer.untyped_storage().resize_(b.buffer.numel() * b.buffer.element_size())
+                if b.buffer.untyped_storage().size() == 0:
+                    b.buffer.untyped_storage().resize_(b.buffer.numel() * b.buffer.element_size())
                 # The whole parameter exists only while it is copied: one at a time.
                 b.buffer.copy_(full_tensor(trainer_param)[b.block])
             else:
@@ -210,18 +224,23 @@ class SharedWeights:
         self._engine_model.set_attn_backend(self.model.attn_backend)
 
 
-def _engine_skeleton(model: VisionLanguageModel, engine_tp: int) -> tuple[VisionLanguageModel, dist.ProcessGroup | None]:
+def _engine_skeleton(model: VisionLanguageModel, engine_tp: int,
+                     lora: LoRAConfig | None) -> tuple[VisionLanguageModel, dist.ProcessGroup | None]:
     """The engine's hook-free model on the meta device, split over an engine TP mesh
-    of its own when engine_tp > 1; with its TP group (None without TP)."""
+    of its own when engine_tp > 1, with the trainer's LoRA adapters (laid out on that
+    split) when lora.rank > 0; with its TP group (None without TP)."""
     world = dist.get_world_size()
     if world % engine_tp:
         raise ValueError(f"rollout.tp={engine_tp} does not divide the world size {world}")
     with torch.device("meta"):
         skeleton = family_of(model).model_class(model.args).eval()
-    if engine_tp == 1:
-        return skeleton, None
-    mesh = init_device_mesh(model.device.type, (world // engine_tp, engine_tp), mesh_dim_names=("replica", "tp"))
-    return apply_tp(skeleton, mesh["tp"]), mesh["tp"].get_group()
+    group = None
+    if engine_tp > 1:
+        mesh = init_device_mesh(model.device.type, (world // engine_tp, engine_tp), mesh_dim_names=("replica", "tp"))
+        skeleton, group = apply_tp(skeleton, mesh["tp"]), mesh["tp"].get_group()
+    if lora is not None and lora.rank > 0:
+        apply_lora(skeleton, lora)
+    return skeleton, group
 
 
 def _block_within(trainer_param: torch.Tensor, layout: torch.Tensor) -> tuple[slice, ...] | None:

@@ -26,7 +26,9 @@ damaged in place at its size fails in `load_checkpoint` instead.
 
 Resuming needs the model and optimizer built and parallelised the same way as
 when saving: the same model args, optimizer class and param groups, and the
-same `parallelize` options. The world size may differ: DCP stores each
+same `parallelize` options. With LoRA adapters a checkpoint holds the trained
+parameters only (adapters, and the vision tower under lora.train_vision): the
+frozen base is the model folder's, loaded from it again. The world size may differ: DCP stores each
 parameter and optimizer tensor with its global shape and reshards on load (a
 2-rank FSDP checkpoint loading into one plain process is tested). RNG states
 are per rank, restored only on ranks that saved one, so a resumed run of
@@ -64,6 +66,8 @@ from rollplex.dist import all_reduce_values, full_tensor, rank
 from rollplex.models.loader import CONFIG_NAME, INDEX_NAME, hub_file_index
 from rollplex.models.protocol import VisionLanguageModel
 from rollplex.models.registry import family_of
+from rollplex.train.lora import has_adapters
+from rollplex.train.lora_export import merged_state_dict
 
 MARKER = "COMPLETE.json"
 TMP_PREFIX = ".tmp-"
@@ -210,7 +214,7 @@ def _write_shards(tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
                   lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None, group: dist.ProcessGroup | None) -> None:
     """This rank's model and optimizer shards, the scheduler and its RNG, into `tmp`."""
     had_state = bool(optimizer.state)
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_held_state(model))
     if not had_state:
         # Before the first step get_state_dict creates the state with a zero-lr
         # step (Adam: step=1, zero moments), which would shift bias correction
@@ -321,6 +325,12 @@ def _drop_unsaved_optimizer_state(optim_state: dict[str, Any], saved_keys: set[s
             del state[fqn]
 
 
+def _held_state(model: torch.nn.Module, strict: bool = True) -> StateDictOptions:
+    """What a checkpoint holds of `model`: every parameter, or with LoRA adapters the trained
+    ones only (the frozen base is the model folder's, loaded from it again at resume)."""
+    return StateDictOptions(ignore_frozen_params=has_adapters(model), strict=strict)
+
+
 def _require_complete(path: str | Path) -> Path:
     path = Path(path)
     if not (path / MARKER).is_file():
@@ -335,10 +345,10 @@ def load_model_weights(path: str | Path, model: torch.nn.Module, group: dist.Pro
     place, resharded to `model`'s layout (a plain model too): to export or evaluate
     it. Collective, like `load_checkpoint`."""
     path = _require_complete(path)
-    state = {"model": get_model_state_dict(model)}
+    state = {"model": get_model_state_dict(model, options=_held_state(model))}
     with _single_process_is_intended():
         dcp.load(state, checkpoint_id=path, process_group=group)
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=_held_state(model, strict=False))
 
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -350,7 +360,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     path = _require_complete(path)
     meta = json.loads((path / MARKER).read_text())
 
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_held_state(model))
     saved_keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     _drop_unsaved_optimizer_state(optim_state, saved_keys)
     state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
@@ -361,7 +371,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     # strict=False only lets the parameters dropped above stay without optimizer
     # state; a model key missing from the checkpoint already failed in dcp.load.
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                   options=StateDictOptions(strict=False))
+                   options=_held_state(model, strict=False))
     if lr_scheduler is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
 
@@ -392,7 +402,12 @@ def export_hf(model: VisionLanguageModel, out_dir: str | Path, source_dir: str |
     into `out_dir/sharded`), then rank 0 assembles the hub's files from them
     one tensor at a time, so no rank holds the whole model. The exception is a
     vision block's fused qkv, whose three parts are sharded apart: those are
-    gathered, a few MB per block."""
+    gathered, a few MB per block.
+
+    A model with LoRA adapters is written merged, a plain model of its family:
+    each adapted weight is W + (alpha / r) B A (rollplex.train.lora_export
+    .merged_state_dict: computed in float32, rounded to `dtype` once, each rank
+    keeping its own block), and no adapter is written."""
     out_dir = Path(out_dir)
     if source_dir is not None and out_dir.resolve() == Path(source_dir).resolve():
         # Checked on every rank, before any barrier: the export would delete the model it copies its files from.
@@ -420,9 +435,11 @@ def export_hf(model: VisionLanguageModel, out_dir: str | Path, source_dir: str |
 
 def _hf_tensors(model: VisionLanguageModel, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The model's weights under the hub's keys, in `dtype`, each rank's shards
-    left as they are (DTensors), except the fused qkv keys (see `export_hf`).
-    Collective when the model is sharded."""
+    left as they are (DTensors), except the fused qkv keys (see `export_hf`);
+    LoRA adapters merged into their weights. Collective when the model is sharded."""
     ours = get_model_state_dict(model)
+    if has_adapters(model):
+        ours = merged_state_dict(model, ours, dtype)
     family = family_of(model)
     tensors = {}
     for key in sorted({family.param_to_hf_key(name) for name in ours}):

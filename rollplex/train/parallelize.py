@@ -22,7 +22,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from rollplex.models.protocol import VisionLanguageModel, fsdp_entry_methods
+from rollplex.config.sections import LoRAConfig
 from rollplex.models.registry import family_of
+from rollplex.train.lora import apply_lora, freeze_base
 
 # Each FSDP unit's reshard_after_forward, as apply_fsdp set it: FSDP2 can set it at runtime but has no public getter.
 _RESHARD_AFTER_FORWARD: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
@@ -33,17 +35,19 @@ def apply_tp(model: VisionLanguageModel, tp_mesh: DeviceMesh) -> VisionLanguageM
     return family_of(model).apply_tp(model, tp_mesh)
 
 
-def apply_fsdp(model: VisionLanguageModel, dp_mesh: DeviceMesh, compute_dtype: torch.dtype) -> VisionLanguageModel:
+def apply_fsdp(model: VisionLanguageModel, dp_mesh: DeviceMesh, compute_dtype: torch.dtype,
+               frozen: set[torch.nn.Parameter] | None = None) -> VisionLanguageModel:
     """FSDP2: every vision block and decoder layer (the family's repeated blocks) is its own shard unit (gathered
     just before it runs, freed after), the rest of the model the root unit (kept
     gathered from its forward to its backward, which needs it first: FSDP2's
     root default, stated here so that `reshard_after_forward` can report it).
-    Parameters are gathered in `compute_dtype`, gradients reduced in fp32."""
+    Parameters are gathered in `compute_dtype`, gradients reduced in fp32. `frozen` parameters
+    (LoRA's base) FSDP leaves alone: whole on every dp rank, never gathered."""
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for blocks in family_of(model).repeated_blocks(model):
         for unit in blocks:
-            _fully_shard(unit, dp_mesh, mp, reshard_after_forward=True)
-    _fully_shard(model, dp_mesh, mp, reshard_after_forward=False)
+            _fully_shard(unit, dp_mesh, mp, reshard_after_forward=True, frozen=frozen)
+    _fully_shard(model, dp_mesh, mp, reshard_after_forward=False, frozen=frozen)
     # The model is also entered through the methods its class marks as entries (rollplex.models.protocol
     # .fsdp_entry); each must gather the root's parameters.
     for method in fsdp_entry_methods(type(model)):
@@ -52,8 +56,9 @@ def apply_fsdp(model: VisionLanguageModel, dp_mesh: DeviceMesh, compute_dtype: t
 
 
 def _fully_shard(module: torch.nn.Module, dp_mesh: DeviceMesh, mp: MixedPrecisionPolicy,
-                 reshard_after_forward: bool) -> None:
-    fully_shard(module, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+                 reshard_after_forward: bool, frozen: set[torch.nn.Parameter] | None) -> None:
+    fully_shard(module, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                ignored_params=frozen or None)
     _RESHARD_AFTER_FORWARD[module] = reshard_after_forward
 
 
@@ -96,13 +101,20 @@ def apply_activation_checkpointing(model: VisionLanguageModel) -> None:
 
 
 def parallelize(model: VisionLanguageModel, mesh: DeviceMesh, activation_checkpointing: bool = False,
-                freeze_vision: bool = False, compute_dtype: torch.dtype = torch.float32) -> VisionLanguageModel:
-    """TP over mesh["tp"] (when > 1), activation checkpointing, then FSDP2 over
-    mesh["dp_shard"], computing in `compute_dtype` (the model holds the master weights)."""
+                freeze_vision: bool = False, compute_dtype: torch.dtype = torch.float32,
+                lora: LoRAConfig | None = None, seed: int = 0) -> VisionLanguageModel:
+    """TP over mesh["tp"] (when > 1), LoRA adapters (lora.rank > 0: on the TP layout, seeded by
+    `seed`, none in a vision tower `freeze_vision` freezes), activation checkpointing, then FSDP2 over mesh["dp_shard"], computing in
+    `compute_dtype` (the model holds the master weights; with LoRA, of the adapters only)."""
+    vision = family_of(model).vision_tower(model)
     if freeze_vision:
-        family_of(model).vision_tower(model).requires_grad_(False)
+        vision.requires_grad_(False)
     if mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"])
+    frozen = None
+    if lora is not None and lora.rank > 0:
+        apply_lora(model, lora, seed, skip=vision if freeze_vision else None)
+        frozen = freeze_base(model, compute_dtype, train=(vision,) if lora.train_vision else ())
     if activation_checkpointing:
         apply_activation_checkpointing(model)
-    return apply_fsdp(model, mesh["dp_shard"], compute_dtype)
+    return apply_fsdp(model, mesh["dp_shard"], compute_dtype, frozen)

@@ -10,6 +10,7 @@ from rollplex.models.qwen2_5_vl.args import PRESETS, ModelArgs, TextArgs, Vision
     tiny_args
 from rollplex.models.qwen2_5_vl.model import Qwen2_5_VL
 from rollplex.models.qwen2_5_vl.tiny import mrope_section, tiny_hf_config
+from rollplex.models.qwen_vl.hf import param_to_nested_key
 
 
 FAMILY = ModelFamily(
@@ -22,6 +23,7 @@ FAMILY = ModelFamily(
     hf_config_from_args=hf.hf_config_from_args,
     hf_key_to_params=hf.hf_key_to_params,
     param_to_hf_key=hf.param_to_hf_key,
+    param_to_hf_module_key=param_to_nested_key,
     check_tp=tp_plan.check_tp,
     apply_tp=tp_plan.apply_tp,
     repeated_blocks=tp_plan.repeated_blocks,

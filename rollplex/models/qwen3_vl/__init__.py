@@ -33,6 +33,7 @@ FAMILY = ModelFamily(
     hf_config_from_args=hf_config_from_args,
     hf_key_to_params=hf_key_to_params,
     param_to_hf_key=param_to_hf_key,
+    param_to_hf_module_key=param_to_hf_key,  # Qwen3-VL's checkpoints name parameters as its model does
     check_tp=check_tp,
     apply_tp=apply_tp,
     repeated_blocks=repeated_blocks,
