@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from rollplex.config import load_config
+from rollplex.config import LoRAConfig, load_config
 from rollplex.models import build_model
 from rollplex.models.inputs import Prompt
 from rollplex.models.qwen2_5_vl import ModelArgs, TextArgs, VisionArgs
@@ -20,6 +20,7 @@ from rollplex.rl.memory import (MemoryOptions, MemoryPlanError, live_tensor_byte
 from rollplex.rl.schedules.prompt_items import PromptItem
 from rollplex.train.actor import Actor, ActorConfig
 from rollplex.train.kept_prefix import prepare_prompts, prompt_forward
+from rollplex.train.lora import apply_lora, freeze_base, is_adapter
 from rollplex.train.parallelize import apply_activation_checkpointing
 from test_model import IMG, VEND, VID, VSTART, image, tiny_args
 from test_shared_prefix import groups
@@ -88,6 +89,40 @@ def test_the_plan_sizes_a_capped_run_and_predicts_each_phase(tmp_path):
         else:
             assert all(abs(e) <= 0.1 for e in errors.values()), errors
             assert errors == pytest.approx({p: metrics[f"perf/memory_plan_error/{p}"] for p in planned})
+
+
+@pytest.mark.parametrize("exclude", [".*visual.*", ""])
+def test_the_plan_counts_a_lora_run_as_it_holds_its_weights_and_predicts_each_phase(tmp_path, exclude):
+    """--lora.rank 8 in the capped run: the plan's frozen base is the bytes of the trainer's frozen
+    parameters (outside FSDP, in the compute dtype), its adapters the trainer's adapter parameters,
+    and the reference model the base itself (no weights of its own); the vision tower is frozen
+    for the prompt work too unless adapters reach it; and each phase's measured peak is within 10%
+    of the plan's from step 1 (the adapters' AdamW moments, absent before the first update, are a
+    few KB)."""
+    trainer = RLTrainer(load_config(CAPPED + ["--trainer.output_dir", str(tmp_path), "--lora.rank", "8",
+                                              "--lora.exclude_modules", exclude]))
+    plan = trainer.memory
+    params = dict(trainer.model.named_parameters())
+    adapters = [p for name, p in params.items() if is_adapter(name)]
+    frozen = [p for p in params.values() if not p.requires_grad]
+    train = plan.rollplex.phases["train"]
+    assert train["params_frozen"] == sum(p.numel() * p.element_size() for p in frozen) > 0
+    assert plan.lora.adapters().total == sum(p.numel() for p in adapters) > 0
+    assert train["params_sharded"] == plan.rollplex.phases["optimizer"]["grads"] == 4 * sum(p.numel() for p in adapters)
+    assert set(params.values()) == set(adapters) | set(frozen)
+    assert "ref_params" not in train and plan.options.ref_is_base
+    frozen_tower = exclude == ".*visual.*"
+    assert plan.options.freeze_vision == frozen_tower == (plan.lora.adapters().vision == 0)
+    assert all(i.reuses_vision == frozen_tower for i in plan.prompt_items)
+    planned = loop_phase_bytes(plan)
+    batches = trainer._batches(0)
+    for step in range(1, 5):
+        trainer.step = step
+        metrics = trainer.train_step(next(batches))
+        measured = {k.rsplit("/", 1)[1]: v * 2**30 for k, v in metrics.items()
+                    if k.startswith("perf/max_memory_allocated_gb/")}
+        errors = {phase: measured[phase] / planned[phase] - 1 for phase in planned}
+        assert all(abs(e) <= 0.1 for e in errors.values()), (step, errors)
 
 
 def test_the_scheduler_admits_by_the_plans_estimate(tmp_path):
@@ -166,6 +201,41 @@ def test_prefix_state_estimate_matches_what_a_prompt_forward_keeps(item, checkpo
     options = MemoryOptions(param_dtype=torch.float32, activation_checkpointing=checkpointing)
     estimate = kept_prompt_state(model.args, item, len(ps), sum(len(p.input_ids) for p in ps),
                             sum(p.pixel_values.shape[0] for p in ps), options).total
+    assert abs(estimate / held - 1) <= 0.1, (estimate, held)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("vision_adapters", [False, True])
+def test_the_estimate_matches_what_a_lora_prompt_forward_keeps(checkpointing, dropout, vision_adapters):
+    """With adapters on a frozen base the actor's prompt forward keeps, within 10% of the estimate,
+    each adapter's rank-wide product, with dropout its dropped input and mask, and its frozen norms
+    no normalised value; with adapters in the vision tower its graph too, else it reuses the features."""
+    lora = LoRAConfig(rank=8, dropout=dropout, exclude_modules="" if vision_adapters else ".*visual.*")
+    model = build_model(prompt_args(), seed=0)
+    apply_lora(model, lora)
+    freeze_base(model, torch.float32)
+    if checkpointing:
+        apply_activation_checkpointing(model)
+    model.train()  # dropout where gradients flow
+    ps = prompts()
+    vision = None
+    if not vision_adapters:
+        with torch.no_grad():
+            vision = model.encode_vision(torch.cat([p.pixel_values for p in ps]),
+                                         torch.cat([p.image_grid_thw for p in ps]), None, None)
+    chunk = prepare_prompts(model, ps, vision)
+
+    def forward():
+        for result in prompt_forward(model, chunk):
+            pass
+        return result.boundary()
+
+    held = bytes_kept(forward)
+    options = MemoryOptions(param_dtype=torch.float32, activation_checkpointing=checkpointing, lora=lora)
+    item = PromptItem("actor", 0, keep_graph=True, reuses_vision=not vision_adapters)
+    estimate = kept_prompt_state(model.args, item, len(ps), sum(len(p.input_ids) for p in ps),
+                                 sum(p.pixel_values.shape[0] for p in ps), options).total
     assert abs(estimate / held - 1) <= 0.1, (estimate, held)
 
 

@@ -13,14 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollplex.config import config_from_dict
+from rollplex.config import LoRAConfig, config_from_dict
 from rollplex.models.qwen2_5_vl.hf import hf_config_from_args
 from rollplex.models.qwen2_5_vl import ModelArgs, Qwen2_5_VL, TextArgs, VisionArgs
+from rollplex.models.qwen_vl.tp_plan import decoder_layer_plan
 from rollplex.rl.memory import (GiB, PHASES, PRESETS, TENSOR_CLASSES, UNCOUNTED_FRACTION, BatchShape, MemoryOptions,
-                                MemoryPlanError, ParallelLayout, count_params, kv_bytes_per_token,
+                                MemoryPlanError, ParallelLayout, count_lora, count_params, kv_bytes_per_token,
                                 loop_phase_bytes, micro_batch, plan_memory, kept_prompt_state)
 from rollplex.rl.schedules.prompt_items import PromptItem, prompt_work_items
 from rollplex.rl.schedules.registry import build_schedule
+from rollplex.train.lora import apply_lora, is_adapter
+from torch.distributed.tensor.parallel import ColwiseParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
@@ -130,12 +133,136 @@ def test_prefix_items_and_their_state():
         kv_bytes_per_token(args, tp=4)
 
 
+# ----------------------------------------------------------------------------- LoRA
+
+
+def lora_hand_count(rank: int, tp: int = 1) -> int:
+    """Adapter elements on one of `tp` ranks, all-linear without the vision tower: per decoder layer
+    r x (in + out) of q, k, v, o, gate, up and down, the column-parallel ones' B and the row-parallel
+    ones' A split by tp."""
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    column = sum(rank * HID + rank * out // tp for out in (q, kv, kv, INTER, INTER))
+    row = sum(rank * inp // tp + rank * HID for inp in (q, INTER))
+    return LAYERS * (column + row)
+
+
+LORAS = [LoRAConfig(rank=4), LoRAConfig(rank=8, target_modules=["q_proj", "mlp.down_proj"]),
+         LoRAConfig(rank=2, exclude_modules=""),  # the vision tower's linears too
+         LoRAConfig(rank=4, target_modules=["lm_head", "attn.proj", "mlp.0"], exclude_modules="")]  # root, merger
+
+
+@pytest.mark.parametrize("lora", LORAS)
+def test_adapters_are_counted_exactly(lora):
+    """count_lora's adapters are the parameters apply_lora puts on a built model, its vision ones those in the
+    tower; and its elements on a TP rank are the TP plan's: B split in a column-parallel layer, A in a row one."""
+    model = Qwen2_5_VL(small_args())
+    apply_lora(model, lora)
+    adapters = {name: p.numel() for name, p in model.named_parameters() if is_adapter(name)}
+    counts = count_lora(small_args(), lora)
+    assert counts.adapters().total == sum(adapters.values()) > 0
+    assert counts.adapters().vision == sum(n for name, n in adapters.items() if name.startswith("visual."))
+    assert counts.adapters().root == sum(n for name, n in adapters.items()
+                                         if not name.startswith(("language_model.layers.", "visual.blocks.")))
+    assert counts.vision == count_params(small_args()).vision
+    plan = decoder_layer_plan(qk_norm=False)
+    for linear in counts.linears:
+        if linear.unit == "decoder":
+            a, b = lora.rank * linear.in_features, lora.rank * linear.out_features
+            column = isinstance(plan[linear.name.split(".", 3)[3]], ColwiseParallel)  # language_model.layers.N.<name>
+            assert linear.elements(lora.rank, tp=2) == (a + b // 2 if column else a // 2 + b), linear
+
+
+def test_the_default_adapters_match_the_hand_count_at_every_tp():
+    counts = count_lora(small_args(), LoRAConfig(rank=4)).adapters()
+    for tp in (1, 2):
+        assert counts.per_tp_rank(tp) == lora_hand_count(4, tp)
+    assert counts.layer_per_tp_rank(2) * LAYERS == lora_hand_count(4, 2) and counts.root == counts.vision == 0
+
+
+@pytest.mark.parametrize("dp,tp,engine_tp", LAYOUTS)
+def test_lora_exact_sizes(dp, tp, engine_tp):
+    """The frozen base in the compute dtype, whole over dp_shard and split by tp; the adapters' fp32
+    master, gradients and moments sharded over dp; the engine's own bf16 copy of them; the trainer's
+    adapters gathered in rollout (and the base rebuilt for an engine TP layout a split trainer does
+    not share); no reference copy (it is the base)."""
+    total, split, _, _ = model_counts()
+    layout = ParallelLayout(dp_shard=dp, tp=tp, engine_tp=engine_tp, nodes=1, gpus_per_node=dp * tp)
+    plan = plan_memory(small_args(), layout, BATCH, MemoryOptions(ref_model=True, lora=LoRAConfig(rank=4)))
+    adapters = math.ceil(lora_hand_count(4, tp) / dp)
+    rebuilt = split // engine_tp + total - split if tp > 1 and engine_tp != tp else 0
+    rollout, optimizer = plan.rollplex.phases["rollout"], plan.rollplex.phases["optimizer"]
+    assert {k: rollout[k] for k in ("params_sharded", "params_frozen", "engine_adapters", "optimizer_state",
+                                    "params_gathered")} == {
+        "params_sharded": 4 * adapters, "params_frozen": 2 * (split // tp + total - split),
+        "engine_adapters": 2 * lora_hand_count(4, engine_tp), "optimizer_state": 8 * adapters,
+        "params_gathered": 2 * (lora_hand_count(4, tp) + rebuilt)}
+    assert optimizer["grads"] == 4 * adapters and "ref_params" not in rollout
+    assert plan.rollplex.phases["logprobs"]["params_gathered"] == 0  # the reference passes read the base in place
+    assert plan.gathered_ref_bytes() == 0
+
+
+def test_lora_freezes_the_vision_tower_unless_it_trains_or_has_adapters():
+    """The plan's freeze_vision is the run's effective one, which the prompt items read; with
+    lora.train_vision the tower is FSDP's, trained in full, and the reference model a copy again."""
+    args, layout = small_args(), ParallelLayout(dp_shard=2, gpus_per_node=2)
+    _, _, vision, _ = model_counts()
+    frozen, adapted, trained = (
+        plan_memory(args, layout, BATCH, MemoryOptions(ref_model=True, lora=lora))
+        for lora in (LoRAConfig(rank=4), LoRAConfig(rank=4, exclude_modules=""), LoRAConfig(rank=4, train_vision=True)))
+    assert frozen.options.freeze_vision and all(i.reuses_vision for i in frozen.prompt_items)
+    for plan in (adapted, trained):
+        assert not plan.options.freeze_vision and not any(i.reuses_vision for i in plan.prompt_items)
+    vision_adapters = adapted.lora.adapters().vision
+    assert vision_adapters > 0
+    assert adapted.rollplex.phases["optimizer"]["grads"] == 4 * math.ceil((lora_hand_count(4) + vision_adapters) / 2)
+    assert trained.rollplex.phases["optimizer"]["grads"] == 4 * math.ceil((lora_hand_count(4) + vision) / 2)
+    total = count_params(args).total
+    assert trained.rollplex.phases["rollout"]["params_frozen"] == 2 * (total - vision)
+    assert trained.rollplex.phases["rollout"]["ref_params"] == 2 * math.ceil(total / 2)
+    assert frozen.rollplex.phases["prefix"]["prefix_graph"] < adapted.rollplex.phases["prefix"]["prefix_graph"]
+    with pytest.raises(ValueError, match="lora.train_vision trains the vision tower in full, freeze_vision"):
+        MemoryOptions(freeze_vision=True, lora=LoRAConfig(rank=4, train_vision=True))
+
+
+LAYOUT_1 = ParallelLayout()
+BATCH_7B_1 = BatchShape(prompts=8, n=8, prompt_tokens=256, response_tokens=1024, vision_tokens=1024)
+
+
+def test_the_7b_one_gpu_lora_plan_by_hand():
+    """Qwen2.5-VL-7B, rank 16 on every linear of the decoder (the issue's case): its base in bf16 on
+    the one GPU, 40.4M adapters with fp32 master, gradient and two moments, the engine's bf16 copy.
+    Full fine-tuning's fp32 master, gradients and moments alone (123.6 GiB) do not fit an 80 GiB GPU."""
+    args = PRESETS["qwen2.5-vl-7b"]
+    t = args.text
+    h, q, kv, inter = t.hidden_size, t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim, \
+        t.intermediate_size
+    adapters = t.num_hidden_layers * 16 * ((h + q) * 2 + (h + kv) * 2 + (h + inter) * 3)
+    assert adapters == 40_370_176
+    base = 8_292_166_656  # the hub's count (test_presets_match_the_hub_parameter_counts)
+    plan = plan_memory(args, LAYOUT_1, BATCH_7B_1, MemoryOptions(activation_checkpointing=True, ref_model=True,
+                                                                 lora=LoRAConfig(rank=16)))
+    optimizer = plan.rollplex.phases["optimizer"]
+    assert {k: optimizer[k] for k in ("params_frozen", "params_sharded", "grads", "optimizer_state",
+                                      "engine_adapters")} == {
+        "params_frozen": 2 * base, "params_sharded": 4 * adapters, "grads": 4 * adapters,
+        "optimizer_state": 8 * adapters, "engine_adapters": 2 * adapters}
+    assert plan.rollplex.phases["rollout"]["params_gathered"] == 2 * adapters  # FSDP's units: the adapters only
+    assert plan.rollplex.phases["train"]["params_gathered"] == 2 * adapters // t.num_hidden_layers
+    assert "ref_params" not in optimizer and plan.rollplex.peak <= plan.sizes.usable
+    full_state = 16 * base  # fp32 master + gradient + two moments per weight
+    assert full_state - sum(optimizer[k] for k in ("params_frozen", "params_sharded", "grads", "optimizer_state",
+                                                   "engine_adapters")) > 84e9
+
+
 @pytest.mark.parametrize("dp,tp,engine_tp", LAYOUTS)
 @pytest.mark.parametrize("options", [MemoryOptions(), MemoryOptions(ref_model=True, activation_checkpointing=True),
                                      MemoryOptions(offload_optimizer=True, freeze_vision=True, kv_pool=0.01,
                                                    recompute_old_logprobs=True, updates_per_batch=2),
                                      MemoryOptions(schedule="serial-prefix", ref_model=True),
-                                     MemoryOptions(schedule="serial-naive", ref_model=True)])
+                                     MemoryOptions(schedule="serial-naive", ref_model=True),
+                                     MemoryOptions(ref_model=True, lora=LoRAConfig(rank=4, train_vision=True)),
+                                     MemoryOptions(schedule="serial-prefix", recompute_old_logprobs=True,
+                                                   updates_per_batch=2, lora=LoRAConfig(rank=4, dropout=0.1))])
 def test_naive_holds_everything_at_once(dp, tp, engine_tp, options):
     layout = ParallelLayout(dp_shard=dp, tp=tp, engine_tp=engine_tp, nodes=1, gpus_per_node=dp * tp)
     plan = plan_memory(small_args(), layout, BATCH, options)
@@ -147,8 +274,8 @@ def test_naive_holds_everything_at_once(dp, tp, engine_tp, options):
     # activations or prompt state in rollout, only weights, optimizer state and the pool in the optimizer step
     assert all(plan.rollplex.phases[p]["kv_pool"] == plan.sizes.kv_pool for p in ran)
     assert plan.rollplex.phases["rollout"].keys().isdisjoint({"activations", "prompt_kv", "prefix_graph"})
-    assert plan.rollplex.phases["optimizer"].keys() <= {"params_sharded", "grads", "optimizer_state", "ref_params",
-                                                        "kv_pool"}
+    assert plan.rollplex.phases["optimizer"].keys() <= {"params_sharded", "params_frozen", "engine_adapters", "grads",
+                                                        "optimizer_state", "ref_params", "kv_pool"}
     # the prompt work's phase: none without shared prompts
     assert ("prefix" in ran) == (options.schedule != "serial-naive")
 
@@ -313,6 +440,21 @@ def test_cli_config_json(tmp_path, capsys):
 def test_cli_says_what_does_not_fit():
     with pytest.raises(SystemExit, match="error: the KV pool for one prompt's 8 samples needs"):
         memory_plan.main(["--model", "qwen2.5-vl-72b", "--gpus-per-node", "1", "--prompts", "8"])
+
+
+def test_cli_lora_against_full_fine_tuning(capsys):
+    """The issue's case: 7B on one 80 GiB GPU. Full fine-tuning's update does not fit; LoRA's does, and
+    the tool says by how much, at the same sizes."""
+    memory_plan.main(["--model", "qwen2.5-vl-7b", "--gpus-per-node", "1", "--prompts", "8", "--lora-rank", "16",
+                      "--activation-checkpointing"])
+    out = capsys.readouterr().out
+    assert "lora: rank 16 on 196 linears (all-linear, excluding '.*visual.*'): 40.37M adapter parameters" in out
+    assert "params_frozen" in out and "peak per GPU, rollplex" in out
+    assert "full fine-tuning:" in out and "does NOT fit in 72.0 GiB usable" in out
+    assert "weights and optimizer state 123.56 GiB (params_sharded 30.89, grads 30.89, optimizer_state 61.78)" in out
+    assert "saved: 107.44 GiB of weights and optimizer state" in out  # 14 bytes per base weight, less 18 per adapter
+    with pytest.raises(SystemExit, match="select no Linear layer"):
+        memory_plan.main(["--model", "qwen2.5-vl-3b", "--lora-rank", "8", "--lora-target", "no_such_layer"])
 
 
 def test_cli_published(capsys):

@@ -6,6 +6,8 @@ micro-batch, prefix budget) where they are not given.
     python tools/memory_plan.py --model qwen2.5-vl-7b --gpus-per-node 8 --tp 2 --prompts 64 --n 8 \\
         --prompt-tokens 256 --vision-tokens 1024 --response-tokens 1024 --ref-model --activation-checkpointing
     python tools/memory_plan.py --model /path/to/checkpoint/config.json ...
+    python tools/memory_plan.py --model qwen2.5-vl-7b --gpus-per-node 1 --prompts 8 --lora-rank 16 \\
+        --activation-checkpointing     # LoRA, and its update beside full fine-tuning's at the same sizes
 
 Presets: every family's named sizes (their hub config.json values; the list is in
 --help), or the config.json of any supported family (or the directory holding
@@ -18,17 +20,20 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from rollplex.config.sections import LoRAConfig  # noqa: E402
 from rollplex.models.family import FamilyArgs  # noqa: E402
 from rollplex.models.loader import read_model_args  # noqa: E402
 from rollplex.models.registry import SIZES_NOT_SUPPORTED  # noqa: E402
 from rollplex.rl.memory import (GiB, PRESETS, SCHEDULES, BatchShape, MemoryOptions, MemoryPlan,  # noqa: E402
-                                ParallelLayout, format_plan, plan_memory)
+                                ParallelLayout, format_lora_saving, format_plan, plan_memory)
 
 # The published case: Qwen2.5-VL-32B on 4 nodes x 8 GPUs, video RL, reported as ~165 GiB per GPU when
 # nothing is freed and under 80 GiB with phase-aware management. Its batch was not published; ours is
@@ -66,6 +71,18 @@ def published_comparison(plan: MemoryPlan) -> str:
             "(KV pool + prefix state) and the train phase (prefix state + activations), each under 80 GiB here.")
 
 
+def full_fine_tuning(args: FamilyArgs, layout: ParallelLayout, batch: BatchShape, options: MemoryOptions,
+                     lora_plan: MemoryPlan) -> MemoryPlan:
+    """The same run without adapters, at the LoRA plan's sizes (KV pool, micro-batch, prefix
+    budget), so that the two differ by what LoRA changes alone. It may not fit: that is the
+    comparison's point, so the plan's warning is not repeated."""
+    sized = replace(options, lora=LoRAConfig(), kv_pool=float(lora_plan.sizes.kv_pool),
+                    micro_batch_tokens=lora_plan.sizes.micro_batch_tokens, prefix_budget=float(lora_plan.prefix_budget))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return plan_memory(args, layout, batch, sized)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -99,6 +116,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--updates-per-batch", type=int, default=1, help="optimizer steps per batch")
     g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the model's compute dtype")
     g.add_argument("--attention", choices=["torch", "flash"], default="torch", help="training attention kernels")
+    g = p.add_argument_group("LoRA (the lora config section; rank 0: full fine-tuning)")
+    default = LoRAConfig()
+    g.add_argument("--lora-rank", type=int, default=default.rank, help="adapter rank r")
+    g.add_argument("--lora-target", nargs="+", default=default.target_modules,
+                   help="layers that get adapters, by name (all-linear: every Linear but the LM head)")
+    g.add_argument("--lora-exclude", default=default.exclude_modules,
+                   help="regular expression of layer names that get none")
+    g.add_argument("--lora-dropout", type=float, default=default.dropout,
+                   help="dropout on the adapters' input (> 0 keeps a dropped copy of it for backward)")
+    g.add_argument("--lora-train-vision", action=argparse.BooleanOptionalAction, default=default.train_vision,
+                   help="train the vision tower in full beside the adapters")
     g = p.add_argument_group("sizes (default: the plan decides them within --device-memory-gib)")
     g.add_argument("--micro-batch-tokens", type=int, default=None, help="trainer token budget per micro-batch")
     g.add_argument("--kv-pool", type=float, default=None, help="KV pool capacity: <= 1 a fraction of the device, "
@@ -124,17 +152,24 @@ def main(argv: list[str] | None = None) -> None:
                                 nodes=a.nodes, gpus_per_node=a.gpus_per_node)
         batch = BatchShape(prompts=a.prompts, n=a.n, prompt_tokens=a.prompt_tokens,
                            response_tokens=a.response_tokens, vision_tokens=a.vision_tokens)
+        lora = LoRAConfig(rank=a.lora_rank, target_modules=a.lora_target, exclude_modules=a.lora_exclude,
+                          dropout=a.lora_dropout, train_vision=a.lora_train_vision)
         options = MemoryOptions(param_dtype=getattr(torch, a.dtype), ref_model=a.ref_model,
                                 ref_dtype=getattr(torch, a.ref_dtype), recompute_old_logprobs=a.recompute_old_logprobs,
                                 offload_optimizer=a.offload_optimizer,
                                 activation_checkpointing=a.activation_checkpointing, freeze_vision=a.freeze_vision,
-                                schedule=a.schedule, updates_per_batch=a.updates_per_batch, attention=a.attention,
+                                lora=lora, schedule=a.schedule, updates_per_batch=a.updates_per_batch, attention=a.attention,
                                 micro_batch_tokens=a.micro_batch_tokens, kv_pool=a.kv_pool,
                                 prefix_budget=a.prefix_budget, device_memory=int(a.device_memory_gib * GiB))
-        plan = plan_memory(load_model_args(a.model), layout, batch, options, model_name=a.model)
-    except ValueError as e:  # MemoryPlanError too: the shapes cannot fit
+        args = load_model_args(a.model)
+        plan = plan_memory(args, layout, batch, options, model_name=a.model)
+        full = full_fine_tuning(args, layout, batch, options, plan) if lora.rank > 0 else None
+    except ValueError as e:  # MemoryPlanError and ConfigError too: the shapes cannot fit, a setting is out of range
         raise SystemExit(f"error: {e}") from e
     print(format_plan(plan))
+    if full is not None:
+        print()
+        print(format_lora_saving(plan, full))
 
 if __name__ == "__main__":
     main()

@@ -17,17 +17,18 @@ parallel layout and a batch:
     measure    what the tensors hold on CPU: live bytes, each phase's peak
 """
 
-from rollplex.rl.memory.estimates import admitted, count_params, kv_bytes_per_token, micro_batch, kept_prompt_state
+from rollplex.rl.memory.estimates import (LoRACounts, admitted, count_lora, count_params, kv_bytes_per_token,
+                                          micro_batch, kept_prompt_state)
 from rollplex.models.registry import PRESETS
 from rollplex.rl.memory.inputs import GiB, SCHEDULES, UNCOUNTED_FRACTION, BatchShape, MemoryOptions, ParallelLayout
 from rollplex.rl.memory.measure import PHASE_MARK, CpuPhasePeaks, live_tensor_bytes
-from rollplex.rl.memory.plan import (PHASES, TENSOR_CLASSES, MemoryPlan, MemoryPlanError, loop_phase_bytes,
-                                     plan_memory)
-from rollplex.rl.memory.report import format_plan
+from rollplex.rl.memory.plan import (PHASES, TENSOR_CLASSES, MemoryPlan, MemoryPlanError, effective_options,
+                                     loop_phase_bytes, plan_memory)
+from rollplex.rl.memory.report import format_lora_saving, format_plan
 
 __all__ = [
     "GiB", "PHASES", "PHASE_MARK", "PRESETS", "SCHEDULES", "TENSOR_CLASSES", "UNCOUNTED_FRACTION", "BatchShape",
-    "CpuPhasePeaks", "MemoryOptions", "MemoryPlan", "MemoryPlanError", "ParallelLayout", "admitted", "count_params",
-    "format_plan", "kv_bytes_per_token", "live_tensor_bytes", "loop_phase_bytes", "micro_batch", "plan_memory",
-    "kept_prompt_state",
+    "CpuPhasePeaks", "LoRACounts", "MemoryOptions", "MemoryPlan", "MemoryPlanError", "ParallelLayout", "admitted",
+    "count_lora", "count_params", "effective_options", "format_lora_saving", "format_plan", "kv_bytes_per_token",
+    "live_tensor_bytes", "loop_phase_bytes", "micro_batch", "plan_memory", "kept_prompt_state",
 ]

@@ -1,25 +1,30 @@
 """One estimator per tensor class, used by the plan and by the run itself: the
 prompt-work scheduler admits prompt work by `kept_prompt_state` and `admitted`, the
 functions the plan sums. Exact (closed formulas on the model's shape):
-parameters, gradients, optimizer state, KV pool, prompt K/V, vision embeddings.
-Estimated, from the tensors the model's code saves for backward (checked against
-CPU measurements in tests/test_memory.py): activations, the prefix graph, and
+parameters, gradients, optimizer state, KV pool, prompt K/V, vision embeddings,
+and LoRA's adapters (`count_lora`: counted on a meta-device model of the family
+with the adapters apply_lora puts on it). Estimated, from the tensors the model's
+code saves for backward (checked against CPU measurements in
+tests/test_memory.py): activations, the prefix graph, and
 the transient working memory of the engine and the prompt slices (`workspace`)
 and of the logprob and training passes (`activations`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
+from rollplex.config.sections import LoRAConfig
 from rollplex.models.family import FamilyArgs, ParamCounts
 from rollplex.models.registry import family_of
 from rollplex.rl.memory.inputs import BatchShape, MemoryOptions
 from rollplex.rl.schedules.prompt_items import PromptItem
 from rollplex.train.logprob_head import logits_chunk_tokens
+from rollplex.train.lora import LoRALinear, apply_lora
 
 FP32 = 4  # bytes: RMSNorm and the loss work in float32 whatever the model's dtype
 
@@ -30,6 +35,148 @@ FP32 = 4  # bytes: RMSNorm and the loss work in float32 whatever the model's dty
 def count_params(args: FamilyArgs) -> ParamCounts:
     """The model's parameter counts, from its family's layer shapes (rollplex.models.family)."""
     return family_of(args).count_params(args)
+
+
+@dataclass(frozen=True)
+class AdaptedLinear:
+    """One Linear with a LoRA adapter: A (rank, in_features) and B (out_features, rank)."""
+
+    name: str  # its dotted name in the model
+    unit: Literal["decoder", "vision", "root", "vision_root"]  # its FSDP unit: a decoder layer, a vision block,
+    # or the root unit (vision_root: the tower's part of it, the merger(s), run once per merged token)
+    index: int  # of its decoder layer or vision block (-1 in the root unit)
+    in_features: int
+    out_features: int
+    split: Literal["in", "out", ""]  # the side tensor parallelism splits ("": replicated, as the plan's vision)
+
+    def elements(self, rank: int, tp: int = 1) -> int:
+        """A's and B's elements on one of `tp` ranks: a column-parallel layer splits B with its
+        output rows, a row-parallel one A with its input columns (rollplex.train.lora)."""
+        a, b = rank * self.in_features, rank * self.out_features
+        return a + b if self.split == "" else a + b // tp if self.split == "out" else a // tp + b
+
+    def split_elements(self, rank: int) -> int:
+        return {"in": rank * self.in_features, "out": rank * self.out_features, "": 0}[self.split]
+
+    def saved_bytes(self, rank: int, dropout: float, size: int, tp: int) -> int:
+        """What the adapter adds to what a pass keeps for backward, per token through the layer:
+        x A^T (rank wide, B's gradient reads it); with dropout, the dropped input (A's gradient
+        reads it) and its mask. Without dropout A's gradient reads the layer's input itself, which
+        the estimates count already (a trained base weight's gradient read it too)."""
+        width = self.in_features // tp if self.split == "in" else self.in_features
+        return rank * size + (width * (size + 1) if dropout > 0 else 0)
+
+
+@dataclass(frozen=True)
+class LoRACounts:
+    """A LoRA run's adapters (`count_lora`), and the vision tower's parts the trainer shards
+    when lora.train_vision trains it in full."""
+
+    rank: int
+    dropout: float
+    linears: tuple[AdaptedLinear, ...]
+    vision: int  # the vision tower's elements
+    vision_root: int  # of which in FSDP's root unit (patch embedding, merger(s))
+    vision_block: int  # the largest vision block's (an FSDP unit)
+
+    def adapters(self) -> ParamCounts:
+        """The adapters' elements in the base's classes (rollplex.models.family.ParamCounts), so that the
+        plan counts their shards, gathered units and gradients as the base's; the layer is the largest
+        decoder layer's."""
+        r, layers = self.rank, self.linears
+        per_layer: dict[int, list[AdaptedLinear]] = {}
+        for linear in layers:
+            if linear.unit == "decoder":
+                per_layer.setdefault(linear.index, []).append(linear)
+        largest = max(per_layer.values(), key=lambda ls: sum(lin.elements(r) for lin in ls), default=[])
+        root = [lin for lin in layers if lin.unit in ("root", "vision_root")]
+        layer_split = sum(lin.split_elements(r) for lin in largest)
+        return ParamCounts(total=sum(lin.elements(r) for lin in layers),
+                           tp_split=sum(lin.split_elements(r) for lin in layers),
+                           vision=sum(lin.elements(r) for lin in layers if lin.unit in ("vision", "vision_root")),
+                           root=sum(lin.elements(r) for lin in root),
+                           root_tp_split=sum(lin.split_elements(r) for lin in root),
+                           layer_tp_split=layer_split,
+                           layer_replicated=sum(lin.elements(r) for lin in largest) - layer_split)
+
+    def trained(self, train_vision: bool) -> ParamCounts:
+        """What FSDP shards, gathers and trains with LoRA (rollplex.train.parallelize): the adapters,
+        and with lora.train_vision the vision tower's weights (its root part in the root unit). The
+        layer a pass gathers beside the root is then the larger of a decoder layer's adapters and a
+        vision block."""
+        a = self.adapters()
+        if not train_vision:
+            return a
+        layer = a.layer_tp_split + a.layer_replicated
+        return dataclasses.replace(a, total=a.total + self.vision, vision=a.vision + self.vision,
+                                   root=a.root + self.vision_root,
+                                   layer_tp_split=a.layer_tp_split if layer >= self.vision_block else 0,
+                                   layer_replicated=a.layer_replicated if layer >= self.vision_block else
+                                   self.vision_block)
+
+    def decoder_saved(self, size: int, tp: int, largest_layer: bool = False) -> int:
+        """Per token, what the decoder's adapters add to a pass's saved tensors: over every layer,
+        or the largest layer's (what its backward recomputes under activation checkpointing)."""
+        per_layer: dict[int, int] = {}
+        for lin in self.linears:
+            if lin.unit == "decoder":
+                per_layer[lin.index] = per_layer.get(lin.index, 0) + lin.saved_bytes(self.rank, self.dropout, size, tp)
+        return max(per_layer.values(), default=0) if largest_layer else sum(per_layer.values())
+
+    def vision_saved(self, size: int, spatial_merge: int, checkpointing: bool) -> int:
+        """Per patch, what the vision tower's adapters add to a pass's saved tensors: its blocks'
+        (none under checkpointing: a block keeps its input only) and its merger's (run once per
+        merged token, spatial_merge**2 patches)."""
+        block = 0 if checkpointing else \
+            sum(lin.saved_bytes(self.rank, self.dropout, size, 1) for lin in self.linears if lin.unit == "vision")
+        merger = sum(lin.saved_bytes(self.rank, self.dropout, size, 1) for lin in self.linears
+                     if lin.unit == "vision_root")
+        return block + merger // spatial_merge ** 2
+
+
+# by repr(args), repr(lora), skip_vision: the run asks each step
+_LORA_COUNTS: dict[tuple[str, str, bool], LoRACounts] = {}
+
+
+def count_lora(args: FamilyArgs, lora: LoRAConfig, skip_vision: bool = False) -> LoRACounts:
+    """The adapters lora.rank > 0 puts on the model, exactly: apply_lora on a meta-device model
+    of the family (no memory; it raises as a run would when the targets select no layer). The
+    side tensor parallelism splits is Megatron's (rollplex.models.qwen_vl.tp_plan): a decoder's
+    column-parallel layers read the hidden state and split their outputs, its row-parallel ones
+    write it and split their inputs, so the side that is not the hidden width splits (both
+    sides the hidden width: either, same count); the vision tower counts as replicated, as the
+    plan's ParamCounts does. `skip_vision`: parallel.freeze_vision, under which the tower gets none."""
+    key = (repr(args), repr(lora), skip_vision)
+    if key not in _LORA_COUNTS:
+        _LORA_COUNTS[key] = _count_lora(args, lora, skip_vision)
+    return _LORA_COUNTS[key]
+
+
+def _count_lora(args: FamilyArgs, lora: LoRAConfig, skip_vision: bool) -> LoRACounts:
+    family = family_of(args)
+    with torch.device("meta"):
+        model = family.model_class(args)
+    tower = family.vision_tower(model)
+    in_tower = {id(m) for m in tower.modules()}
+    block_of: dict[int, int] = {}  # module id -> the index of its decoder layer or vision block
+    vision_blocks = []  # each block's elements, before the adapters join them
+    for blocks in family.repeated_blocks(model):
+        for index, block in enumerate(blocks):
+            block_of.update((id(m), index) for m in block.modules())
+            if id(block) in in_tower:
+                vision_blocks.append(sum(p.numel() for p in block.parameters()))
+    vision = sum(p.numel() for p in tower.parameters())
+    apply_lora(model, lora, skip=tower if skip_vision else None)
+    hidden, linears = args.text.hidden_size, []
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            in_vision, index = id(module) in in_tower, block_of.get(id(module), -1)
+            unit = ("vision" if in_vision else "decoder") if index >= 0 else "vision_root" if in_vision else "root"
+            out_features, in_features = module.weight.shape
+            split = "" if in_vision else "in" if out_features == hidden else "out"
+            linears.append(AdaptedLinear(name, unit, index, in_features, out_features, split))
+    return LoRACounts(lora.rank, lora.dropout, tuple(linears), vision, vision - sum(vision_blocks),
+                      max(vision_blocks, default=0))
 
 
 def kv_bytes_per_token(args: FamilyArgs, dtype: torch.dtype = torch.bfloat16, tp: int = 1) -> int:
@@ -50,10 +197,12 @@ def kv_pool_need(args: FamilyArgs, batch: BatchShape, prompts: int, options: Mem
 # ----------------------------------------------------------------------------- activations
 
 
-def _norm_bytes(width: int, size: int) -> int:
+def _norm_bytes(width: int, size: int, frozen: bool = False) -> int:
     """What an RMSNorm keeps per token for backward: its input in float32, the
-    normalised value and the output, both in the model's dtype (`size` bytes)."""
-    return (FP32 + 2 * size) * width
+    normalised value and the output, both in the model's dtype (`size` bytes). The
+    normalised value is kept for the weight's gradient only: a frozen norm (LoRA's
+    base) keeps none."""
+    return (FP32 + (1 if frozen else 2) * size) * width
 
 
 def _attention_bytes(q_dim: int, kv_dim: int, size: int, attention: str) -> int:
@@ -63,34 +212,62 @@ def _attention_bytes(q_dim: int, kv_dim: int, size: int, attention: str) -> int:
     return (3 * q_dim + 2 * kv_dim if attention == "torch" else 2 * q_dim + 2 * kv_dim) * size
 
 
-def decoder_layer_bytes(t: Any, size: int, tp: int = 1, attention: str = "torch") -> int:
-    """Bytes per token one decoder layer keeps for backward: its two norms, its
+def decoder_layer_bytes(t: Any, size: int, tp: int = 1, attention: str = "torch", frozen: bool = False) -> int:
+    """Bytes per token one decoder layer keeps for backward: its two norms (`frozen`: LoRA's base), its
     attention, and the SwiGLU's gate, silu(gate), up and their product."""
     q, kv, inter = (t.num_attention_heads * t.head_dim // tp, t.num_key_value_heads * t.head_dim // tp,
                     t.intermediate_size // tp)
-    return 2 * _norm_bytes(t.hidden_size, size) + _attention_bytes(q, kv, size, attention) + 4 * inter * size
+    return 2 * _norm_bytes(t.hidden_size, size, frozen) + _attention_bytes(q, kv, size, attention) + 4 * inter * size
 
 
-def vision_patch_bytes(args: FamilyArgs, size: int, checkpointing: bool, attention: str = "torch") -> int:
+def vision_patch_bytes(args: FamilyArgs, size: int, checkpointing: bool, attention: str = "torch",
+                       frozen: bool = False) -> int:
     """Bytes per patch the vision tower keeps for backward: every block (its input
     alone with checkpointing; else its two norms, its attention and the MLP's
     intermediates, as many as the family's MLP keeps) and the merger (its norm,
     and its two linears' inputs: 4 x width per merged token, a quarter of the
     patches). The patch embedding keeps its input, the prepared pixels, which the
-    plan counts with the batch's inputs (not at all)."""
+    plan counts with the batch's inputs (not at all). `frozen`: its norms are LoRA's
+    frozen base (the graph is there for the tower's adapters)."""
     v = args.vision
     w, kept = v.hidden_size, family_of(args).vision_mlp_widths[0]
     block = w * size if checkpointing else \
-        2 * _norm_bytes(w, size) + _attention_bytes(w, w, size, attention) + kept * v.intermediate_size * size
-    return v.depth * block + _norm_bytes(w, size) + 2 * w * size
+        2 * _norm_bytes(w, size, frozen) + _attention_bytes(w, w, size, attention) + kept * v.intermediate_size * size
+    return v.depth * block + _norm_bytes(w, size, frozen) + 2 * w * size
 
 
-def _decoder_saved(t: Any, size: int, tp: int, options: MemoryOptions) -> int:
+def _lora(args: FamilyArgs, options: MemoryOptions) -> LoRACounts | None:
+    return count_lora(args, options.lora, options.freeze_vision) if options.lora.rank > 0 else None
+
+
+def layer_backward_bytes(args: FamilyArgs, size: int, tp: int, options: MemoryOptions) -> int:
+    """Per token, one decoder layer's saved tensors (`decoder_layer_bytes`) with its adapters'
+    (LoRA): what its backward holds, and under activation checkpointing recomputes."""
+    lora = _lora(args, options)
+    extra = lora.decoder_saved(size, tp, largest_layer=True) if lora else 0
+    return decoder_layer_bytes(args.text, size, tp, options.attention, frozen=lora is not None) + extra
+
+
+def _decoder_saved(args: FamilyArgs, size: int, tp: int, options: MemoryOptions) -> int:
     """Per token, what the decoder stack and the final norm keep from forward to
-    backward: every layer's saved tensors, or with checkpointing every layer's input."""
-    layer = t.hidden_size * size if options.activation_checkpointing else \
-        decoder_layer_bytes(t, size, tp, options.attention)
-    return t.num_hidden_layers * layer + (FP32 + size) * t.hidden_size
+    backward: every layer's saved tensors (and its adapters'), or with checkpointing
+    every layer's input."""
+    t, lora = args.text, _lora(args, options)
+    if options.activation_checkpointing:
+        layers = t.num_hidden_layers * t.hidden_size * size
+    else:
+        layers = t.num_hidden_layers * decoder_layer_bytes(t, size, tp, options.attention, frozen=lora is not None) + \
+            (lora.decoder_saved(size, tp) if lora else 0)
+    return layers + (FP32 + size) * t.hidden_size
+
+
+def _vision_saved(args: FamilyArgs, size: int, options: MemoryOptions) -> int:
+    """Per patch, what the vision tower keeps for backward (`vision_patch_bytes`) and its adapters' (LoRA;
+    under checkpointing a block keeps its input only, so its adapters' count in no graph)."""
+    lora = _lora(args, options)
+    extra = lora.vision_saved(size, args.vision.spatial_merge_size, options.activation_checkpointing) if lora else 0
+    frozen = lora is not None and not options.lora.train_vision
+    return vision_patch_bytes(args, size, options.activation_checkpointing, options.attention, frozen) + extra
 
 
 def _layer_forward_bytes(t: Any, size: int, tp: int) -> int:
@@ -145,9 +322,9 @@ def kept_prompt_state(args: FamilyArgs, item: PromptItem, prompts: int, tokens: 
         return KeptPromptState(kv, 0)
     shared_kv = 0 if options.attention == "torch" or options.activation_checkpointing else \
         t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim // tp * size
-    graph = tokens * (_decoder_saved(t, size, tp, options) - shared_kv)
+    graph = tokens * (_decoder_saved(args, size, tp, options) - shared_kv)
     if not (item.reuses_vision or options.freeze_vision):
-        graph += patches * vision_patch_bytes(args, size, options.activation_checkpointing, options.attention)
+        graph += patches * _vision_saved(args, size, options)
     return KeptPromptState(kv, graph)
 
 
@@ -212,11 +389,10 @@ def micro_batch_bytes(args: FamilyArgs, mb: MicroBatch, batch: BatchShape, optio
     if not grad:
         vision = mb.patches * _vision_forward_bytes(args, size)
         return max(mb.tokens * _layer_forward_bytes(t, size, tp), logits, vision) + mb.tokens * t.hidden_size * size
-    saved = mb.tokens * _decoder_saved(t, size, tp, options)
+    saved = mb.tokens * _decoder_saved(args, size, tp, options)
     if not options.freeze_vision:
-        saved += mb.patches * vision_patch_bytes(args, size, options.activation_checkpointing,
-                                                 options.attention)
+        saved += mb.patches * _vision_saved(args, size, options)
     if options.attention == "torch" and options.share_prefix:
         saved += mb.sequences * batch.prompt_len * t.num_hidden_layers * \
             2 * t.num_key_value_heads * t.head_dim // tp * size
-    return saved + max(logits, mb.tokens * decoder_layer_bytes(t, size, tp, options.attention))
+    return saved + max(logits, mb.tokens * layer_backward_bytes(args, size, tp, options))

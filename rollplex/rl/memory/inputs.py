@@ -4,10 +4,11 @@ batch, and the run's options. (The model shapes of the published sizes,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from rollplex.config.sections import LoRAConfig
 from rollplex.models.family import FamilyArgs
 
 GiB = 1 << 30
@@ -89,12 +90,17 @@ class MemoryOptions:
     master_dtype: torch.dtype = torch.float32  # the sharded weights the optimizer updates
     grad_dtype: torch.dtype = torch.float32  # sharded gradients (FSDP reduces in fp32)
     optimizer_dtype: torch.dtype = torch.float32  # AdamW's two moments
-    ref_model: bool = False  # kl_coef > 0: a frozen reference copy, sharded like the actor
+    ref_model: bool = False  # kl_coef > 0: a frozen reference copy, sharded like the actor (LoRA: `ref_is_base`)
     ref_dtype: torch.dtype = torch.bfloat16  # frozen, so bf16 suffices (the loop loads it in model.dtype)
     recompute_old_logprobs: bool = False  # the old policy's prefix KV is kept too
     offload_optimizer: bool = False  # AdamW moments on the host outside the optimizer step
     activation_checkpointing: bool = False
-    freeze_vision: bool = False  # no gradients / moments for the vision tower, no graph through it
+    # No gradients / moments for the vision tower, no graph through it: parallel.freeze_vision, which the
+    # plan's own options (MemoryPlan.options) replace by the run's effective one (with LoRA, `plan_memory`).
+    freeze_vision: bool = False
+    # The run's lora section: rank > 0 trains adapters on a frozen base (rollplex.train.lora), which the
+    # plan counts in the compute dtype, whole on every dp rank, and outside FSDP's gathers.
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     schedule: str = "overlap"  # one of SCHEDULES
     updates_per_batch: int = 1  # optimizer steps per batch: the actor's prompt work covers the first only
     entropy: bool = True  # the update computes the entropy bonus (entropy_coef > 0): more logits kept
@@ -111,10 +117,18 @@ class MemoryOptions:
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule {self.schedule!r}: expected one of {', '.join(SCHEDULES)}")
+        if self.lora.rank > 0 and self.lora.train_vision and self.freeze_vision:
+            raise ValueError("lora.train_vision trains the vision tower in full, freeze_vision freezes it: set one")
 
     @property
     def share_prefix(self) -> bool:
         return self.schedule != "serial-naive"
+
+    @property
+    def ref_is_base(self) -> bool:
+        """The reference model is LoRA's frozen base itself, on the trainer's tensors (rollplex.train.lora
+        .base_model_view): no weights of its own, none gathered. With lora.train_vision it is a copy."""
+        return self.ref_model and self.lora.rank > 0 and not self.lora.train_vision
 
     @classmethod
     def from_config(cls, cfg, schedule: str, param_dtype: torch.dtype, device_memory: int,
@@ -126,7 +140,7 @@ class MemoryOptions:
                    recompute_old_logprobs=cfg.algorithm.recompute_old_logprobs,
                    offload_optimizer=cfg.parallel.offload_optimizer,
                    activation_checkpointing=cfg.parallel.activation_checkpointing,
-                   freeze_vision=cfg.parallel.freeze_vision, schedule=schedule,
+                   freeze_vision=cfg.parallel.freeze_vision, lora=cfg.lora, schedule=schedule,
                    updates_per_batch=cfg.algorithm.updates_per_batch, entropy=cfg.algorithm.entropy_coef > 0,
                    attention=attention, block_size=cfg.rollout.block_size, max_num_seqs=cfg.rollout.max_num_seqs,
                    micro_batch_tokens=cfg.trainer.max_tokens_per_micro_batch or None,

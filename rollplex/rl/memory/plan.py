@@ -15,6 +15,12 @@ measured `perf/max_memory_allocated_gb/<phase>`):
 The plan also decides the sizes a run leaves to it (`size_memory`): the KV
 pool, the prefix budget and the training micro-batch, from the device's memory
 less a headroom for what it does not count (`UNCOUNTED_FRACTION`).
+
+With LoRA (options.lora.rank > 0) FSDP shards, gathers and trains the adapters
+only (and the vision tower with lora.train_vision); the frozen base is held whole
+on every dp rank in the compute dtype (`params_frozen`), read in place by the
+trainer and the engine, never gathered; the engine keeps its own copy of the
+adapters for the run (`engine_adapters`) unless it reads them in place.
 """
 
 from __future__ import annotations
@@ -29,17 +35,18 @@ import torch
 from rollplex.engine.engine import EngineConfig
 from rollplex.models.family import FamilyArgs
 from rollplex.models.registry import family_of
-from rollplex.rl.memory.estimates import (FP32, MicroBatch, ParamCounts, KeptPromptState, _layer_forward_bytes,
-                                          _vision_forward_bytes, admitted, count_params, decoder_layer_bytes,
-                                          kv_bytes_per_token, kv_pool_need, micro_batch, micro_batch_bytes,
-                                          kept_prompt_state)
+from rollplex.rl.memory.estimates import (FP32, LoRACounts, MicroBatch, ParamCounts, KeptPromptState,
+                                          _layer_forward_bytes, _vision_forward_bytes, admitted, count_lora,
+                                          count_params, kv_bytes_per_token, kv_pool_need, layer_backward_bytes,
+                                          micro_batch, micro_batch_bytes, kept_prompt_state)
 from rollplex.rl.memory.inputs import (GiB, UNCOUNTED_FRACTION, BatchShape, MemoryOptions, ParallelLayout,
                                        usable_bytes)
 from rollplex.rl.schedules.prompt_items import PromptItem, PromptKind, prompt_work_items
 
 PHASES = ("rollout", "prefix", "logprobs", "train", "optimizer")
-TENSOR_CLASSES = ("params_sharded", "optimizer_state", "ref_params", "params_gathered", "grads", "kv_pool",
-                  "vision_embeds", "prompt_kv", "prefix_graph", "workspace", "activations")
+TENSOR_CLASSES = ("params_sharded", "params_frozen", "engine_adapters", "optimizer_state", "ref_params",
+                  "params_gathered", "grads", "kv_pool", "vision_embeds", "prompt_kv", "prefix_graph", "workspace",
+                  "activations")
 PREFILL_TOKENS = EngineConfig.max_num_batched_tokens  # the engine's prefill tokens per step (the loop's setting)
 
 
@@ -95,7 +102,7 @@ class MemoryPlan:
     batch: BatchShape
     options: MemoryOptions
     sizes: MemorySizes
-    params: ParamCounts
+    params: ParamCounts  # the model's (the base's, with LoRA)
     naive: SchedulePlan
     rollplex: SchedulePlan
     prompts_per_rank: int  # of a trainer dp rank
@@ -104,6 +111,7 @@ class MemoryPlan:
     admitted: list[bool]  # which of them the step's prefix budget admits (the rest take the serial path)
     prefix_budget: int  # the step's, for this batch's KV pool
     model_name: str = ""
+    lora: LoRACounts | None = None  # the adapters (options.lora.rank > 0)
 
     def streamed_update_bytes(self) -> int:
         """What the first update's passes hold in the decode window when finished groups stream
@@ -116,7 +124,9 @@ class MemoryPlan:
     def gathered_ref_bytes(self) -> int:
         """What holding the reference model gathered through the decode window adds, so that
         the streamed finished groups' reference passes need no collective (dp_shard > 1):
-        its whole weights on each rank, beside the shard it keeps."""
+        its whole weights on each rank, beside the shard it keeps (none when it is LoRA's base: not sharded)."""
+        if self.options.ref_is_base:
+            return 0
         whole = self.params.per_tp_rank(self.layout.tp)
         return (whole - math.ceil(whole / self.layout.dp_shard)) * self.options.ref_dtype.itemsize
 
@@ -135,6 +145,9 @@ class _Shapes:
     def __init__(self, args: FamilyArgs, layout: ParallelLayout, batch: BatchShape, options: MemoryOptions,
                  params: ParamCounts):
         self.args, self.layout, self.batch, self.o, self.params = args, layout, batch, options, params
+        self.lora = count_lora(args, options.lora, options.freeze_vision) if options.lora.rank > 0 else None
+        # What FSDP shards (fp32 masters, gathered in the compute dtype): every weight, or LoRA's trained ones.
+        self.sharded = self.lora.trained(options.lora.train_vision) if self.lora else params
         self.size = options.param_dtype.itemsize
         self.prompts_per_rank = math.ceil(batch.prompts / layout.dp_shard)
         self.prompts_per_engine = math.ceil(batch.prompts / layout.engine_replicas)
@@ -146,16 +159,28 @@ class _Shapes:
 
     def resident(self) -> dict[str, int]:
         """Held all step: master weights, AdamW moments (unless offloaded), the reference weights,
-        and the engine's KV pool (allocated once per run: the decode graphs read it by address)."""
-        o, shard = self.o, math.ceil(self.params.per_tp_rank(self.layout.tp) / self.layout.dp_shard)
-        out = dict(params_sharded=shard * o.master_dtype.itemsize,
+        the engine's KV pool (allocated once per run: the decode graphs read it by address), and
+        with LoRA the frozen base and the engine's adapter buffers (kept for the run, for the same graphs)."""
+        o, lay = self.o, self.layout
+        out = dict(params_sharded=math.ceil(self.sharded.per_tp_rank(lay.tp) / lay.dp_shard) * o.master_dtype.itemsize,
                    optimizer_state=0 if o.offload_optimizer else self.moments(), kv_pool=int(o.kv_pool))
-        if o.ref_model:
-            out["ref_params"] = shard * o.ref_dtype.itemsize
+        if self.lora:
+            out["params_frozen"] = self.frozen(lay.tp) * self.size
+            # The engine reads an adapter in place only where the trainer's is whole and in its dtype
+            # (rollplex.rl.weights): dp_shard 1, no mixed-precision cast, one TP layout.
+            in_place = lay.dp_shard == 1 and o.master_dtype == o.param_dtype and lay.engine_tp == lay.tp
+            out["engine_adapters"] = 0 if in_place else self.lora.adapters().per_tp_rank(lay.engine_tp) * self.size
+        if o.ref_model and not o.ref_is_base:
+            out["ref_params"] = math.ceil(self.params.per_tp_rank(lay.tp) / lay.dp_shard) * o.ref_dtype.itemsize
         return out
 
+    def frozen(self, tp: int) -> int:
+        """LoRA's frozen base on one of `tp` ranks, whole over dp_shard: every weight but the vision
+        tower's when lora.train_vision trains it (replicated over tp, as ParamCounts counts it)."""
+        return self.params.per_tp_rank(tp) - (self.params.vision if self.o.lora.train_vision else 0)
+
     def trainable_shard(self) -> int:
-        p, lay = self.params, self.layout
+        p, lay = self.sharded, self.layout
         return math.ceil((p.per_tp_rank(lay.tp) - (p.vision if self.o.freeze_vision else 0)) / lay.dp_shard)
 
     def moments(self) -> int:
@@ -165,22 +190,33 @@ class _Shapes:
         return self.trainable_shard() * self.o.grad_dtype.itemsize
 
     def engine_weights(self) -> int:
-        return self.params.per_tp_rank(self.layout.engine_tp) * self.size
+        """The weights the engine reads in rollout. With LoRA: the trainer's gathered units (the
+        adapters, the vision tower with lora.train_vision); the base in place, but where the engine's
+        TP layout differs from a split trainer's (its blocks rebuilt, for the rollout)."""
+        lay = self.layout
+        if not self.lora:
+            return self.params.per_tp_rank(lay.engine_tp) * self.size
+        rebuilt = self.frozen(lay.engine_tp) if lay.tp > 1 and lay.engine_tp != lay.tp else 0
+        return (self.sharded.per_tp_rank(lay.tp) + rebuilt) * self.size
 
     def prefix_weights(self) -> int:
-        """The rollout's gathered weights; with engine_tp != tp the prompt work also needs the trainer's."""
+        """The rollout's gathered weights; with engine_tp != tp the prompt work also needs the trainer's
+        (with LoRA the engine's count holds them already)."""
         trainer = self.params.per_tp_rank(self.layout.tp) * self.size
-        return self.engine_weights() + (trainer if self.layout.engine_tp != self.layout.tp else 0)
+        return self.engine_weights() + (trainer if self.layout.engine_tp != self.layout.tp and not self.lora else 0)
 
     def root_weights(self, dtype: torch.dtype) -> int:
-        """FSDP's root unit gathered (embedding, head, final norm, vision patch embedding and merger): FSDP
-        keeps it from a forward to the end of the backward."""
-        return self.params.root_per_tp_rank(self.layout.tp) * dtype.itemsize
+        """The actor's FSDP root unit gathered (embedding, head, final norm, vision patch embedding and merger;
+        with LoRA the adapters among them): FSDP keeps it from a forward to the end of the backward."""
+        return self.sharded.root_per_tp_rank(self.layout.tp) * dtype.itemsize
 
-    def pass_weights(self, dtype: torch.dtype) -> int:
-        """Gathered weights during a training or logprob pass: the root unit and the decoder layer computing."""
-        layer = self.params.layer_per_tp_rank(self.layout.tp)
-        return self.root_weights(dtype) + layer * dtype.itemsize
+    def pass_weights(self, dtype: torch.dtype, ref: bool = False) -> int:
+        """Gathered weights during a training or logprob pass: the root unit and the decoder layer computing,
+        the actor's or the reference model's (every weight; none when it is LoRA's base, read in place)."""
+        if ref and self.o.ref_is_base:
+            return 0
+        units = self.params if ref else self.sharded
+        return (units.root_per_tp_rank(self.layout.tp) + units.layer_per_tp_rank(self.layout.tp)) * dtype.itemsize
 
     def vision_embeds(self) -> int:
         """The rollout's cached vision features (schedules with prompt work), kept to the step's end."""
@@ -241,7 +277,7 @@ def _rollout_phases(s: _Shapes, admitted: list[bool], base: dict[str, int]) -> d
         return {"rollout": rollout}
     # The reference model's root unit stays gathered from its prompt forward to its logprob passes.
     ref_admitted = any(a and i.kind == PromptKind.REF for i, a in zip(s.items, admitted))
-    ref_root = s.pass_weights(s.o.ref_dtype) if ref_admitted else 0
+    ref_root = s.pass_weights(s.o.ref_dtype, ref=True) if ref_admitted else 0
     work = dict(s.kept_prompt_state(admitted), params_gathered=s.prefix_weights() + ref_root)
     if s.o.schedule == "overlap":
         prefix = dict(rollout, **work, workspace=max(rollout["workspace"], s.slice_workspace(admitted)))
@@ -257,7 +293,7 @@ def _logprobs(s: _Shapes, admitted: list[bool], base: dict[str, int]) -> dict[st
     if not (o.ref_model or o.recompute_old_logprobs):
         return {}
     kept = bool(s.items) and all(admitted)
-    return dict(base, params_gathered=s.pass_weights(o.ref_dtype if o.ref_model else o.param_dtype),
+    return dict(base, params_gathered=s.pass_weights(o.ref_dtype if o.ref_model else o.param_dtype, o.ref_model),
                 **s.kept_prompt_state(admitted), activations=s.pass_bytes(kept, grad=False))
 
 
@@ -283,7 +319,7 @@ def _train(s: _Shapes, admitted: list[bool], base: dict[str, int]) -> dict[str, 
 
     candidates = update(s.kept_prompt_state(admitted), actor is not None)
     if actor is not None:
-        layer = decoder_layer_bytes(s.args.text, s.size, s.layout.tp, o.attention)
+        layer = layer_backward_bytes(s.args, s.size, s.layout.tp, o)
         candidates.append(dict(base, **s.kept_prompt_state(admitted), params_gathered=s.pass_weights(o.param_dtype),
                                grads=grads, activations=actor.kv + s.chunk_prompts * s.batch.prompt_len * layer))
     if o.updates_per_batch > 1:
@@ -416,10 +452,12 @@ def size_memory(args: FamilyArgs, layout: ParallelLayout, batch: BatchShape, opt
 def plan_memory(args: FamilyArgs, layout: ParallelLayout, batch: BatchShape, options: MemoryOptions,
                 params: ParamCounts | None = None, model_name: str = "") -> MemoryPlan:
     """Both schedules' per-GPU bytes, with the sizes `options` leaves to the plan
-    decided first (`size_memory`). Sizes the run set are taken as given: when they
-    do not fit, a warning says which phase and by how much. `params` may be passed
-    to skip recounting."""
+    decided first (`size_memory`), under the run's effective options (`effective_options`:
+    the plan's options, which its prompt items and the run's prompt work read). Sizes
+    the run set are taken as given: when they do not fit, a warning says which phase
+    and by how much. `params` may be passed to skip recounting."""
     params = params or count_params(args)
+    options = effective_options(args, options)
     sizes = size_memory(args, layout, batch, options, params)
     resolved = replace(options, kv_pool=float(sizes.kv_pool), micro_batch_tokens=sizes.micro_batch_tokens)
     shapes = _Shapes(args, layout, batch, resolved, params)
@@ -435,7 +473,17 @@ def plan_memory(args: FamilyArgs, layout: ParallelLayout, batch: BatchShape, opt
     everything = {c: max(rollplex.phases[p].get(c, 0) for p in PHASES) for c in TENSOR_CLASSES}
     naive = SchedulePlan("naive", {p: dict(everything) for p in PHASES if rollplex.phases[p]})
     return MemoryPlan(args, layout, batch, resolved, sizes, params, naive, rollplex, shapes.prompts_per_rank,
-                      shapes.items, shapes.states, admits, budget, model_name)
+                      shapes.items, shapes.states, admits, budget, model_name, shapes.lora)
+
+
+def effective_options(args: FamilyArgs, options: MemoryOptions) -> MemoryOptions:
+    """`options` with the run's effective freeze_vision: with LoRA the vision tower is frozen (no
+    gradients, no moments, no graph through it: its items reuse the rollout's features) unless
+    lora.train_vision trains it in full or adapters reach it (lora.target_modules, exclude_modules)."""
+    if options.lora.rank == 0:
+        return options
+    trains = options.lora.train_vision or count_lora(args, options.lora, options.freeze_vision).adapters().vision > 0
+    return replace(options, freeze_vision=not trains)
 
 
 # The loop's phases (rollplex.rl.loop, `perf/max_memory_allocated_gb/<phase>`) and the plan's phases each spans.

@@ -26,6 +26,7 @@ def _header(plan: MemoryPlan) -> list[str]:
         f"options: schedule {o.schedule}, {o.updates_per_batch} update(s) per batch, activation checkpointing "
         f"{o.activation_checkpointing}, freeze vision {o.freeze_vision}, optimizer offload {o.offload_optimizer}, "
         f"ref model {o.ref_model}, old prefix {o.recompute_old_logprobs}, {o.param_dtype}, {o.attention} attention",
+        *_lora_line(plan),
         f"sizes within {z.usable / GiB:.1f} GiB ({o.device_memory / GiB:.1f} GiB less {UNCOUNTED_FRACTION:.0%} "
         f"uncounted): KV pool {z.kv_pool / GiB:.2f} GiB, micro-batch {z.micro_batch_tokens} tokens, prefix budget "
         f"{plan.prefix_budget / GiB:.2f} GiB for this batch",
@@ -33,6 +34,16 @@ def _header(plan: MemoryPlan) -> list[str]:
         + (f"deferred to the serial path: {', '.join(deferred)}" if deferred else "all kept from the prefix phase"),
         "",
     ]
+
+
+def _lora_line(plan: MemoryPlan) -> list[str]:
+    if plan.lora is None:
+        return []
+    lo, adapters = plan.options.lora, plan.lora.adapters()
+    return [f"lora: rank {lo.rank} on {len(plan.lora.linears)} linears ({', '.join(lo.target_modules)}, excluding "
+            f"{lo.exclude_modules!r}): {adapters.total / 1e6:.2f}M adapter parameters trained, "
+            f"{'the vision tower trained in full' if lo.train_vision else 'the vision tower frozen'} "
+            f"(freeze vision above is the effective one); the base frozen in {plan.options.param_dtype}"]
 
 
 def format_plan(plan: MemoryPlan) -> str:
@@ -53,13 +64,18 @@ def format_plan(plan: MemoryPlan) -> str:
         "",
         "exact: parameters (from the layer shapes); master shard = (tp-split/tp + replicated)/dp_shard "
         "elements; gradients and 2 AdamW moments on the trainable part of it; ref weights = the shard in ref dtype; "
+        "with LoRA: the master shard, gradients and moments are the adapters' (rank x (in + out) per adapted "
+        "linear, counted on a meta-device model; + the vision tower with lora.train_vision), the frozen base "
+        "(params_frozen) = (tp-split/tp + replicated) elements in the compute dtype, whole on every dp rank, never "
+        "gathered, and engine_adapters = the engine's own copy of the adapters, kept for the run; "
         "gathered weights = all of them in rollout and prompt work, FSDP's root unit + 1 decoder layer in passes; "
         "KV per token = 2 x layers x kv_heads/tp x head_dim x dtype; KV pool = every sample's blocks at full length, "
         "at most what every phase leaves (allocated once, held the whole run); prompt K/V = that per prompt token, once per item "
         "(ref, actor, old); vision embeds = vision tokens x hidden x dtype.",
         "estimated from what the model's code saves for backward: per token and decoder layer 2 RMSNorms "
         "(float32 input, normalised value, output) + attention (q, k, v, output; the torch path's gathered copies) + "
-        "4 x intermediate; with checkpointing the layer's input; the prefix graph = that over the actor's prompt "
+        "4 x intermediate (+ per adapted linear its rank-wide product, and with lora.dropout its dropped input and "
+        "mask); with checkpointing the layer's input; the prefix graph = that over the actor's prompt "
         "tokens (+ the vision tower over its patches unless it reuses cached features); a training micro-batch = "
         "that over its tokens + max(logits: 6 float32 vocabulary rows per response token with the entropy bonus, "
         "over one chunk of the head's tokens at most, one layer's backward); a logprob pass = max(one layer's "
@@ -71,3 +87,30 @@ def format_plan(plan: MemoryPlan) -> str:
         "the CUDA context, FSDP's reduce buffers, optimizer temporaries.",
     ]
     return "\n".join(lines)
+
+
+def format_lora_saving(lora: MemoryPlan, full: MemoryPlan) -> str:
+    """The LoRA plan's update (the train and optimizer phases) beside the same run's without adapters
+    at the same sizes (`full`): what the frozen base saves, class by class."""
+    classes = ("params_sharded", "params_frozen", "engine_adapters", "grads", "optimizer_state")
+
+    def update(plan: MemoryPlan) -> tuple[int, dict[str, int]]:
+        phase = max(("train", "optimizer"), key=plan.rollplex.total)
+        return plan.rollplex.total(phase), {c: plan.rollplex.phases["optimizer"].get(c, 0) for c in classes}
+
+    (lora_peak, lora_state), (full_peak, full_state) = update(lora), update(full)
+
+    def state(by_class: dict[str, int]) -> str:
+        return ", ".join(f"{c} {b / GiB:.2f}" for c, b in by_class.items() if b)
+
+    fits = "fits" if full_peak <= full.sizes.usable else "does NOT fit"
+    return "\n".join([
+        "LoRA against full fine-tuning, same sizes (KV pool, micro-batch, prefix budget), update phase per GPU:",
+        f"  full fine-tuning: {full_peak / GiB:8.2f} GiB ({fits} in {full.sizes.usable / GiB:.1f} GiB usable); "
+        f"weights and optimizer state {sum(full_state.values()) / GiB:.2f} GiB ({state(full_state)})",
+        f"  LoRA rank {lora.options.lora.rank}:      {lora_peak / GiB:8.2f} GiB; weights and optimizer state "
+        f"{sum(lora_state.values()) / GiB:.2f} GiB ({state(lora_state)})",
+        f"  saved: {(sum(full_state.values()) - sum(lora_state.values())) / GiB:.2f} GiB of weights and optimizer "
+        f"state; {(full_peak - lora_peak) / GiB:.2f} GiB of the update's peak at these sizes (with the vision "
+        "tower's graph, where LoRA freezes it)",
+    ])
