@@ -126,3 +126,54 @@ def test_a_shorter_run_is_compared_over_the_steps_both_ran():
     assert gpu_check.against_serial_prefix(schedule(["a", "b"], [0.012, 0.013]), prefix, 0.0, 0.05)["same_samples"]
     assert not gpu_check.against_serial_prefix(schedule(["a", "x"], [0.012, 0.013]), prefix, 0.0, 0.05)[
         "same_samples"]
+
+
+def test_lora_train_check_on_a_tiny_model():
+    """lora_train_3b's CPU run (full fine-tuning, then LoRA, on the same groups) holds every criterion but the
+    CUDA ones (memory, time). Full fine-tuning trains every weight the text-only batch reaches (the language
+    model's), LoRA its rank-16 adapters on the 7 Linears of each decoder layer, nothing else."""
+    from rollplex.models import build_model
+
+    result = gpu_check.check_lora_train_3b("cpu")
+    assert result["ok"] is True, result["failed"]
+    full, lora = result["full"], result["lora"]
+    args = gpu_check._tiny_args()
+    params = dict(build_model(args).named_parameters())
+    assert full["trained_params"] == sum(p.numel() for name, p in params.items() if not name.startswith("visual."))
+    assert lora["base_params"] == sum(p.numel() for p in params.values())
+    t = args.text
+    kv = t.num_key_value_heads * t.head_dim
+    h = t.hidden_size
+    per_layer = 16 * (2 * (h + h) + 2 * (h + kv) + 3 * (h + t.intermediate_size))  # q, o; k, v; gate, up, down
+    assert result["adapter_params"] == lora["trained_params"] == t.num_hidden_layers * per_layer
+    assert result["base_state_gib"] > 0 and full["peak_gib"] is None  # no memory figures on the CPU
+
+
+def test_lora_train_check_fails_a_base_left_unfrozen(monkeypatch):
+    """A parallelization that puts the adapters on but leaves the base unfrozen (FSDP shards it, AdamW trains
+    it beside the adapters and moves it), as a defect would: the check must fail it."""
+    import rollplex.train.parallelize
+
+    monkeypatch.setattr(rollplex.train.parallelize, "freeze_base", lambda model, compute_dtype, train=(): None)
+    result = gpu_check.check_lora_train_3b("cpu")
+    assert result["ok"] is False and result["failed"] == ["trains_only_adapters", "base_unchanged"]
+
+
+def lora_result(saved_share: float, lora_step_s: float = 0.5) -> dict:
+    """A 3B comparison's figures as lora_criteria reads them: LoRA's peak below full's by `saved_share` of the
+    base's 50 GiB of masters, gradients and moments (a right one: 7/8 of it)."""
+    return {"base_state_gib": 50.0,
+            "full": {"step_s": 0.7, "peak_gib": 80.0, "skipped_steps": 0},
+            "lora": {"step_s": lora_step_s, "peak_gib": 80.0 - saved_share * 50.0, "skipped_steps": 0,
+                     "trained_params": 30, "adapter_params": 30, "adapters_moved": True,
+                     "base_dtypes": ["torch.bfloat16"], "base_unchanged": True}}
+
+
+@pytest.mark.parametrize("case, result, failed", [
+    ("right", lora_result(7 / 8), []),
+    ("base_in_fp32_or_with_bf16_gradients", lora_result(3 / 4), ["peak_saves_base_state"]),  # 2 bytes a parameter
+    ("slower_than_full", lora_result(7 / 8, lora_step_s=0.8), ["lora_step_faster"]),
+])
+def test_the_lora_criteria_fail_on_bad_input(case, result, failed):
+    verdict = gpu_check.verdict_of(gpu_check.lora_criteria(result, cuda=True), "")
+    assert verdict["failed"] == failed

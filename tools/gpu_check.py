@@ -844,6 +844,14 @@ def check_forward_timing(device: str) -> dict:
             "tokens": tokens, "forward_s": dt, "tokens_per_s": tokens / dt, "note": "random weights; timing only"}
 
 
+def _packed_train_groups(args: ModelArgs, cuda: bool) -> list:
+    """The training checks' workload (tools/bench_packed_train.py groups_of): 2 text-only groups of a 512-token
+    prompt and 8 responses of up to 1,024 tokens (12,582 tokens); on the CPU 2 groups of 16 and 2 x up to 8."""
+    import bench_packed_train
+
+    return bench_packed_train.groups_of(*((2, 8, 512, 1024) if cuda else (2, 2, 16, 8)), args.text.vocab_size)
+
+
 def check_packed_train_3b(device: str) -> dict:
     """A training pass (shared-prefix forward, chunked logprob head, backward) of a 3B-shaped model
     (random weights, bf16) over 2 text-only groups of a 512-token prompt and 8 responses of up to
@@ -856,8 +864,7 @@ def check_packed_train_3b(device: str) -> dict:
     cuda = _cuda(device)
     args = _3b_args(cuda)
     model = build_model(args, dtype=torch.bfloat16 if cuda else torch.float32, device=device, seed=0)
-    shape = (2, 8, 512, 1024) if cuda else (2, 2, 16, 8)
-    groups = bench_packed_train.groups_of(*shape, args.text.vocab_size)
+    groups = _packed_train_groups(args, cuda)
     backends = bench_packed_train.working_backends(torch.device(device))
     result = bench_packed_train.timed_passes(model, groups, backends, repeats=3 if cuda else 1)
     result["backends"] = backends
@@ -868,6 +875,55 @@ def check_packed_train_3b(device: str) -> dict:
     criteria = {"timed_every_backend": all(result[name]["pass_ms"] > 0 for name in backends),
                 "finite_gradients": grads_finite}
     return {**result, **verdict_of(criteria, "every working backend timed; finite gradients")}
+
+
+# LoRA's peak must be below full fine-tuning's by this share of the fp32 masters, gradients and AdamW moments that
+# full fine-tuning's trained weights take and LoRA's frozen base no longer needs (16 bytes a parameter: 50 GiB at
+# 3B). The base's own bf16 copy is an eighth of them and, with activation checkpointing, the activations are small
+# beside them, so a right implementation saves about 7/8; a base held in fp32, or given bf16 gradients, saves at
+# most 3/4 and fails.
+LORA_PEAK_SAVED_SHARE = 0.8
+
+
+def lora_criteria(result: dict, cuda: bool) -> dict[str, bool]:
+    """The criteria of a `bench_packed_train.lora_against_full` comparison. Everywhere: no step skipped (a
+    non-finite loss or gradient), AdamW trains the adapters and nothing else, every adapter moved, the frozen
+    base is held in the compute dtype and bitwise unchanged. On CUDA also: LoRA's peak is below full
+    fine-tuning's by at least LORA_PEAK_SAVED_SHARE of the base's training state, and its step is faster (its
+    backward computes no weight gradient of the base)."""
+    full, lora = result["full"], result["lora"]
+    criteria = {"no_step_skipped": full["skipped_steps"] == lora["skipped_steps"] == 0,
+                "trains_only_adapters": lora["trained_params"] == lora["adapter_params"] > 0,
+                "adapters_moved": lora["adapters_moved"],
+                "base_in_compute_dtype": lora["base_dtypes"] == [str(torch.bfloat16 if cuda else torch.float32)],
+                "base_unchanged": lora["base_unchanged"]}
+    if cuda:
+        criteria["peak_saves_base_state"] = (full["peak_gib"] - lora["peak_gib"]
+                                             >= LORA_PEAK_SAVED_SHARE * result["base_state_gib"])
+        criteria["lora_step_faster"] = lora["step_s"] < full["step_s"]
+    return criteria
+
+
+def check_lora_train_3b(device: str) -> dict:
+    """A trainer's optimizer step with LoRA (rank 16 on every Linear of the language model) against full
+    fine-tuning, side by side on packed_train_3b's model shapes and groups (tools/bench_packed_train.py
+    lora_against_full): each model as the RL loop loads and parallelizes it for one process (full: fp32
+    masters; LoRA: the base in bf16, frozen, outside FSDP; activation checkpointing in both), the Actor's
+    update over 2 micro-batches, a warm-up step and 2 timed ones (CPU: 1). Reports each one's step time,
+    peak and held memory, the parameters AdamW trains and their state's size, the ratios and the adapters'
+    parameter count; `lora_criteria` is the verdict. The first GPU run of the frozen base (issue 29): a base
+    left trainable, a gradient or an fp32 copy left on it, adapters no step moves, or a step that writes the
+    base fails it."""
+    import bench_packed_train
+
+    cuda = _cuda(device)
+    args = _3b_args(cuda)
+    result = bench_packed_train.lora_against_full(args, _packed_train_groups(args, cuda), torch.device(device),
+                                                  rank=16, steps=2 if cuda else 1)
+    text = ("no step skipped; AdamW trains only the adapters, each of which moved; the frozen base in the compute "
+            "dtype, bitwise unchanged; CUDA: LoRA's peak below full's by >= "
+            f"{LORA_PEAK_SAVED_SHARE} of the base's fp32 masters, gradients and moments, and a faster step")
+    return {**result, **verdict_of(lora_criteria(result, cuda), text)}
 
 
 def check_train_attention_backends(device: str) -> dict:
@@ -1123,6 +1179,8 @@ CHECKS = {
     "cascade_decode_triton": Check(check_cascade_decode_triton, 8, "rest"),
     "forward_timing_3b": Check(check_forward_timing, 6, "rest"),
     "train_attention_backends": Check(check_train_attention_backends, 20, "rest"),
+    # Before packed_train_3b's timings: the first GPU run of LoRA's frozen base, with criteria that can fail it.
+    "lora_train_3b": Check(check_lora_train_3b, 10, "rest"),
     "packed_train_3b": Check(check_packed_train_3b, 40, "rest"),
     "decode_layer": Check(check_decode_layer, 15, "rest"),
     "to_device_latency": Check(check_to_device_latency, 3, "rest"),
