@@ -61,6 +61,16 @@ def test_memory_does_not_grow_over_25_steps(tmp_path):
     assert trainer.engine.cache.nbytes == trainer.engine.cache.pool_bytes()  # one pool, held all run
 
 
+def measured_step(trainer: RLTrainer, batches, step: int, planned: dict[str, int]) -> tuple[dict, dict, dict]:
+    """Train step `step`: its metrics, each phase's measured peak of live tensor bytes, and each
+    planned phase's relative error against it."""
+    trainer.step = step
+    metrics = trainer.train_step(next(batches))
+    measured = {k.rsplit("/", 1)[1]: v * 2**30 for k, v in metrics.items()
+                if k.startswith("perf/max_memory_allocated_gb/")}
+    return metrics, measured, {phase: measured[phase] / planned[phase] - 1 for phase in planned}
+
+
 def test_the_plan_sizes_a_capped_run_and_predicts_each_phase(tmp_path):
     """8 overlap steps within the cap (test_memory_does_not_grow_over_25_steps runs longer): every size is the plan's, every phase's
     measured peak of live tensor bytes (trainer.device_memory on CPU turns the
@@ -76,13 +86,9 @@ def test_the_plan_sizes_a_capped_run_and_predicts_each_phase(tmp_path):
     assert planned.keys() == {"gen", "ref", "update_actor"}
     batches = trainer._batches(0)
     for step in range(1, 9):
-        trainer.step = step
-        metrics = trainer.train_step(next(batches))
-        measured = {k.rsplit("/", 1)[1]: v * 2**30 for k, v in metrics.items()
-                    if k.startswith("perf/max_memory_allocated_gb/")}
+        metrics, measured, errors = measured_step(trainer, batches, step, planned)
         assert max(measured.values()) < CAP, measured
         assert metrics["prefix/deferred_items"] == plan.admitted.count(False)
-        errors = {phase: measured[phase] / planned[phase] - 1 for phase in planned}
         if step == 1:
             moments = plan.rollplex.phases["optimizer"]["optimizer_state"]
             assert abs(measured["gen"] / (planned["gen"] - moments) - 1) <= 0.1, measured
@@ -117,11 +123,7 @@ def test_the_plan_counts_a_lora_run_as_it_holds_its_weights_and_predicts_each_ph
     planned = loop_phase_bytes(plan)
     batches = trainer._batches(0)
     for step in range(1, 5):
-        trainer.step = step
-        metrics = trainer.train_step(next(batches))
-        measured = {k.rsplit("/", 1)[1]: v * 2**30 for k, v in metrics.items()
-                    if k.startswith("perf/max_memory_allocated_gb/")}
-        errors = {phase: measured[phase] / planned[phase] - 1 for phase in planned}
+        _, _, errors = measured_step(trainer, batches, step, planned)
         assert all(abs(e) <= 0.1 for e in errors.values()), (step, errors)
 
 
