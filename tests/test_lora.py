@@ -234,6 +234,9 @@ def test_a_frozen_vision_tower_gets_no_adapters(tmp_path):
     assert adapters and not any(n.startswith("visual.") for n in adapters)
     assert not any(p.requires_grad for n, p in trainer.model.named_parameters() if n.startswith("visual."))
     assert trainer.memory.options.freeze_vision
+    engine = {n for n, _ in trainer.weights.engine_model.named_parameters() if is_adapter(n)}
+    assert engine == {n.replace("._checkpoint_wrapped_module", "") for n in adapters}  # the engine mirrors them
+    trainer.fit()
 
 
 def test_save_hf_writes_the_adapters_as_a_peft_folder(tmp_path):

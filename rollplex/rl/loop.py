@@ -180,7 +180,7 @@ class RLTrainer:
         cfg = self.cfg
         mesh = build_mesh(self.dims, self.device.type)
         self._shard_models(mesh)
-        self.weights = SharedWeights(self.model, cfg.parallel.tp, cfg.rollout.tp, cfg.lora)
+        self.weights = SharedWeights(self.model, cfg.parallel.tp, cfg.rollout.tp)
         self.checkpoint_group = None  # every rank writes its shards
 
     def _shard_models(self, mesh) -> None:

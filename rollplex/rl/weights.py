@@ -69,11 +69,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from rollplex.config.sections import LoRAConfig
 from rollplex.dist import all_reduce_values, full_tensor, local_tensor
 from rollplex.models.protocol import VisionLanguageModel
 from rollplex.models.registry import family_of
-from rollplex.train.lora import apply_lora, is_adapter
+from rollplex.train.lora import is_adapter, mirror_adapters
 from rollplex.train.parallelize import apply_tp, fsdp_units, hold_gathered, release_gathered
 
 
@@ -107,8 +106,7 @@ class _Binding:
 
 
 class SharedWeights:
-    def __init__(self, model: VisionLanguageModel, trainer_tp: int = 1, engine_tp: int = 1,
-                 lora: LoRAConfig | None = None):
+    def __init__(self, model: VisionLanguageModel, trainer_tp: int = 1, engine_tp: int = 1):
         self.model = model
         self.units = fsdp_units(model)
         self.report = SharingReport()
@@ -116,7 +114,7 @@ class SharedWeights:
         self._engine_model = None
         self.engine_tp_group: dist.ProcessGroup | None = None  # the engine's own TP group, when rollout.tp > 1
         if self.units:
-            self._engine_model, self.engine_tp_group = _engine_skeleton(model, engine_tp, lora)
+            self._engine_model, self.engine_tp_group = _engine_skeleton(model, engine_tp)
             masters = dict(model.named_parameters())  # FSDP's sharded parameters: outside a gather
             with torch.no_grad():
                 self._gather()
@@ -224,11 +222,10 @@ class SharedWeights:
         self._engine_model.set_attn_backend(self.model.attn_backend)
 
 
-def _engine_skeleton(model: VisionLanguageModel, engine_tp: int,
-                     lora: LoRAConfig | None) -> tuple[VisionLanguageModel, dist.ProcessGroup | None]:
+def _engine_skeleton(model: VisionLanguageModel, engine_tp: int) -> tuple[VisionLanguageModel, dist.ProcessGroup | None]:
     """The engine's hook-free model on the meta device, split over an engine TP mesh
-    of its own when engine_tp > 1, with the trainer's LoRA adapters (laid out on that
-    split) when lora.rank > 0; with its TP group (None without TP)."""
+    of its own when engine_tp > 1, with adapters where the trainer's model has LoRA's
+    (laid out on that split); with its TP group (None without TP)."""
     world = dist.get_world_size()
     if world % engine_tp:
         raise ValueError(f"rollout.tp={engine_tp} does not divide the world size {world}")
@@ -238,8 +235,7 @@ def _engine_skeleton(model: VisionLanguageModel, engine_tp: int,
     if engine_tp > 1:
         mesh = init_device_mesh(model.device.type, (world // engine_tp, engine_tp), mesh_dim_names=("replica", "tp"))
         skeleton, group = apply_tp(skeleton, mesh["tp"]), mesh["tp"].get_group()
-    if lora is not None and lora.rank > 0:
-        apply_lora(skeleton, lora)
+    mirror_adapters(model, skeleton)
     return skeleton, group
 
 

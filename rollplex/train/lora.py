@@ -18,8 +18,8 @@ compute dtype only, without gradients: the trainer needs no fp32 master copy,
 gradients or AdamW moments for it (rollplex.train.parallelize leaves it out of
 FSDP, so it is never gathered and the engine reads it in place).
 
-The engine's model gets the same adapters (on its meta skeleton, by
-rollplex.rl.weights) and so runs the same arithmetic as the trainer's forward:
+The engine's model gets the same adapters (`mirror_adapters`, on its meta
+skeleton, by rollplex.rl.weights) and so runs the same arithmetic as the trainer's forward:
 the base is never merged, so no bf16 rounding of W + BA drifts between the two.
 """
 
@@ -99,31 +99,49 @@ def selected_layers(model: nn.Module, config: LoRAConfig,
             yield name, module
 
 
-def apply_lora(model: nn.Module, config: LoRAConfig, seed: int = 0, skip: nn.Module | None = None) -> list[str]:
-    """Put adapters on the selected layers of `model` (none inside `skip`) in place (after tensor parallelism:
-    each adapter takes its layer's layout) and return their names. A is drawn from a
-    generator seeded by `seed` and the layer's place in the model, so every rank and every
-    parallel layout starts from the same adapters; B is zero. On the meta device nothing
-    is drawn (the engine's skeleton)."""
+def apply_lora(model: nn.Module, config: LoRAConfig, seed: int = 0, skip: nn.Module | None = None) -> None:
+    """Put adapters on the selected layers of `model` (none inside `skip`) in place, after
+    tensor parallelism: each adapter takes its layer's layout. A is drawn from a generator
+    seeded by `seed` and the layer's place in the model, so every rank and every parallel
+    layout starts from the same adapters; B is zero. On the meta device nothing is drawn."""
     layers = list(selected_layers(model, config, skip))
     if not layers:
         raise ValueError(f"lora.target_modules {config.target_modules} select no Linear layer outside "
                          f"lora.exclude_modules {config.exclude_modules!r}")
-    scaling = config.alpha / config.rank
     for index, (name, linear) in enumerate(layers):
-        weight = linear.weight
-        a = torch.empty(config.rank, weight.shape[1], dtype=torch.float32, device=weight.device)
-        b = torch.zeros(weight.shape[0], config.rank, dtype=torch.float32, device=weight.device)
-        if not a.is_meta:
+        a = None
+        if not linear.weight.is_meta:
             generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
-            a.copy_(nn.init.kaiming_uniform_(torch.empty(a.shape), a=math.sqrt(5), generator=generator))
-        if isinstance(weight, DTensor):
-            a_layout, b_layout = _adapter_layouts(weight, name)
-            # Every rank drew the same whole tensors: each keeps its block, no collective.
-            a = distribute_tensor(a, weight.device_mesh, a_layout, src_data_rank=None)
-            b = distribute_tensor(b, weight.device_mesh, b_layout, src_data_rank=None)
-        LoRALinear.adapt(linear, a, b, scaling, config.dropout)
-    return [name for name, _ in layers]
+            a = nn.init.kaiming_uniform_(torch.empty(config.rank, linear.in_features), a=math.sqrt(5),
+                                         generator=generator)
+        _add_adapter(linear, name, config.rank, config.alpha / config.rank, config.dropout, a)
+
+
+def mirror_adapters(source: nn.Module, target: nn.Module) -> None:
+    """Give `target`, a model of `source`'s family (the engine's meta skeleton, maybe split
+    over another TP layout), an adapter of the same rank and scaling on each layer where
+    `source` has one, laid out as `target`'s layer; its values come from `source` later."""
+    for name, layer in source.named_modules():
+        if isinstance(layer, LoRALinear):
+            name = name.replace(_CHECKPOINT_PREFIX, "")
+            _add_adapter(target.get_submodule(name), name, layer.lora_A.shape[0], layer.scaling, layer.lora_dropout)
+
+
+def _add_adapter(linear: nn.Linear, name: str, rank: int, scaling: float, dropout: float,
+                 a: torch.Tensor | None = None) -> None:
+    """`linear` as a LoRALinear with an fp32 adapter of `rank`: A = `a` (the whole tensor; else
+    left unset), B zero, each laid out to match the layer's weight."""
+    weight = linear.weight
+    lora_a = torch.empty(rank, weight.shape[1], dtype=torch.float32, device=weight.device)
+    lora_b = torch.zeros(weight.shape[0], rank, dtype=torch.float32, device=weight.device)
+    if a is not None:
+        lora_a.copy_(a)
+    if isinstance(weight, DTensor):
+        a_layout, b_layout = _adapter_layouts(weight, name)
+        # Every rank holds the same whole tensors: each keeps its block, no collective.
+        lora_a = distribute_tensor(lora_a, weight.device_mesh, a_layout, src_data_rank=None)
+        lora_b = distribute_tensor(lora_b, weight.device_mesh, b_layout, src_data_rank=None)
+    LoRALinear.adapt(linear, lora_a, lora_b, scaling, dropout)
 
 
 def _adapter_layouts(weight: DTensor, name: str) -> tuple[list, list]:
