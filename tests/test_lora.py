@@ -198,25 +198,32 @@ def lora_run(rank, world, out, *extra):
     RLTrainer(load_config(FAST + ["--trainer.output_dir", out, "--trainer.num_threads", "1", *extra])).fit()
 
 
-def test_two_ranks_with_one_engine_over_both_sample_what_one_rank_samples(tmp_path):
-    """dp_shard=2 (the base whole on each rank) and rollout.tp=2: the engine's adapters are rebuilt
-    on its own TP layout, the base's engine shards are views of it. Same samples and loss as one process."""
-    lora_run(0, 1, str(tmp_path / "one"))
-    run_distributed(lora_run, 2, str(tmp_path / "two"), "--rollout.tp", "2")
+@pytest.mark.parametrize("layout, both", [(["--rollout.tp", "2"], []),
+                                          (["--schedule.kind", "overlap"], ["--algorithm.kl_coef", "0.1"]),
+                                          (["--parallel.tp", "2", "--rollout.tp", "2"], [])])
+def test_two_ranks_sample_and_train_what_one_rank_does(tmp_path, layout, both):
+    """Two ranks as dp_shard=2 with one engine over both (rollout.tp 2: its adapters rebuilt on its own TP
+    layout, the base's engine shards views of the base), as dp_shard=2 with the overlap schedule's prompt
+    work and the base as the reference, or as parallel.tp=2 (the base and the adapters split; the engine
+    reads the base in place): the same samples and step-1 loss as one serial process."""
+    lora_run(0, 1, str(tmp_path / "one"), *both)
+    run_distributed(lora_run, 2, str(tmp_path / "two"), *layout, *both)
     single = read_metrics(tmp_path / "one" / "metrics.jsonl")
     double = read_metrics(tmp_path / "two" / "metrics.jsonl")
     assert abs(double[0]["actor/pg_loss"] - single[0]["actor/pg_loss"]) < 1e-5
     for key in ("critic/score/mean", "response_length/mean"):
         assert [r.get(key) for r in double] == [r.get(key) for r in single], key
-    assert double[0]["weights/bytes_viewed"] > 0 and double[0]["weights/bytes_rebuilt"] > 0
+    if layout == ["--rollout.tp", "2"]:
+        assert double[0]["weights/bytes_viewed"] > 0 and double[0]["weights/bytes_rebuilt"] > 0
 
 
-@pytest.mark.parametrize("schedule", ["serial", "overlap"])
+@pytest.mark.parametrize("schedule", [["--schedule.kind", "serial"], ["--schedule.kind", "overlap"],
+                                      ["--schedule.kind", "overlap", "--schedule.stream_groups", "true"]])
 def test_the_reference_model_is_the_base_on_the_same_tensors(tmp_path, schedule):
     """kl_coef > 0: the reference model reads the trainer's frozen base parameters themselves (no
     second copy); the KL is zero while the adapters are, and grows once they have trained."""
     trainer = RLTrainer(load_config(FAST + ["--trainer.output_dir", str(tmp_path), "--algorithm.kl_coef", "0.1",
-                                            "--algorithm.updates_per_batch", "1", "--schedule.kind", schedule]))
+                                            "--algorithm.updates_per_batch", "1", *schedule]))
     actor = {n.replace("._checkpoint_wrapped_module", ""): p for n, p in trainer.model.named_parameters()}
     ref = dict(trainer.ref_model.named_parameters())
     assert set(ref) == {n for n in actor if not is_adapter(n)}
