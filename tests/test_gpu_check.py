@@ -152,9 +152,9 @@ def test_lora_train_check_on_a_tiny_model():
 def test_lora_train_check_fails_a_base_left_unfrozen(monkeypatch):
     """A parallelization that puts the adapters on but leaves the base unfrozen (FSDP shards it, AdamW trains
     it beside the adapters and moves it), as a defect would: the check must fail it."""
-    import rollplex.train.parallelize
+    import rollplex.train.lora
 
-    monkeypatch.setattr(rollplex.train.parallelize, "freeze_base", lambda model, compute_dtype, train=(): None)
+    monkeypatch.setattr(rollplex.train.lora, "freeze_base", lambda model, compute_dtype, train=(): None)
     result = gpu_check.check_lora_train_3b("cpu")
     assert result["ok"] is False and result["failed"] == ["trains_only_adapters", "base_unchanged"]
 

@@ -37,9 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rollplex.config import Config, load_config_file  # noqa: E402
 from rollplex.models import from_pretrained  # noqa: E402
 from rollplex.models.protocol import VisionLanguageModel  # noqa: E402
-from rollplex.models.registry import family_of  # noqa: E402
 from rollplex.train.checkpoint import export_hf, latest_checkpoint, load_model_weights, step_dir_name  # noqa: E402
-from rollplex.train.lora import apply_lora, freeze_base  # noqa: E402
+from rollplex.train.lora import add_lora  # noqa: E402
 from rollplex.train.lora_export import export_peft_adapter  # noqa: E402
 
 
@@ -57,10 +56,8 @@ def lora_model(cfg: Config, source: Path) -> VisionLanguageModel:
     """The model as a LoRA run held it (rollplex.rl.loop): the base in model.dtype, frozen, with
     the run's adapters (their values are the checkpoint's); under train_vision the tower in float32."""
     run_dtype = getattr(torch, cfg.model.dtype)
-    model = from_pretrained(source, dtype=torch.float32 if cfg.lora.train_vision else run_dtype)
-    tower = family_of(model).vision_tower(model)
-    apply_lora(model, cfg.lora, cfg.trainer.seed, skip=tower if cfg.parallel.freeze_vision else None)
-    freeze_base(model, run_dtype, train=(tower,) if cfg.lora.train_vision else ())
+    model = from_pretrained(source, dtype=run_dtype if cfg.lora.adapters_only else torch.float32)
+    add_lora(model, cfg.lora, run_dtype, cfg.trainer.seed, cfg.parallel.freeze_vision)
     return model
 
 
@@ -79,7 +76,7 @@ def main(argv: list[str] | None = None) -> Path:
     checkpoint = checkpoint_of(a.run_dir, a.step)
     dtype = getattr(torch, a.dtype or cfg.model.dtype)
     adapter = cfg.lora.rank > 0 and not a.merged
-    if adapter and cfg.lora.train_vision:  # before loading the model, which export_peft_adapter would refuse
+    if adapter and not cfg.lora.adapters_only:  # before loading the model, which export_peft_adapter would refuse
         raise SystemExit(f"{a.run_dir} trained its vision tower in full (lora.train_vision), which no adapter "
                          "holds: export it with --merged")
     model = lora_model(cfg, source) if cfg.lora.rank > 0 else from_pretrained(source, dtype=dtype)

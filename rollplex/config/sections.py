@@ -142,6 +142,12 @@ class LoRAConfig(Section):
     """Train the vision tower's own weights in full (fp32 masters, AdamW) beside the adapters; false freezes
     its weights (it still gets adapters where target_modules reach it and exclude_modules does not)."""
 
+    @property
+    def adapters_only(self) -> bool:
+        """Adapters are all that trains (rank > 0, the vision tower not trained in full): the whole base is
+        frozen, so it loads in the compute dtype, serves as the reference model and exports as a PEFT adapter."""
+        return self.rank > 0 and not self.train_vision
+
     def _check_ranges(self) -> None:
         self._require(self.rank >= 0, "rank", ">= 0 (0 = no adapters)")
         self._require(self.alpha > 0, "alpha", "> 0")

@@ -157,18 +157,12 @@ class RLTrainer:
         with LoRA the frozen base in model.dtype only (unless the vision tower trains in full: the
         adapters are fp32 whatever it loads in); the frozen reference model in model.dtype only."""
         cfg = self.cfg
-        frozen_base = cfg.lora.rank > 0 and not cfg.lora.train_vision
-        self.model = from_pretrained(path, dtype=self.compute_dtype if frozen_base else torch.float32,
+        self.model = from_pretrained(path, dtype=self.compute_dtype if cfg.lora.adapters_only else torch.float32,
                                      device=self.device, attn_backend=cfg.model.attn_backend)
         self.ref_model = None
-        if cfg.algorithm.kl_coef > 0 and not self._reference_is_the_base:
+        # With LoRA on a wholly frozen base the reference model is that base, on the same tensors (_shard_models).
+        if cfg.algorithm.kl_coef > 0 and not cfg.lora.adapters_only:
             self.ref_model = self._frozen_reference(path)
-
-    @property
-    def _reference_is_the_base(self) -> bool:
-        """With LoRA on a wholly frozen base, the reference model is that base itself, on the same
-        tensors (rollplex.train.lora.base_model_view): no second copy of the weights."""
-        return self.cfg.lora.rank > 0 and not self.cfg.lora.train_vision
 
     def _frozen_reference(self, path: Path) -> VisionLanguageModel:
         return from_pretrained(path, dtype=self.compute_dtype, device=self.device,
@@ -474,7 +468,7 @@ class RLTrainer:
         a LoRA run's adapters as a PEFT folder (the merged model when its vision tower trained in full)."""
         start, cfg = time.perf_counter(), self.cfg
         out_dir = cfg.trainer.hf_dir or self.out / "hf"
-        if cfg.lora.rank > 0 and not cfg.lora.train_vision:
+        if cfg.lora.adapters_only:
             out = export_peft_adapter(self.model, out_dir, cfg.lora, str(self.model_dir), group=self.checkpoint_group)
             what = "LoRA adapter"
         else:

@@ -162,6 +162,16 @@ def _adapter_layouts(weight: DTensor, name: str) -> tuple[list, list]:
     return a_layout, b_layout
 
 
+def add_lora(model: nn.Module, config: LoRAConfig, compute_dtype: torch.dtype, seed: int = 0,
+             freeze_vision: bool = False) -> set[nn.Parameter]:
+    """LoRA as a run holds it (rollplex.train.parallelize, tools/export_hf.py): adapters on the
+    selected layers (none in the vision tower when `freeze_vision`), then the base frozen in
+    `compute_dtype` (the tower trained in full under config.train_vision); the frozen parameters."""
+    vision = family_of(model).vision_tower(model)
+    apply_lora(model, config, seed, skip=vision if freeze_vision else None)
+    return freeze_base(model, compute_dtype, train=(vision,) if config.train_vision else ())
+
+
 def freeze_base(model: nn.Module, compute_dtype: torch.dtype, train: tuple[nn.Module, ...] = ()) -> set[nn.Parameter]:
     """Freeze every parameter of `model` but the adapters and those of the `train` modules
     (lora.train_vision's tower), holding each frozen one in `compute_dtype` only; return

@@ -24,7 +24,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from rollplex.models.protocol import VisionLanguageModel, fsdp_entry_methods
 from rollplex.config.sections import LoRAConfig
 from rollplex.models.registry import family_of
-from rollplex.train.lora import apply_lora, freeze_base
+from rollplex.train.lora import add_lora
 
 # Each FSDP unit's reshard_after_forward, as apply_fsdp set it: FSDP2 can set it at runtime but has no public getter.
 _RESHARD_AFTER_FORWARD: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
@@ -106,15 +106,11 @@ def parallelize(model: VisionLanguageModel, mesh: DeviceMesh, activation_checkpo
     """TP over mesh["tp"] (when > 1), LoRA adapters (lora.rank > 0: on the TP layout, seeded by
     `seed`, none in a vision tower `freeze_vision` freezes), activation checkpointing, then FSDP2 over mesh["dp_shard"], computing in
     `compute_dtype` (the model holds the master weights; with LoRA, of the adapters only)."""
-    vision = family_of(model).vision_tower(model)
     if freeze_vision:
-        vision.requires_grad_(False)
+        family_of(model).vision_tower(model).requires_grad_(False)
     if mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"])
-    frozen = None
-    if lora is not None and lora.rank > 0:
-        apply_lora(model, lora, seed, skip=vision if freeze_vision else None)
-        frozen = freeze_base(model, compute_dtype, train=(vision,) if lora.train_vision else ())
+    frozen = add_lora(model, lora, compute_dtype, seed, freeze_vision) if lora is not None and lora.rank > 0 else None
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     return apply_fsdp(model, mesh["dp_shard"], compute_dtype, frozen)

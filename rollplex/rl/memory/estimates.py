@@ -266,7 +266,7 @@ def _vision_saved(args: FamilyArgs, size: int, options: MemoryOptions) -> int:
     under checkpointing a block keeps its input only, so its adapters' count in no graph)."""
     lora = _lora(args, options)
     extra = lora.vision_saved(size, args.vision.spatial_merge_size, options.activation_checkpointing) if lora else 0
-    frozen = lora is not None and not options.lora.train_vision
+    frozen = options.lora.adapters_only
     return vision_patch_bytes(args, size, options.activation_checkpointing, options.attention, frozen) + extra
 
 

@@ -128,7 +128,7 @@ class MemoryOptions:
     def ref_is_base(self) -> bool:
         """The reference model is LoRA's frozen base itself, on the trainer's tensors (rollplex.train.lora
         .base_model_view): no weights of its own, none gathered. With lora.train_vision it is a copy."""
-        return self.ref_model and self.lora.rank > 0 and not self.lora.train_vision
+        return self.ref_model and self.lora.adapters_only
 
     @classmethod
     def from_config(cls, cfg, schedule: str, param_dtype: torch.dtype, device_memory: int,
