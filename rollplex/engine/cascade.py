@@ -46,10 +46,12 @@ class PrefixGroups:
     block). `shared_blocks[row]` is how many leading blocks of a row's table its
     group covers (0 for a row in no group). Changes only when rows join or leave."""
 
-    members: torch.Tensor  # (groups, most members) int64
-    prefix_tables: torch.Tensor  # (groups, most prefix blocks) int64
-    prefix_lens: torch.Tensor  # (groups,) int64
-    shared_blocks: torch.Tensor  # (batch,) int64
+    # int32, as the block tables and lengths of plain decode: the kernels' loop and position arithmetic
+    # stays 32-bit (only a K/V address is widened to 64 bits).
+    members: torch.Tensor  # (groups, most members) int32
+    prefix_tables: torch.Tensor  # (groups, most prefix blocks) int32
+    prefix_lens: torch.Tensor  # (groups,) int32
+    shared_blocks: torch.Tensor  # (batch,) int32
 
     @classmethod
     def build(cls, members: list[list[int]], prefix_tables: list[list[int]], batch: int, pad_block: int,
@@ -61,14 +63,14 @@ class PrefixGroups:
             for row in rows:
                 shared[row] = len(table)
 
-        def int64(values: list, *shape: int) -> torch.Tensor:
-            return to_device(values, device, torch.int64).view(*shape)
+        def int32(values: list, *shape: int) -> torch.Tensor:
+            return to_device(values, device, torch.int32).view(*shape)
 
         return cls(
-            int64([m + [batch] * (most_members - len(m)) for m in members], len(members), most_members),
-            int64([t + [pad_block] * (most_blocks - len(t)) for t in prefix_tables], len(members), most_blocks),
-            int64([len(t) * block_size for t in prefix_tables], len(members)),
-            int64(shared, batch))
+            int32([m + [batch] * (most_members - len(m)) for m in members], len(members), most_members),
+            int32([t + [pad_block] * (most_blocks - len(t)) for t in prefix_tables], len(members), most_blocks),
+            int32([len(t) * block_size for t in prefix_tables], len(members)),
+            int32(shared, batch))
 
 
 class CascadeDecodeAttention:
@@ -264,7 +266,6 @@ class SharedPrefixDecode:
         """Once per runner, at the first capture: every graph reads its rows of these."""
         dev, n = self.device, self.max_num_seqs
         most_groups = max(1, n // 2)
-        self.static = {"members": torch.empty(most_groups, self.group_width, dtype=torch.long, device=dev),
-                       "prefix_tables": torch.empty(most_groups, self.max_blocks, dtype=torch.long, device=dev),
-                       "prefix_lens": torch.empty(most_groups, dtype=torch.long, device=dev),
-                       "shared_blocks": torch.empty(n, dtype=torch.long, device=dev)}
+        self.static = {name: torch.empty(*shape, dtype=torch.int32, device=dev) for name, shape in (
+            ("members", (most_groups, self.group_width)), ("prefix_tables", (most_groups, self.max_blocks)),
+            ("prefix_lens", (most_groups,)), ("shared_blocks", (n,)))}

@@ -5,7 +5,7 @@ inputs (shapes as there):
 
     q              (batch, q_heads, head_dim)
     k/v_cache      (num_blocks, block_size, kv_heads, head_dim), a per-layer view, any strides
-    members        (groups, width) int64: each group's rows of q; slots >= batch are padding
+    members        (groups, width) int32: each group's rows of q; slots >= batch are padding
     prefix_tables  (groups, prefix width): the blocks the group's rows share
     prefix_lens    (groups,): tokens of those blocks (0: a padding group)
     tail_tables    (batch, tail width) and tail_lens (batch,): each row's own blocks past them

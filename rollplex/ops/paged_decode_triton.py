@@ -231,9 +231,17 @@ def _sm_count(device: torch.device) -> int:
     return 132  # interpreter mode: pretend to be an H100/H200, so split-K paths get exercised
 
 
-def _tile_n(rows_pad: int, head_dim_pad: int) -> int:
-    """Keys per tile: >= 16 for tl.dot, fewer for wide heads or many query rows, to keep the tiles in registers."""
-    return 64 if head_dim_pad <= 128 and rows_pad * head_dim_pad <= 64 * 128 else 32
+def _tile_and_warps(rows_pad: int, head_dim_pad: int, fp32: bool) -> tuple[int, int]:
+    """Keys per tile (>= 16 for tl.dot) and warps of a program. Its query tile and float32
+    accumulator (rows x head_dim) stay in registers across the key loop, so the larger
+    they are, the shorter the key tile and the more warps share them; float32 queries
+    count double. Chosen by registers measured offline for sm_90 (tools/compile_kernels.py,
+    triton 3.6): at most ~190 per thread and no spill at head_dim 128 and 256, bf16 and
+    float32, for a plain row (16 tile rows) and a cascade group (64); the cascade's 64 x 128
+    bf16 tile took 245 registers with 4 warps, 160 with 8."""
+    cells = rows_pad * head_dim_pad * (2 if fp32 else 1)
+    tile_n = 64 if head_dim_pad <= 128 and cells <= 8192 else 32 if cells <= 16384 else 16
+    return tile_n, 4 if cells <= 4096 else 8 if cells <= 16384 else 16
 
 
 def default_num_splits(batch: int, kv_heads: int, max_context: int, tile_n: int, sm_count: int) -> int:
@@ -267,6 +275,7 @@ class DecodeLaunch:
     tile_n: int
     rows_pad: int
     head_dim_pad: int
+    num_warps: int
 
     @classmethod
     def plan(cls, q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, num_members: int = 1,
@@ -277,7 +286,7 @@ class DecodeLaunch:
         block_size, kv_heads = k_cache.shape[1:3]
         rows_pad = max(16, _next_pow2(num_members * (q_heads // kv_heads)))  # tl.dot needs >= 16 rows
         head_dim_pad = max(16, _next_pow2(head_dim))
-        tile_n = _tile_n(rows_pad, head_dim_pad)
+        tile_n, num_warps = _tile_and_warps(rows_pad, head_dim_pad, q.dtype == torch.float32)
         max_context = block_tables.shape[1] * block_size
         max_tiles = max(1, math.ceil(max_context / tile_n))
         if num_splits is None:
@@ -286,7 +295,7 @@ class DecodeLaunch:
         num_splits = max(1, min(int(num_splits), max_tiles))
         tiles_per_split = math.ceil(max_tiles / num_splits)
         num_splits = math.ceil(max_tiles / tiles_per_split)  # no partition starts past the table
-        return cls(num_splits, tiles_per_split, tile_n, rows_pad, head_dim_pad)
+        return cls(num_splits, tiles_per_split, tile_n, rows_pad, head_dim_pad, num_warps)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, scale: float,
@@ -309,7 +318,7 @@ class DecodeLaunch:
             self.tiles_per_split, block_tables.shape[1] * block_size, members.shape[1] if gather else 1, batch,
             GROUP=q_heads // kv_heads, ROWS_PAD=self.rows_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=self.head_dim_pad,
             BLOCK_SIZE=block_size, TILE_N=self.tile_n, SPLIT=lse is not None, FP32_DOT=q.dtype == torch.float32,
-            GATHER_ROWS=gather, num_warps=4 if self.rows_pad <= 64 else 8)
+            GATHER_ROWS=gather, num_warps=self.num_warps)
 
 
 def merge_partitions(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
@@ -317,10 +326,14 @@ def merge_partitions(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -
     softmax, 2 ** lse[row, head, s] (a partition with lse -inf is skipped, never read)."""
     _, merge_kernel = _kernels()
     num_splits, head_dim = part.shape[2:]
+    splits_pad, head_dim_pad = _next_pow2(num_splits), max(16, _next_pow2(head_dim))
+    # All partitions of a head are loaded at once: 4 warps up to 64 x 128 of them, more past it (the
+    # cascade's 96 partitions at head_dim 256 spilled with 4).
+    num_warps = min(16, max(4, splits_pad * head_dim_pad // 2048))
     merge_kernel[tuple(out.shape[:2])](
         part, lse, out, *part.stride(), *lse.stride(), *out.stride(),
-        NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits), HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=max(16, _next_pow2(head_dim)), num_warps=4)
+        NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        num_warps=num_warps)
 
 
 def check_decode_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

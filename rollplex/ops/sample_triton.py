@@ -92,13 +92,11 @@ def sample_triton(
         return tokens, logprobs
     num_tiles = math.ceil(vocab / TILE)
     t_args, p_args, k_args = (_param(x, u) for x in (temperature, top_p, top_k))
-    # The division only where it may change something: per-row temperatures, or one other than 0 and 1.
-    tempered = t_args[2] or temperature not in (0, 1)
     tile_max = torch.empty(batch, num_tiles, dtype=torch.float32, device=device)
     tile_argmax = torch.empty(batch, num_tiles, dtype=torch.int32, device=device)
     tile_sum = torch.empty(batch, num_tiles, dtype=torch.float64, device=device)
     tile_stats[(batch, num_tiles)](logits, logits.stride(0), vocab, num_tiles, *t_args[:2], tile_max, tile_argmax,
-                                   tile_sum, T_PER_ROW=t_args[2], TEMPERED=tempered, TILE=TILE, num_warps=8)
+                                   tile_sum, T_PER_ROW=t_args[2], TILE=TILE, num_warps=8)
     tiles_pad = _next_pow2(num_tiles)
     rung_counts = rung_masses = slots = tile_sum  # placeholders: read only when truncating
     if truncate:
@@ -106,11 +104,12 @@ def sample_triton(
         rung_masses = torch.empty(batch, num_tiles, PROBES, dtype=torch.float64, device=device)
         slots = torch.empty(batch, candidates, dtype=torch.int64, device=device)
         rung_stats[(batch, num_tiles)](logits, logits.stride(0), vocab, num_tiles, *t_args[:2], tile_max,
-                                       rung_counts, rung_masses, T_PER_ROW=t_args[2], TEMPERED=tempered, TILE=TILE,
+                                       rung_counts, rung_masses, T_PER_ROW=t_args[2], TILE=TILE,
                                        TILES_PAD=tiles_pad, BLOCK=PROBE_BLOCK, PROBES=PROBES, num_warps=8)
+    # maxnreg: ptxas 13 (triton 3.9) held the truncated draw at 8 warps to 128 registers and spilled;
+    # with room for 224 it takes ~200 (tools/compile_kernels.py), as triton 3.6's ptxas chose by itself.
     draw[(batch,)](logits, logits.stride(0), vocab, num_tiles, tile_max, tile_argmax, tile_sum, u,
                    *t_args[:2], *p_args[:2], *k_args[:2], rung_counts, rung_masses, slots, tokens, logprobs,
-                   T_PER_ROW=t_args[2], P_PER_ROW=p_args[2], K_PER_ROW=k_args[2], TEMPERED=tempered,
-                   TRUNCATE=truncate, TILE=TILE, TILES_PAD=tiles_pad, BLOCK=PROBE_BLOCK, PROBES=PROBES,
-                   CANDIDATES=candidates, num_warps=8)
+                   T_PER_ROW=t_args[2], P_PER_ROW=p_args[2], K_PER_ROW=k_args[2], TRUNCATE=truncate, TILE=TILE,
+                   TILES_PAD=tiles_pad, BLOCK=PROBE_BLOCK, PROBES=PROBES, CANDIDATES=candidates, num_warps=8, maxnreg=224)
     return tokens, logprobs

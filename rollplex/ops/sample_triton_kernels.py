@@ -29,12 +29,11 @@ def _draw_temperature(ptr, value, row, PER_ROW: tl.constexpr):
 
 
 @triton.jit
-def _weight(x, shift, temperature, TEMPERED: tl.constexpr):
-    """exp((x - shift) / T) in float32, the torch path's arithmetic (no division at T = 1)."""
-    z = x - shift
-    if TEMPERED:
-        z = tl.math.div_rn(z, temperature)
-    return tl.exp(z)
+def _weight(x, shift, temperature):
+    """exp((x - shift) / T) in float32, the torch path's arithmetic. At T = 1 (and greedy rows,
+    drawn at 1) the correctly rounded division is exact, so it gives the torch path's
+    undivided weights; one variant for every temperature compiles once, not twice."""
+    return tl.exp(tl.math.div_rn(x - shift, temperature))
 
 
 @triton.jit
@@ -45,11 +44,11 @@ def _order_key(x):
 
 
 @triton.jit
-def _key_weight(key, top, temperature, TEMPERED: tl.constexpr):
+def _key_weight(key, top, temperature):
     """The float64 weight of a logit given by its order key (the key map is its own inverse)."""
     key = key.to(tl.int32)
     x = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-    return _weight(x, top, temperature, TEMPERED).to(tl.float64)
+    return _weight(x, top, temperature).to(tl.float64)
 
 
 @triton.jit
@@ -62,7 +61,7 @@ def _rung_keys(top, temperature, RUNGS: tl.constexpr):
 
 
 @triton.jit
-def _probe(row_ptr, begin, end, top, temperature, thresholds, TEMPERED: tl.constexpr,
+def _probe(row_ptr, begin, end, top, temperature, thresholds,
            BLOCK: tl.constexpr, PROBES: tl.constexpr):
     """Per threshold key: how many of row[begin:end] have a key at or above it, and their float64 weight."""
     counts = tl.zeros([PROBES], dtype=tl.int32)
@@ -71,7 +70,7 @@ def _probe(row_ptr, begin, end, top, temperature, thresholds, TEMPERED: tl.const
         offs = start + tl.arange(0, BLOCK)
         valid = offs < end
         x = tl.load(row_ptr + offs, mask=valid, other=0.0).to(tl.float32)
-        w = tl.where(valid, _weight(x, top, temperature, TEMPERED), 0.0).to(tl.float64)
+        w = tl.where(valid, _weight(x, top, temperature), 0.0).to(tl.float64)
         above = (_order_key(x).to(tl.int64)[:, None] >= thresholds[None, :]) & valid[:, None]
         counts += tl.sum(above.to(tl.int32), axis=0)
         masses += tl.sum(tl.where(above, w[:, None], 0.0), axis=0)
@@ -80,7 +79,7 @@ def _probe(row_ptr, begin, end, top, temperature, thresholds, TEMPERED: tl.const
 
 @triton.jit
 def _search(row_ptr, vocab, top, temperature, lo, hi, lo_count, lo_mass, hi_count, hi_mass, goal,
-            BY_MASS: tl.constexpr, STRICT: tl.constexpr, TEMPERED: tl.constexpr,
+            BY_MASS: tl.constexpr, STRICT: tl.constexpr,
             BLOCK: tl.constexpr, PROBES: tl.constexpr):
     """The largest key in [lo, hi] whose tokens at or above it reach `goal` (in count, or
     weight; `STRICT`: exceed it), given that lo's do and nothing above hi does. The
@@ -90,7 +89,7 @@ def _search(row_ptr, vocab, top, temperature, lo, hi, lo_count, lo_mass, hi_coun
     probes = tl.arange(0, PROBES)
     while lo < hi:
         thresholds = lo + 1 + ((hi - lo - 1) * probes) // (PROBES - 1)
-        counts, masses = _probe(row_ptr, 0, vocab, top, temperature, thresholds, TEMPERED, BLOCK, PROBES)
+        counts, masses = _probe(row_ptr, 0, vocab, top, temperature, thresholds, BLOCK, PROBES)
         if BY_MASS:
             measure = masses
         else:
@@ -127,8 +126,8 @@ def _nth_with_key(row_ptr, vocab, key, nth, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _draw_by_search(row_ptr, vocab, top, temperature, u, p, k, k_on, mass_all,
-                    TEMPERED: tl.constexpr, BLOCK: tl.constexpr, PROBES: tl.constexpr):
+def _draw_by_search(row_ptr, vocab, top, temperature, u, p, k, k_on, mass_all, BLOCK: tl.constexpr,
+                    PROBES: tl.constexpr):
     """The torch path's truncated draw by bisection: the k-th logit, the nucleus' last
     logit and the drawn logit (each the largest key whose tokens at or above it reach a
     count or weight), then the drawn token among the ties at that logit."""
@@ -139,18 +138,18 @@ def _draw_by_search(row_ptr, vocab, top, temperature, u, p, k, k_on, mass_all,
     # Top-k (a search that does not run when it is off: the floor key, every token kept).
     kth, _, _, above_k, above_k_mass = _search(
         row_ptr, vocab, top, temperature, floor_key, tl.where(k_on, top_key, floor_key), vocab, mass_all,
-        no_count, no_mass, k.to(tl.float64), False, False, TEMPERED, BLOCK, PROBES)
+        no_count, no_mass, k.to(tl.float64), False, False, BLOCK, PROBES)
     kept_k = tl.where(k_on, k, vocab)
-    mass_k = tl.where(k_on, above_k_mass + (k - above_k).to(tl.float64) * _key_weight(kth, top, temperature,
-                                                                                        TEMPERED), mass_all)
+    mass_k = tl.where(k_on, above_k_mass + (k - above_k).to(tl.float64) * _key_weight(kth, top, temperature),
+                      mass_all)
     # Top-p within the top-k: the first rank whose running weight reaches top_p of theirs.
     p_on = p < 1
     target = p * mass_k
     cut, cut_count, _, above_cut, above_cut_mass = _search(
         row_ptr, vocab, top, temperature, kth, tl.where(p_on, top_key, kth), kept_k, mass_k,
-        tl.where(p_on, 0, above_k), tl.where(p_on, 0.0, above_k_mass), target, True, False, TEMPERED,
+        tl.where(p_on, 0, above_k), tl.where(p_on, 0.0, above_k_mass), target, True, False,
         BLOCK, PROBES)
-    cut_weight = _key_weight(cut, top, temperature, TEMPERED)
+    cut_weight = _key_weight(cut, top, temperature)
     ties = (cut_count - above_cut).to(tl.float64)  # the tokens at the cut logit the ranking may keep
     # (A cut of weight 0 is one where top-p is off, and `needed` unused: 1 spares the division by 0.)
     needed = tl.ceil((target - above_cut_mass) / tl.where(cut_weight > 0, cut_weight, 1.0))
@@ -161,8 +160,8 @@ def _draw_by_search(row_ptr, vocab, top, temperature, u, p, k, k_on, mass_all,
     point = u * kept_mass
     drawn, drawn_count, _, above_drawn, above_drawn_mass = _search(
         row_ptr, vocab, top, temperature, cut, top_key, above_cut + kept_ties.to(tl.int32), kept_mass,
-        no_count, no_mass, point, True, True, TEMPERED, BLOCK, PROBES)
-    drawn_weight = _key_weight(drawn, top, temperature, TEMPERED)  # > 0 but in a row of NaN
+        no_count, no_mass, point, True, True, BLOCK, PROBES)
+    drawn_weight = _key_weight(drawn, top, temperature)  # > 0 but in a row of NaN
     nth = tl.floor((point - above_drawn_mass) / tl.where(drawn_weight > 0, drawn_weight, 1.0))
     last_tie = (drawn_count - above_drawn - 1).to(tl.float64)
     nth = tl.where(nth >= 0, tl.where(nth < last_tie, nth, last_tie), 0.0)
@@ -171,7 +170,7 @@ def _draw_by_search(row_ptr, vocab, top, temperature, u, p, k, k_on, mass_all,
 
 @triton.jit
 def _draw_from_candidates(row_ptr, vocab, num_tiles, per_tile, threshold, top, temperature, u, p, k, k_on,
-                          mass_all, slots_ptr, TEMPERED: tl.constexpr, TILE: tl.constexpr,
+                          mass_all, slots_ptr, TILE: tl.constexpr,
                           TILES_PAD: tl.constexpr, CANDIDATES: tl.constexpr):
     """The torch path's truncated draw over the logits at or above `threshold`, a prefix of
     its ranking holding every token it may keep (per_tile: how many each tile has)."""
@@ -194,7 +193,7 @@ def _draw_from_candidates(row_ptr, vocab, num_tiles, per_tile, threshold, top, t
     present = ranks < count
     ranked = tl.sort(tl.load(slots_ptr + ranks, mask=present, other=-(2**63)), descending=True)
     index = LOW_BITS - (ranked & LOW_BITS)
-    cdf = tl.cumsum(tl.where(present, _key_weight(ranked >> 32, top, temperature, TEMPERED), 0.0), axis=0)
+    cdf = tl.cumsum(tl.where(present, _key_weight(ranked >> 32, top, temperature), 0.0), axis=0)
     # As the torch path's _kept_mass and _invert, over the candidates instead of the whole ranking.
     kept_limit = tl.where(k_on, k, count)
     mass_k = tl.where(k_on, tl.sum(tl.where(ranks == k - 1, cdf, 0.0), axis=0), mass_all)
@@ -207,7 +206,7 @@ def _draw_from_candidates(row_ptr, vocab, num_tiles, per_tile, threshold, top, t
 
 @triton.jit
 def _draw_truncated(row_ptr, vocab, row, num_tiles, top, temperature, u, p, k, rung_counts_ptr,
-                    rung_masses_ptr, slots_ptr, TEMPERED: tl.constexpr, TILE: tl.constexpr,
+                    rung_masses_ptr, slots_ptr, TILE: tl.constexpr,
                     TILES_PAD: tl.constexpr, BLOCK: tl.constexpr, PROBES: tl.constexpr,
                     CANDIDATES: tl.constexpr):
     """The top-k / top-p draw: over the candidates of the highest rung that holds every
@@ -229,17 +228,17 @@ def _draw_truncated(row_ptr, vocab, row, num_tiles, top, temperature, u, p, k, r
         per_tile = tl.sum(tl.where(rungs[None, :] == rung, tile_counts, 0), axis=1)
         threshold = tl.sum(tl.where(rungs == rung, _rung_keys(top, temperature, PROBES), 0), axis=0)
         token = _draw_from_candidates(row_ptr, vocab, num_tiles, per_tile, threshold, top, temperature, u, p,
-                                      k, k_on, mass_all, slots_ptr + row * CANDIDATES, TEMPERED, TILE,
+                                      k, k_on, mass_all, slots_ptr + row * CANDIDATES, TILE,
                                       TILES_PAD, CANDIDATES)
     else:
-        token = _draw_by_search(row_ptr, vocab, top, temperature, u, p, k, k_on, mass_all, TEMPERED, BLOCK,
+        token = _draw_by_search(row_ptr, vocab, top, temperature, u, p, k, k_on, mass_all, BLOCK,
                                 PROBES)
     return token
 
 
 @triton.jit
 def _draw_untruncated(row_ptr, vocab, tiles, tile_max, tile_scale, tile_mass, point, temperature,
-                      TEMPERED: tl.constexpr, TILE: tl.constexpr):
+                      TILE: tl.constexpr):
     """The first index whose running weight, in vocab order, exceeds `point`: the tile from
     the tiles' weights, the index by reading that tile again with its first pass's weights."""
     running = tl.cumsum(tile_mass, axis=0)
@@ -253,7 +252,7 @@ def _draw_untruncated(row_ptr, vocab, tiles, tile_max, tile_scale, tile_mass, po
     offs = crossing * TILE + lanes
     valid = offs < vocab
     x = tl.load(row_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32)
-    w = tl.where(valid, _weight(x, shift, temperature, TEMPERED), 0.0).to(tl.float64) * scale
+    w = tl.where(valid, _weight(x, shift, temperature), 0.0).to(tl.float64) * scale
     first = tl.min(tl.where(before + tl.cumsum(w, axis=0) > point, lanes, TILE), axis=0)
     # Past the tile's end only by rounding (its sum and its running sum add in different orders).
     last_weighed_lane = tl.max(tl.where(w > 0, lanes, 0), axis=0)
@@ -262,7 +261,7 @@ def _draw_untruncated(row_ptr, vocab, tiles, tile_max, tile_scale, tile_mass, po
 
 @triton.jit
 def tile_stats_kernel(logits_ptr, stride_row, vocab, num_tiles, t_ptr, t_value, max_ptr, argmax_ptr, sum_ptr,
-                       T_PER_ROW: tl.constexpr, TEMPERED: tl.constexpr, TILE: tl.constexpr):
+                       T_PER_ROW: tl.constexpr, TILE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     offs = tile * TILE + tl.arange(0, TILE)
@@ -271,7 +270,7 @@ def tile_stats_kernel(logits_ptr, stride_row, vocab, num_tiles, t_ptr, t_value, 
     temperature = _draw_temperature(t_ptr, t_value, row, T_PER_ROW)
     tile_max = tl.max(x, axis=0)
     shift = tl.where(tile_max == float("-inf"), 0.0, tile_max)  # an all-masked tile weighs 0, not NaN
-    w = tl.where(valid, _weight(x, shift, temperature, TEMPERED), 0.0)
+    w = tl.where(valid, _weight(x, shift, temperature), 0.0)
     out = row * num_tiles + tile
     tl.store(max_ptr + out, tile_max)
     tl.store(argmax_ptr + out, tile * TILE + tl.argmax(x, axis=0, tie_break_left=True))
@@ -280,7 +279,7 @@ def tile_stats_kernel(logits_ptr, stride_row, vocab, num_tiles, t_ptr, t_value, 
 
 @triton.jit
 def rung_stats_kernel(logits_ptr, stride_row, vocab, num_tiles, t_ptr, t_value, max_ptr, counts_ptr,
-                       masses_ptr, T_PER_ROW: tl.constexpr, TEMPERED: tl.constexpr, TILE: tl.constexpr,
+                       masses_ptr, T_PER_ROW: tl.constexpr, TILE: tl.constexpr,
                        TILES_PAD: tl.constexpr, BLOCK: tl.constexpr, PROBES: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
@@ -289,7 +288,7 @@ def rung_stats_kernel(logits_ptr, stride_row, vocab, num_tiles, t_ptr, t_value, 
     temperature = _draw_temperature(t_ptr, t_value, row, T_PER_ROW)
     begin = tile * TILE
     counts, masses = _probe(logits_ptr + row * stride_row, begin, tl.minimum(begin + TILE, vocab), top,
-                            temperature, _rung_keys(top, temperature, PROBES), TEMPERED, BLOCK, PROBES)
+                            temperature, _rung_keys(top, temperature, PROBES), BLOCK, PROBES)
     out = (row * num_tiles + tile) * PROBES + tl.arange(0, PROBES)
     tl.store(counts_ptr + out, counts)
     tl.store(masses_ptr + out, masses)
@@ -300,7 +299,7 @@ def draw_kernel(logits_ptr, stride_row, vocab, num_tiles, max_ptr, argmax_ptr, s
                  t_ptr, t_value, p_ptr, p_value, k_ptr, k_value, rung_counts_ptr, rung_masses_ptr, slots_ptr,
                  tokens_ptr, logprobs_ptr,
                  T_PER_ROW: tl.constexpr, P_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr,
-                 TEMPERED: tl.constexpr, TRUNCATE: tl.constexpr, TILE: tl.constexpr, TILES_PAD: tl.constexpr,
+                 TRUNCATE: tl.constexpr, TILE: tl.constexpr, TILES_PAD: tl.constexpr,
                  BLOCK: tl.constexpr, PROBES: tl.constexpr, CANDIDATES: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
@@ -315,9 +314,7 @@ def draw_kernel(logits_ptr, stride_row, vocab, num_tiles, max_ptr, argmax_ptr, s
     argmax = tl.load(argmax_ptr + row * num_tiles + top_tile).to(tl.int64)  # the first max, as torch's
     # Each tile's sum is relative to its own max: rescaled to the row's in float64 (0 for masked
     # tiles; NaN, as in the torch path, for a row of -inf).
-    exponent = tile_max.to(tl.float64) - top.to(tl.float64)
-    if TEMPERED:
-        exponent = exponent / temperature.to(tl.float64)
+    exponent = (tile_max.to(tl.float64) - top.to(tl.float64)) / temperature.to(tl.float64)
     tile_scale = tl.exp(exponent)
     tile_mass = tile_sum * tile_scale
     total = tl.sum(tile_mass, axis=0)
@@ -330,16 +327,14 @@ def draw_kernel(logits_ptr, stride_row, vocab, num_tiles, max_ptr, argmax_ptr, s
             k = _row_param(k_ptr, k_value, row, K_PER_ROW, tl.int64)
             k = tl.where((k > 0) & (k < vocab), k, 0).to(tl.int32)
             token = _draw_truncated(row_ptr, vocab, row, num_tiles, top, temperature, u, p, k, rung_counts_ptr,
-                                    rung_masses_ptr, slots_ptr, TEMPERED, TILE, TILES_PAD, BLOCK, PROBES,
+                                    rung_masses_ptr, slots_ptr, TILE, TILES_PAD, BLOCK, PROBES,
                                     CANDIDATES)
     else:
         sampled = _draw_untruncated(row_ptr, vocab, tiles, tile_max, tile_scale, tile_mass, u * total,
-                                    temperature, TEMPERED, TILE)
+                                    temperature, TILE)
         token = tl.where(greedy, argmax, sampled)
     token = tl.minimum(token, vocab - 1)
     # log_softmax(x / T) at the token, from the draw's float64 normalizer (as _tempered_logprobs).
-    shifted = tl.load(row_ptr + token).to(tl.float32) - top
-    if TEMPERED:
-        shifted = tl.math.div_rn(shifted, temperature)
+    shifted = tl.math.div_rn(tl.load(row_ptr + token).to(tl.float32) - top, temperature)
     tl.store(tokens_ptr + row, token)
     tl.store(logprobs_ptr + row, (shifted.to(tl.float64) - tl.log(total)).to(tl.float32))
