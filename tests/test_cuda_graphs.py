@@ -9,6 +9,7 @@ a GPU it would read freed memory. On CUDA the same tests run real graphs.
 
 import contextlib
 import json
+import warnings
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rollplex.engine import Engine, EngineConfig, Request, SamplingParams
 from rollplex.config import load_config
+from rollplex.engine import runner as runner_module
 from rollplex.engine.runner import ModelRunner
 from rollplex.rl.loop import RLTrainer
 from rollplex.models import Prompt, build_model
@@ -95,6 +97,76 @@ def test_the_stand_in_refuses_a_graph_whose_pool_weights_or_rotary_table_moved()
         graph.replay()
 
 
+def fail_captures_of(monkeypatch, bucket: int, error: Exception) -> list[int]:
+    """Make every capture of `bucket`'s graph raise `error` from inside the capture: on CUDA
+    from the decode run while the stream is capturing (the warm-up before it runs), on CPU
+    from the stand-in's capture. Returns the list the attempts are appended to."""
+    attempts = []
+    decode = ModelRunner._decode_eager
+
+    def decode_failing_in_capture(self, ids, *args, **kwargs):
+        if ids.shape[0] == bucket and ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            attempts.append(bucket)
+            raise error
+        return decode(self, ids, *args, **kwargs)
+
+    class FailingStandIn(runner_module._EagerGraph):
+        def __init__(self, runner, inputs, groups):
+            if inputs[0].shape[0] == bucket:
+                attempts.append(bucket)
+                raise error
+            super().__init__(runner, inputs, groups)
+
+    monkeypatch.setattr(ModelRunner, "_decode_eager", decode_failing_in_capture)
+    monkeypatch.setattr(runner_module, "_EagerGraph", FailingStandIn)
+    return attempts
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_capture_out_of_memory_leaves_its_bucket_eager(device, monkeypatch):
+    """A bucket first used mid-rollout may not find the memory to capture its graph. The run
+    goes on: a warning names the bucket, the step's batch size and the free memory, and the
+    bucket decodes eagerly, the same tokens, without capturing again; other buckets capture."""
+    graphed, eager = graphed_and_eager(device)
+    attempts = fail_captures_of(monkeypatch, 4, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+    free = "GiB of [0-9.]+ GiB was free" if device == "cuda" else "not measured on CPU"
+    with pytest.warns(UserWarning, match=rf"bucket 4 \(first used by a step of 4 sequences\) ran out of memory while "
+                                         rf"capturing \(CUDA out of memory.*\); .*{free}.*Bucket 4 now decodes eagerly"):
+        got = graphed.generate(requests(2), PARAMS)  # 4 rows: bucket 4
+    assert_same_samples(got, eager.generate(requests(2), PARAMS))
+    assert attempts == [4] and graphed.runner.eager_buckets == {4} and 4 not in graphed.runner.graphs
+    assert graphed.stats["graph_capture_failures"] == 1 and graphed.stats["graph_captures"] == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second try, no second warning
+        assert_same_samples(graphed.generate(requests(2), PARAMS), eager.generate(requests(2), PARAMS))
+        assert_same_samples(graphed.generate(requests(1), PARAMS), eager.generate(requests(1), PARAMS))
+    assert attempts == [4] and graphed.stats["graph_capture_failures"] == 0
+    assert sorted(graphed.runner.graphs) == [2] and graphed.stats["graph_captures"] == 1  # 2 rows: bucket 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_capture_error_not_for_memory_propagates(device, monkeypatch):
+    graphed, _ = graphed_and_eager(device)
+    error = RuntimeError("not a memory error")
+    fail_captures_of(monkeypatch, 4, error)
+    with pytest.raises(RuntimeError, match="not a memory error") as raised:
+        graphed.generate(requests(2), PARAMS)
+    assert raised.value is error and not graphed.runner.eager_buckets and graphed.runner.capture_failures == 0
+
+
+def test_an_interrupted_capture_is_ended_and_its_error_kept():
+    """After a failed capture, ending it fails too (the capture was invalidated): the first
+    error is the one raised, the second a note on it."""
+    class InvalidatedCapture:
+        def capture_end(self):
+            raise RuntimeError("operation failed due to a previous error during capture")
+
+    error = torch.OutOfMemoryError("CUDA out of memory")
+    runner_module._end_interrupted_capture(InvalidatedCapture(), error)
+    assert error.__notes__ == ["ending the interrupted CUDA graph capture failed too: RuntimeError: operation failed "
+                               "due to a previous error during capture"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 def test_decode_runs_on_a_stream_of_the_highest_priority():
     graphed, eager = graphed_and_eager("cuda")
@@ -171,14 +243,16 @@ def test_the_rl_loop_captures_each_decode_graph_once(tmp_path):
                                                str(data), "--rollout.min_tokens", "1", "--rollout.max_tokens", "8"]))
     trainer.engine.runner.use_cuda_graphs = True  # on CPU: the stand-in, which refuses a stale graph
     batches = trainer._batches(0)
-    captures, prompt_lengths, pools = [], set(), set()
+    captures, failures, prompt_lengths, pools = [], [], set(), set()
     for step in range(1, 4):
         trainer.step = step
         examples = next(batches)
         prompt_lengths.add(tuple(sorted(len(e.prompt.input_ids) for e in examples)))
-        captures.append(trainer.train_step(examples)["perf/cuda_graph_captures"])
+        metrics = trainer.train_step(examples)
+        captures.append(metrics["perf/cuda_graph_captures"])
+        failures.append(metrics["perf/cuda_graph_capture_failures"])
         pools.add(trainer.engine.cache.data.data_ptr())
-    assert len(prompt_lengths) == 3 and len(pools) == 1
+    assert len(prompt_lengths) == 3 and len(pools) == 1 and failures == [0, 0, 0]
     # Each bucket once, at its first use (a later step's batch may shrink through one the first did not).
     assert captures[0] > 0 and sum(captures) == len(trainer.engine.runner.graphs)
     norm = trainer.weights.engine_model.language_model.norm.weight

@@ -207,7 +207,9 @@ class Engine:
     def _end(self, scheduler: Scheduler) -> None:
         self.stats["preemptions"] = scheduler.num_preemptions
         # The first generation's graphs, and new ones for moved weights: inside this generation's time.
-        self.stats["graph_captures"], self.stats["graph_capture_s"] = self.runner.captures_since_start()
+        # Failed: captures that ran out of memory, whose buckets decode eagerly.
+        (self.stats["graph_captures"], self.stats["graph_capture_s"],
+         self.stats["graph_capture_failures"]) = self.runner.captures_since_start()
         assert scheduler.blocks.num_free == self.cache.num_blocks, "KV blocks leaked"
 
     def _issue(self, step: Step, batch: DecodeBatch, params: SamplingParams) -> _Issued:

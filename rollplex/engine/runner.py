@@ -24,6 +24,12 @@ as their buckets are used) when any of them has moved: a pool released and
 allocated again, weights the trainer gathered into new memory, a longer rotary
 table.
 
+A capture that runs out of device memory (a bucket first used mid-rollout, while
+the caching allocator cannot give cached blocks back to it) does not end the run:
+the partial graph is ended and dropped, the cache emptied, a warning says so, and
+that bucket decodes eagerly (`eager_buckets`) until the graphs are dropped, when
+it is tried again with the rest.
+
 Decode steps run on the runner's decode stream, at the highest CUDA priority, so
 that the GPU schedules their kernels ahead of the prompt work on the RL loop's
 lower-priority side stream (see `on_decode_stream`); a prefill's forward runs on
@@ -39,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -120,6 +127,10 @@ class ModelRunner:
         self.static: dict[str, torch.Tensor] | None = None  # the graphs' static inputs
         self.captured: GraphAddresses | None = None  # what the graphs read; anything else needs new graphs
         self.captures, self.capture_seconds = 0, 0.0  # graphs captured so far, and their wall time
+        self.capture_failures = 0  # captures that ran out of memory (their buckets decode eagerly)
+        # Buckets whose capture ran out of memory: they decode eagerly, without capturing again, until
+        # `_drop_graphs` (the memory the dropped graphs held is free then, so they are tried again).
+        self.eager_buckets: set[int] = set()
         self.start_generation()
         # Highest priority (the lowest number): decode kernels go before the prompt work's side stream.
         self.decode_stream = (torch.cuda.Stream(self.device, priority=min(torch.cuda.Stream.priority_range()))
@@ -130,12 +141,13 @@ class ModelRunner:
         graph replay checks the graphs' addresses first (`addresses`). The caller's stream
         now is the one prefill runs on."""
         self.addresses_may_have_moved = True
-        self.captures_at_start = self.captures, self.capture_seconds
+        self.captures_at_start = self.captures, self.capture_seconds, self.capture_failures
         self.caller_stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
-    def captures_since_start(self) -> tuple[int, float]:
-        """Graphs captured in this generation, and their wall time."""
-        return self.captures - self.captures_at_start[0], self.capture_seconds - self.captures_at_start[1]
+    def captures_since_start(self) -> tuple[int, float, int]:
+        """Graphs captured in this generation, their wall time, and captures that ran out of memory."""
+        captures, seconds, failures = self.captures_at_start
+        return self.captures - captures, self.capture_seconds - seconds, self.capture_failures - failures
 
     def on_decode_stream(self) -> contextlib.AbstractContextManager[None]:
         """Run the enclosed work (an engine step: the decode batch's updates, KV block
@@ -195,16 +207,10 @@ class ModelRunner:
         batch = len(running)
         self.reserve_rotary(running.max_position)
         inputs = self._decode_inputs(running)
-        if not self.use_cuda_graphs or batch > self.max_num_seqs:
+        bucket = self._graph_bucket(batch)
+        if bucket is None:
             groups = None if self.cascade is None else self.cascade.step_groups(running)
             return self._decode_eager(*inputs, groups=groups).float()
-        if self.addresses_may_have_moved:
-            if self.addresses() != self.captured:
-                self._drop_graphs()
-            self.addresses_may_have_moved = False
-        bucket = next(b for b in self.buckets if b >= batch)
-        if bucket not in self.graphs:
-            self._capture(bucket)
         static = self.static
         self._pad_rows(batch, bucket)
         for name, value in zip(("ids", "positions", "slots", "tables", "lens"), inputs):
@@ -218,6 +224,21 @@ class ModelRunner:
             self.cascade.fill_graph_buffers(running)
         self.graphs[bucket].replay()
         return self.graph_logits[bucket][:batch].float()
+
+    def _graph_bucket(self, batch: int) -> int | None:
+        """The bucket whose graph a step of `batch` rows replays, captured now if this is its
+        first use; None where the step decodes eagerly: graphs off, a batch past every bucket,
+        or a bucket whose capture ran out of memory."""
+        if not self.use_cuda_graphs or batch > self.max_num_seqs:
+            return None
+        if self.addresses_may_have_moved:
+            if self.addresses() != self.captured:
+                self._drop_graphs()
+            self.addresses_may_have_moved = False
+        bucket = next(b for b in self.buckets if b >= batch)
+        if bucket not in self.graphs and bucket not in self.eager_buckets:
+            self._capture(bucket, batch)
+        return bucket if bucket in self.graphs else None
 
     def reserve_rotary(self, num_positions: int) -> None:
         """A rotary table of at least `num_positions` text positions: at first of
@@ -262,8 +283,10 @@ class ModelRunner:
         s["lens"][start:end] = 1
 
     def _drop_graphs(self) -> None:
-        """Forget every graph (what they read has moved); each bucket is captured again at its next use."""
+        """Forget every graph (what they read has moved); each bucket is captured again at its next use,
+        those whose capture ran out of memory too: the dropped graphs' memory is given back with them."""
         self.graphs, self.graph_logits, self.graph_pool = {}, {}, None
+        self.eager_buckets = set()
         self.captured = self.addresses()
 
     def _make_static_buffers(self) -> None:
@@ -277,12 +300,14 @@ class ModelRunner:
             "lens": torch.ones(n, dtype=torch.int32, device=dev),
         }
 
-    def _capture(self, bucket: int) -> None:
-        """Capture the decode graph of one batch-size bucket, into the memory pool the
-        other graphs share (they replay one at a time, on the decode stream). The
-        static buffers are padded first: the warm-up and the capture run the decode,
-        whose K/V writes must go to the sink block, not to slots of the last step's
-        rows (the caller refills the buffers for its step after)."""
+    def _capture(self, bucket: int, batch: int) -> None:
+        """Capture the decode graph of one batch-size bucket (first used by a step of `batch`
+        rows), into the memory pool the other graphs share (they replay one at a time, on
+        the decode stream). The static buffers are padded first: the warm-up and the capture
+        run the decode, whose K/V writes must go to the sink block, not to slots of the last
+        step's rows (the caller refills the buffers for its step after). A warm-up or capture
+        that runs out of memory leaves the bucket eager (`_decode_bucket_eagerly`); any other
+        error propagates as it was raised. Failed captures' time counts in `capture_seconds`."""
         start = time.perf_counter()
         if self.static is None:
             self._make_static_buffers()
@@ -291,24 +316,56 @@ class ModelRunner:
         args = (s["ids"][:bucket], s["positions"][:bucket], s["slots"][:bucket], s["tables"][:bucket],
                 s["lens"][:bucket])
         groups = None if self.cascade is None else self.cascade.graph_groups(bucket)
-        self._decode_eager(*args, groups=groups)  # warm-up: lazy allocations happen outside the capture
-        if self.device.type == "cuda":
-            # On the decode stream itself, without torch.cuda.graph's device synchronize and cache emptying
-            # first: a bucket may be first used mid-rollout, with prompt work queued on the side stream.
-            # thread_local: another thread's CUDA calls (the data prefetcher's pinned copies) stay allowed.
-            graph = torch.cuda.CUDAGraph()
-            graph.capture_begin(pool=self.graph_pool, capture_error_mode="thread_local")
-            try:
-                self.graph_logits[bucket] = self._decode_eager(*args, groups=groups)
-            finally:
-                graph.capture_end()
-            self.graph_pool = graph.pool()
-        else:
-            graph = _EagerGraph(self, args, groups)
-            self.graph_logits[bucket] = graph.out
-        self.graphs[bucket] = graph
-        self.captures += 1
+        out_of_memory = None
+        try:
+            self._decode_eager(*args, groups=groups)  # warm-up: lazy allocations happen outside the capture
+            self.graphs[bucket], self.graph_logits[bucket] = self._record(args, groups)
+            self.captures += 1
+        except torch.OutOfMemoryError as error:
+            # Only its text leaves this block: its traceback holds the failed decode's tensors (some in the
+            # partial graph's pool), which go with it, before the cache is emptied.
+            out_of_memory = "; ".join([str(error).splitlines()[0], *getattr(error, "__notes__", ())])
         self.capture_seconds += time.perf_counter() - start
+        if out_of_memory is not None:
+            self._decode_bucket_eagerly(bucket, batch, out_of_memory)
+
+    def _record(self, args: tuple[torch.Tensor, ...],
+                groups: StepGroups | None) -> tuple[torch.cuda.CUDAGraph | _EagerGraph, torch.Tensor]:
+        """The decode graph over the static inputs `args` (and the cascade's `groups`), and its
+        static output: a CUDA graph, or the stand-in on CPU."""
+        if self.device.type != "cuda":
+            graph = _EagerGraph(self, args, groups)
+            return graph, graph.out
+        # On the decode stream itself, without torch.cuda.graph's device synchronize and cache emptying
+        # first: a bucket may be first used mid-rollout, with prompt work queued on the side stream.
+        # thread_local: another thread's CUDA calls (the data prefetcher's pinned copies) stay allowed.
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.graph_pool, capture_error_mode="thread_local")
+        try:
+            logits = self._decode_eager(*args, groups=groups)
+        except BaseException as error:
+            _end_interrupted_capture(graph, error)
+            raise
+        graph.capture_end()
+        self.graph_pool = graph.pool()
+        return graph, logits
+
+    def _decode_bucket_eagerly(self, bucket: int, batch: int, out_of_memory: str) -> None:
+        """After a capture ran out of memory: give the cached memory back (on CUDA), say so,
+        and decode `bucket` eagerly from now on, without capturing it again (until `_drop_graphs`)."""
+        self.capture_failures += 1
+        self.eager_buckets.add(bucket)
+        if self.device.type == "cuda":
+            free_then, total = torch.cuda.mem_get_info(self.device)
+            torch.cuda.empty_cache()
+            free_now = torch.cuda.mem_get_info(self.device)[0]
+            free = (f"{free_then / 2**30:.2f} GiB of {total / 2**30:.2f} GiB was free on the device, "
+                    f"{free_now / 2**30:.2f} GiB after emptying the cache")
+        else:
+            free = "free device memory is not measured on CPU"
+        warnings.warn(f"the CUDA graph of decode batch-size bucket {bucket} (first used by a step of {batch} "
+                      f"sequences) ran out of memory while capturing ({out_of_memory}); {free}. Bucket {bucket} "
+                      "now decodes eagerly (slower) until the graphs are captured again")
 
     def addresses(self) -> GraphAddresses:
         """What a graph captured now would read by address: the KV pool (elsewhere once
@@ -335,6 +392,17 @@ def _switched_to(stream: torch.cuda.Stream | None) -> Iterator[None]:
             yield
     finally:
         current.wait_stream(stream)
+
+
+def _end_interrupted_capture(graph: torch.cuda.CUDAGraph, error: BaseException) -> None:
+    """End a capture that `error` interrupted, so that the decode stream leaves capture mode.
+    Ending it may fail too (a capture invalidated by the failure); `error` stays the one
+    raised, with that failure as a note (what `add_note` does; Python 3.10 has no add_note)."""
+    try:
+        graph.capture_end()
+    except Exception as end_error:
+        error.__notes__ = [*getattr(error, "__notes__", ()), f"ending the interrupted CUDA graph capture failed "
+                                                               f"too: {type(end_error).__name__}: {end_error}"]
 
 
 class _EagerGraph:

@@ -330,6 +330,7 @@ class RLTrainer:
         # Decode graphs captured in this rollout: each bucket's at its first use in the run, and again where the
         # engine's weights (the trainer's, gathered) landed elsewhere since.
         state.metrics.update({"perf/cuda_graph_captures": self.engine.stats["graph_captures"],
+                              "perf/cuda_graph_capture_failures": self.engine.stats["graph_capture_failures"],
                               "timing_s/cuda_graph_capture": self.engine.stats["graph_capture_s"]})
         return state
 
