@@ -3,7 +3,7 @@
 # GPU machine, from the repo root, inside one 10-minute call.
 #
 #   here, once:   bash tools/device_wheels.sh          # the wheels that machine lacks, into .whl/
-#   device call:  carry [".whl"], timeout_s 600, command:
+#   device call:  carry [".whl", ".triton-cache"], timeout_s 600, command:
 #                 ROLLPLEX_COMMIT=<sha of HEAD> bash tools/device_run.sh
 #
 # Writes under $OUT (default runs/device): gpu_check.json (rewritten after every
@@ -24,5 +24,11 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     export PYTHONPATH=/tmp/rollplex-wheels${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# The hand-written kernels compiled offline (tools/device_wheels.sh): a writable copy as Triton's cache,
+# so the checks spend no time compiling what was compiled here; gpu_check reports hits and misses.
+if [ -d .triton-cache ]; then
+    rm -rf /tmp/rollplex-triton-cache && cp -r .triton-cache /tmp/rollplex-triton-cache
+    export TRITON_CACHE_DIR=/tmp/rollplex-triton-cache
+fi
 mkdir -p "$OUT"
 "$PYTHON" tools/gpu_check.py --out "$OUT/gpu_check.json" "$@" 2>&1 | tee "$OUT/gpu_check.log"

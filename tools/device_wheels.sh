@@ -7,6 +7,7 @@
 # check its tokenizers/huggingface-hub bounds against the image's). Run here, in the
 # repo root; then carry `.whl` in the device call, whose command
 # `bash tools/device_run.sh` installs them (pip --no-index --target, on PYTHONPATH).
+# CACHE_PYTHON=<python 3.12 with triton 3.6.0> also compiles the kernels into .triton-cache (below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEVICE_TRANSFORMERS=5.17.0
@@ -23,3 +24,12 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl "${wheels[@]}"
 ls .whl
+# The hand-written Triton kernels compiled for sm_90 into .triton-cache (binaries only), which the device
+# call carries and tools/device_run.sh hands to Triton. Triton's cache key holds its own build, so the
+# compiling Python must have the device's triton (3.6.0) built for its Python (3.12): CACHE_PYTHON names one
+# (e.g. a venv of python3.12 with torch and `pip install --no-deps triton==3.6.0`); without it, no cache.
+rm -rf .triton-cache
+if [ -n "${CACHE_PYTHON:-}" ]; then
+    TRITON_STORE_BINARY_ONLY=1 "$CACHE_PYTHON" tools/compile_kernels.py --cache-dir "$PWD/.triton-cache"
+    du -sh .triton-cache
+fi
