@@ -61,6 +61,19 @@ def test_memory_does_not_grow_over_25_steps(tmp_path):
     assert trainer.engine.cache.nbytes == trainer.engine.cache.pool_bytes()  # one pool, held all run
 
 
+def test_live_tensor_bytes_counts_real_storage_and_passes_over_fake_tensors():
+    """torch.compile (FlexAttention on CUDA) leaves fake tensors alive in its caches: they hold no memory,
+    and reading their storage's address raises, which would end a run at its step metrics."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    before = live_tensor_bytes()
+    with FakeTensorMode():
+        fake = torch.empty(1 << 20)
+    real = torch.empty(1 << 18)
+    assert live_tensor_bytes() - before == real.nbytes
+    del fake
+
+
 def measured_step(trainer: RLTrainer, batches, step: int, planned: dict[str, int]) -> tuple[dict, dict, dict]:
     """Train step `step`: its metrics, each phase's measured peak of live tensor bytes, and each
     planned phase's relative error against it."""

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from itertools import accumulate
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
@@ -23,8 +24,9 @@ def live_tensor_bytes() -> int:
         warnings.simplefilter("ignore", FutureWarning)
         tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
     for t in tensors:
-        # A DTensor (FSDP's sharded parameters) has no storage of its own; gc finds its local tensor.
-        if t.device.type != "meta" and not isinstance(t, DTensor):
+        # A DTensor (FSDP's sharded parameters) has no storage of its own; gc finds its local tensor. Nor has
+        # a fake tensor, which torch.compile's caches keep alive (compiled FlexAttention): it holds no memory.
+        if t.device.type != "meta" and not isinstance(t, DTensor) and not is_fake(t):
             storage = t.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
