@@ -36,6 +36,11 @@ def test_device_command_runs_every_check_on_cpu(tmp_path):
     decode = checks["engine_throughput_3b"]
     assert all(decode[setup]["captures_in_timed_window"] == 0 for setup in gpu_check.DECODE_SETUPS)
     assert checks["overlap_stream_step"]["decode_window_calls"]["stream"] > 0
+    # The fused decode layer against the torch ops: every comparison ran, and its launches are the design's.
+    assert list(checks["engine_cuda_graphs"]["logprob_max_abs_diff"]) == [
+        "mixed", "larger", "moved_pool", "cascade_mixed", "cascade_larger"]
+    fused_layer = checks["decode_layer"]["batch_4"]["fused"]
+    assert fused_layer["launches"] == 12 and fused_layer["kernel_classes"]["other"] == {}
     bench = checks["bench_schedules"]
     assert bench["against_serial_prefix"]["overlap"]["rel_diff_per_step"] == [0.0, 0.0, 0.0]  # exact on CPU
     digests = bench["sample_digests"]
