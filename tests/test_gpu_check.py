@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,38 @@ def test_device_command_runs_every_check_on_cpu(tmp_path):
     assert "report written to" in (tmp_path / "gpu_check.log").read_text()
 
 
+def test_the_required_checks_fit_the_default_budget_with_time_to_spare():
+    """The estimates (compiles included) of every required check, with a process start for each run of
+    one process, leave SPARE_S of the default budget; the optional ones come after them all, and the GPU
+    test cases run before the schedule benchmark, not last."""
+    names = list(gpu_check.CHECKS)
+    required = [n for n in names if not gpu_check.CHECKS[n].optional]
+    assert names[:len(required)] == required
+    assert gpu_check.planned_seconds(required) + gpu_check.SPARE_S <= gpu_check.DEFAULT_BUDGET_S
+    assert required.index("gpu_tests") < required.index("bench_schedules") == len(required) - 1
+    assert all(0 <= c.compile_s < c.estimate_s for c in gpu_check.CHECKS.values())
+    # A process start per run of one process key: engine, rest, bench, rest again.
+    assert gpu_check.planned_seconds(["engine_cuda_graphs", "gpu_tests", "decode_layer", "bench_schedules",
+                                      "logprob_head"]) == 20 + 140 + 20 + 130 + 5 + 4 * gpu_check.PROCESS_START_S
+
+
+def test_a_check_reports_the_triton_kernels_it_compiled_and_found_in_the_cache(monkeypatch):
+    """On the GPU, Triton tells each compile to its listener, found in the cache or not: the check's result
+    counts both and the compile seconds (here a check that reports three compiles to it)."""
+    from triton import knobs
+
+    def compiling(device):
+        times = types.SimpleNamespace(total=2_500_000)  # microseconds
+        for hit in (False, True, True):
+            knobs.compilation.listener(src=None, metadata={}, metadata_group={}, times=times, cache_hit=hit)
+        return {"ok": True}
+
+    monkeypatch.setitem(gpu_check.CHECKS, "paged_decode_triton", gpu_check.Check(compiling, 5, "rest"))
+    result = gpu_check.run_one("paged_decode_triton", "cpu")
+    assert result["triton_kernels"] == {"compiled": 1, "from_cache": 2, "compile_s": 2.5}
+    assert knobs.compilation.listener is None  # given back
+
+
 def test_unknown_check_is_an_error(tmp_path):
     res = run_device_command(tmp_path, "--only", "engine_cuda_graph")
     assert res.returncode == 2 and "unknown check(s) engine_cuda_graph" in res.stderr + res.stdout
@@ -63,9 +96,9 @@ def test_unknown_check_is_an_error(tmp_path):
 def test_checks_past_the_budget_are_reported_not_run_and_optional_ones_skipped(tmp_path):
     out = tmp_path / "r.json"
     assert gpu_check.main(["--device", "cpu", "--out", str(out), "--budget-s", "0",
-                           "--only", "forward_timing_3b"]) == 1
-    check = json.loads(out.read_text())["checks"]["forward_timing_3b"]
-    assert check == {"ok": False, "error": "not run: the time budget was spent", "estimate_s": 6}
+                           "--only", "paged_decode_triton"]) == 1
+    check = json.loads(out.read_text())["checks"]["paged_decode_triton"]
+    assert check == {"ok": False, "error": "not run: the time budget was spent", "estimate_s": 5}
     # An optional check whose estimate the budget does not cover is skipped, which is no failure.
     assert gpu_check.main(["--device", "cpu", "--out", str(out), "--budget-s", "60",
                            "--only", "bench_serial_naive"]) == 0

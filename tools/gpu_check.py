@@ -2,9 +2,11 @@
 
     ROLLPLEX_COMMIT=<sha> python tools/gpu_check.py --out $OUT/gpu_check.json
 
-Checks run most important first: the engine, the streamed overlap step, the
-schedule benchmark, then the rest (`CHECKS`, where each one's estimate on one
-H200 is; docs/GPU.md). Each returns a dict of figures with an "ok" verdict
+Checks run most important first: the engine, the kernels' and models' correctness
+(the GPU test cases first), the schedule benchmark, then the optional ones (`CHECKS`,
+where each one's estimate on one H200 is, compiles included; docs/GPU.md). The
+required checks' estimates leave at least SPARE_S of the default budget. Each
+returns a dict of figures with an "ok" verdict
 that can fail. Consecutive checks of one process key run in one child process,
 which pays the imports once (about 16 s on the device machine); a check that
 raises ends its process, since a CUDA error can leave the context unusable, and
@@ -1349,9 +1351,10 @@ class Check:
     """One check of the device command: its function of the device, and how the driver schedules it."""
 
     run: Callable[[str], dict]
-    estimate_s: float  # on one H200, from the c98158e timings (docs/GPU.md), its process's start-up left out
+    estimate_s: float  # on one H200 (docs/GPU.md), compiles included, its process's start-up left out
     process: str  # consecutive checks of one process key share a child process (and its imports)
     optional: bool = False  # started only when the budget left covers the estimate; skipped is no failure
+    compile_s: float = 0  # of the estimate, Triton's and inductor's compiles with an empty cache
 
     @property
     def limit_s(self) -> float:
@@ -1360,29 +1363,44 @@ class Check:
 
 
 PROCESS_START_S = 16  # a child's imports (torch, CUDA, transformers) on the device machine at c98158e
+# In the order they run: what each proves per second. The engine's correctness first (graphs against the torch
+# ops, then the 3B engine and the streamed step), then the kernels' and the models' correctness (the GPU test
+# cases, which compile most of the kernels, early: a cut run must not always lose them), the schedule
+# benchmark, and the optional checks, each started only when the budget left covers it: the attention
+# backends' training passes (FlexAttention's backward), the 3B training timings, LoRA's step, the smaller
+# measurements, then the two benches that read bench_schedules' report. Estimates include the compiles a check
+# pays for when nothing is in Triton's cache (`compile_s`; tools/compile_kernels.py times the hand-written
+# kernels: at most 9 s each, the truncated sampler draw, 2 s a decode kernel, on a 2-core x86 machine).
 CHECKS = {
-    "engine_throughput_3b": Check(check_engine_throughput_3b, 30, "engine"),
-    "engine_cuda_graphs": Check(check_engine_cuda_graphs, 10, "engine"),
-    "overlap_stream_step": Check(check_overlap_stream_step, 25, "engine"),
-    # A process of their own: the memory plan reads free device memory, which no other check's leftovers may hold.
-    "bench_schedules": Check(check_bench_schedules, 130, "bench"),
-    "bench_small_prefix_budget": Check(check_bench_small_prefix_budget, 65, "bench"),
+    "engine_cuda_graphs": Check(check_engine_cuda_graphs, 20, "engine", compile_s=10),
+    "engine_throughput_3b": Check(check_engine_throughput_3b, 42, "engine", compile_s=12),
+    "overlap_stream_step": Check(check_overlap_stream_step, 28, "engine", compile_s=3),
+    "gpu_tests": Check(check_gpu_tests, 140, "rest", compile_s=70),
+    "decode_layer": Check(check_decode_layer, 20, "rest", compile_s=5),
+    "paged_decode_triton": Check(check_paged_decode_triton, 5, "rest", compile_s=1),
+    "cascade_decode_triton": Check(check_cascade_decode_triton, 8, "rest", compile_s=2),
+    "sampler_timing": Check(check_sampler_timing, 5, "rest", compile_s=2),
     "model_parity_bf16": Check(check_model_parity_bf16, 10, "rest"),
-    "qwen3_vl": Check(check_qwen3_vl, 15, "rest"),
-    "paged_decode_triton": Check(check_paged_decode_triton, 5, "rest"),
-    "cascade_decode_triton": Check(check_cascade_decode_triton, 8, "rest"),
-    "forward_timing_3b": Check(check_forward_timing, 6, "rest"),
-    "train_attention_backends": Check(check_train_attention_backends, 20, "rest"),
-    # Before packed_train_3b's timings: the first GPU run of LoRA's frozen base, with criteria that can fail it.
-    "lora_train_3b": Check(check_lora_train_3b, 10, "rest"),
-    "packed_train_3b": Check(check_packed_train_3b, 40, "rest"),
-    "decode_layer": Check(check_decode_layer, 15, "rest"),
-    "to_device_latency": Check(check_to_device_latency, 3, "rest"),
-    "sampler_timing": Check(check_sampler_timing, 3, "rest"),
-    "logprob_head": Check(check_logprob_head, 5, "rest"),
-    "gpu_tests": Check(check_gpu_tests, 90, "rest"),
+    "qwen3_vl": Check(check_qwen3_vl, 15, "rest", compile_s=3),
+    # A process of their own: the memory plan reads free device memory, which no other check's leftovers may hold.
+    "bench_schedules": Check(check_bench_schedules, 130, "bench", compile_s=10),
+    "train_attention_backends": Check(check_train_attention_backends, 60, "rest", optional=True, compile_s=40),
+    "packed_train_3b": Check(check_packed_train_3b, 50, "rest", optional=True, compile_s=10),
+    "lora_train_3b": Check(check_lora_train_3b, 10, "rest", optional=True),
+    "logprob_head": Check(check_logprob_head, 5, "rest", optional=True),
+    "to_device_latency": Check(check_to_device_latency, 3, "rest", optional=True),
+    "forward_timing_3b": Check(check_forward_timing, 6, "rest", optional=True),
+    "bench_small_prefix_budget": Check(check_bench_small_prefix_budget, 65, "bench", optional=True),
     "bench_serial_naive": Check(check_bench_serial_naive, 110, "serial-naive", optional=True),
 }
+DEFAULT_BUDGET_S = 540.0
+SPARE_S = 60  # what the required checks' estimates leave of the default budget, at least
+
+
+def planned_seconds(names: list[str]) -> float:
+    """The estimates of `names`, run in this order, with a process start for each run of one process key."""
+    starts = sum(1 for i, n in enumerate(names) if i == 0 or CHECKS[n].process != CHECKS[names[i - 1]].process)
+    return sum(CHECKS[n].estimate_s for n in names) + starts * PROCESS_START_S
 
 
 # ---------------------------------------------------------------------- the driver
@@ -1401,14 +1419,50 @@ def budget_refusal(name: str, seconds_left: float, start_s: float = 0.0) -> dict
     return None
 
 
+class TritonCompiles:
+    """What one check's Triton kernels cost to build: those compiled, with their seconds, and those found
+    compiled in Triton's cache (tools/device_run.sh hands it the kernels compiled offline): the figures the
+    estimates' compile_s and the shipped cache are judged by. Kernels inductor compiles in worker processes
+    are not seen; with TRITON_INTERPRET nothing compiles."""
+
+    def __init__(self):
+        self.compiled, self.from_cache, self.compile_s = 0, 0, 0.0
+
+    def __call__(self, *, src, metadata, metadata_group, times, cache_hit) -> None:
+        if cache_hit:
+            self.from_cache += 1
+        else:
+            self.compiled += 1
+            self.compile_s += times.total / 1e6  # microseconds
+
+    @contextlib.contextmanager
+    def listening(self):
+        try:
+            from triton import knobs
+        except ImportError:
+            yield
+            return
+        saved, knobs.compilation.listener = knobs.compilation.listener, self
+        try:
+            yield
+        finally:
+            knobs.compilation.listener = saved
+
+    def figures(self) -> dict:
+        return {"compiled": self.compiled, "from_cache": self.from_cache, "compile_s": round(self.compile_s, 2)}
+
+
 def run_one(name: str, device: str) -> dict:
     """Run one check in this process; a check that raises is recorded as failed, with its traceback."""
     t0 = time.perf_counter()
+    compiles = TritonCompiles()
     try:
-        result = CHECKS[name].run(device)
+        with compiles.listening():
+            result = CHECKS[name].run(device)
     except Exception as e:
         result = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
     result["seconds"] = round(time.perf_counter() - t0, 2)
+    result["triton_kernels"] = compiles.figures()
     return result
 
 
@@ -1555,7 +1609,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="gpu_check.json", help="where to write the JSON report")
     parser.add_argument("--only", nargs="+", metavar="NAME", help=f"run only these checks: {', '.join(CHECKS)}")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu: the script's own dry run")
-    parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting checks past this time")
+    parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                        help="stop starting checks past this time")
     parser.add_argument("--run-checks", nargs="+", choices=list(CHECKS), help=argparse.SUPPRESS)
     parser.add_argument("--events", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--artifacts", type=Path, help=argparse.SUPPRESS)
