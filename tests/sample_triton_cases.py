@@ -58,7 +58,8 @@ def random_case(batch, vocab, seed, scale=3.0, dtype=torch.float32):
 def test_untruncated_draws_what_the_torch_path_draws(dtype, vocab):
     logits, u = random_case(32, vocab, seed=vocab, dtype=dtype)
     per_row = torch.tensor([0.0, 1.0, 0.6, 1.7] * 8)
-    for temperature in (1.0, 0.7, 0.0, per_row):  # 1 and 0 skip the division; a greedy row takes the argmax
+    # At 1 and 0 (drawn at 1) the kernels' division by T is exact; a greedy row takes the argmax.
+    for temperature in (1.0, 0.7, 0.0, per_row):
         tokens = assert_same_draws(logits, temperature, 1.0, -1, u, truncate=False)
         assert len(set(tokens.tolist())) > 20
     greedy = assert_same_draws(logits, per_row, 1.0, -1, u, truncate=False)[per_row == 0]
