@@ -331,6 +331,9 @@ class DataConfig(Section):
     reward_kwargs: str = ""
     """Keyword arguments for the reward function on every call, as a JSON object, e.g. '{"max_response_length":
     512}' (verl's custom_reward_function.reward_kwargs, EasyR1's reward_function_kwargs); empty = none."""
+    reward_clip: float = 0.0
+    """Clip every reward into [-reward_clip, reward_clip] before the advantages (verl users' guard against a reward
+    function's outliers); 0 = off. Off, a reward beyond 1e6 in magnitude warns once."""
     seed: int = 0
     """Seed for shuffling and synthetic data."""
 
@@ -345,6 +348,7 @@ class DataConfig(Section):
                       f"<= data.max_pixels {self.max_pixels}")
         self._require(self.reward_workers >= -1, "reward_workers", ">= -1 (-1 = auto)")
         self._require(0 < self.reward_timeout_s < float("inf"), "reward_timeout_s", "> 0 and finite")
+        self._require(0 <= self.reward_clip < float("inf"), "reward_clip", ">= 0 and finite (0 = off)")
         for name in ("format_prompt", "system_prompt"):
             # The built-in tasks build their own prompts: set there, either would be silently ignored.
             self._require(not getattr(self, name) or bool(self.train_files), name,
@@ -405,6 +409,12 @@ class TrainerConfig(Section):
     """Evaluate every this many steps; 0 = never."""
     val_before_train: bool = False
     """Evaluate once before the first step of a fresh run, logged as step 0."""
+    val_n: int = 1
+    """Responses generated per validation prompt; val/score averages them all (verl's val_kwargs.n)."""
+    val_temperature: float = 0.0
+    """Sampling temperature of validation; 0 = greedy (val_n > 1 then needs a temperature above 0)."""
+    val_top_p: float = 1.0
+    """Nucleus sampling threshold of validation; 1.0 = off."""
     log_samples_every: int = 10
     """Every this many steps, write log_samples of the step's samples (prompt, response, answer, score, reward
     components, advantage) to <output_dir>/samples/step_N.jsonl; 0 = never. Every evaluation writes all its
@@ -427,6 +437,12 @@ class TrainerConfig(Section):
     bytes are then measured (torch profiler, steps ~3x slower) and logged against the plan."""
     collective_timeout_s: float = 1800.0
     """A collective that waits longer than this for a peer (hung or dead) fails the run instead of hanging it."""
+    max_skipped_steps: int = 3
+    """Optimizer steps skipped in a row for non-finite gradients that stop the run (its last good checkpoint kept);
+    0 = never stop (each skipped step still prints its cause)."""
+    save_on_term: bool = True
+    """On SIGTERM (SLURM, Kubernetes, timeout), finish the step under way, save a checkpoint of it and stop; false
+    stops at once, as Ctrl-C does, keeping the last checkpoint saved."""
 
     def _check_ranges(self) -> None:
         for name in ("total_steps", "total_epochs", "warmup_steps", "save_every", "keep_last", "eval_every",
@@ -439,6 +455,12 @@ class TrainerConfig(Section):
         self._require(self.weight_decay >= 0, "weight_decay", ">= 0")
         self._require(self.grad_clip >= 0, "grad_clip", ">= 0")
         self._require(self.collective_timeout_s > 0, "collective_timeout_s", "> 0")
+        self._require(self.max_skipped_steps >= 0, "max_skipped_steps", ">= 0 (0 = never stop)")
+        self._require(self.val_n >= 1, "val_n", ">= 1")
+        self._require(self.val_temperature >= 0, "val_temperature", ">= 0")
+        self._require(0 < self.val_top_p <= 1, "val_top_p", "in (0, 1]")
+        self._require(self.val_n == 1 or self.val_temperature > 0, "val_n",
+                      "1 when trainer.val_temperature is 0 (greedy responses to one prompt are all the same)")
         self._require(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch",
                       ">= 0 (0 = the memory plan's)")
         self._require(self.device_memory >= 0, "device_memory", ">= 0 (0 = the device's own)")
@@ -501,9 +523,15 @@ class LoggingConfig(Section):
     """wandb / SwanLab run name; empty = the name of trainer.output_dir's folder."""
     log_every: int = 1
     """Log every this many steps."""
+    progress: Literal["auto", "live", "lines", "off"] = "auto"
+    """Progress inside a step, on rank 0: live = a display redrawn in place (phase, samples finished, tokens/s,
+    the update's micro-batches); lines = a plain line every progress_every_s; auto = live on a terminal, else lines."""
+    progress_every_s: float = 30.0
+    """Seconds between progress lines (logging.progress lines, or auto without a terminal)."""
 
     def _check_ranges(self) -> None:
         self._require(self.log_every >= 1, "log_every", ">= 1")
+        self._require(self.progress_every_s > 0, "progress_every_s", "> 0")
 
 
 @dataclass

@@ -43,7 +43,8 @@ RUN_LENGTH_AND_REPORTING_KEYS = frozenset({
     "rollout.max_num_seqs", "rollout.enforce_eager", "rollout.shared_prefix_decode", "rollout.kv_cache_memory",
     "trainer.device_memory",
     "trainer.max_tokens_per_micro_batch", "schedule.prefix_memory_budget", "parallel.activation_checkpointing",
-    "data.reward_workers",
+    "data.reward_workers", "trainer.max_skipped_steps", "trainer.save_on_term", "trainer.val_n",
+    "trainer.val_temperature", "trainer.val_top_p", "logging.progress", "logging.progress_every_s",
 })  # fmt: skip
 TINY_SPEC_FILE = "rollplex_tiny.json"  # the model.tiny section a run folder's tiny model was built from
 
