@@ -3,7 +3,6 @@ how to resume; the traceback in <output_dir>/error.log; exit status 1, or 130 fo
 removes its half-written folder, and a new run removes those a dead earlier run left."""
 
 import errno
-import importlib.util
 import os
 import signal
 import subprocess
@@ -14,6 +13,7 @@ from unittest import mock
 
 import pytest
 
+import rollplex.cli
 from rollplex.rl.step_metrics import RewardsFailed
 from rollplex.run_errors import run_end_line
 from rollplex.train.checkpoint import _rng_state
@@ -31,11 +31,8 @@ def train(out: Path, *extra: str) -> subprocess.Popen:
 
 
 def train_in_process(out: Path, *extra: str) -> None:
-    """train.py's main, in this process: for faults injected with mock."""
-    spec = importlib.util.spec_from_file_location("train", ROOT / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.main([*FAST, "--trainer.output_dir", str(out), *extra])
+    """train.py's entry point (rollplex.cli.train), in this process: for faults injected with mock."""
+    rollplex.cli.train([*FAST, "--trainer.output_dir", str(out), *extra])
 
 
 def test_a_user_error_ends_in_its_message_and_logs_the_traceback(tmp_path):
