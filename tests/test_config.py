@@ -198,7 +198,7 @@ def test_unknown_key_suggests():
         ({"rollout": {"n": True}}, "rollout.n", "expected int"),
         ({"trainer": {"lr": "fast"}}, "trainer.lr", "expected float"),
         ({"parallel": {"freeze_vision": "yes please"}}, "parallel.freeze_vision", "expected bool"),
-        ({"data": {"train_files": "a.jsonl"}}, "data.train_files", "expected list[str]"),
+        ({"data": {"train_files": 3}}, "data.train_files", "expected list[str]"),
         ({"data": {"train_files": ["a", 3]}}, "data.train_files[1]", "expected str"),
         ({"model": {"path": None}}, "model.path", "expected str"),
         ({"rollout": 3}, "rollout", "expected a mapping"),
@@ -377,3 +377,82 @@ def test_a_group_of_one_sample_is_refused_naming_why():
     with pytest.raises(ConfigError, match=r"rollout.n must be >= 2 .*every advantage is 0.*got 1"):
         RolloutConfig(n=1)
     assert RolloutConfig(n=2).n == 2
+
+
+# ----------------------------------------------------------------------------- verl / EasyR1 habits
+
+
+def test_a_string_where_a_list_is_expected_is_a_list_of_one(tmp_path):
+    path = write_yaml(tmp_path / "c.yaml", "data:\n  train_files: geo/train.parquet\nlora:\n  target_modules: q_proj\n")
+    cfg = load_config_file(path)
+    assert cfg.data.train_files == ["geo/train.parquet"] and cfg.lora.target_modules == ["q_proj"]
+
+
+def test_reward_kwargs_take_a_yaml_mapping_and_save_as_json_text(tmp_path):
+    path = write_yaml(tmp_path / "c.yaml", "data:\n  reward_kwargs:\n    max_response_length: 512\n    mode: strict\n")
+    cfg = load_config_file(path)
+    assert cfg.data.reward_keyword_arguments() == {"max_response_length": 512, "mode": "strict"}
+    save_config(cfg, tmp_path / "saved.yaml")
+    assert load_config_file(tmp_path / "saved.yaml") == cfg
+    on_the_command_line = load_config(["--data.reward_kwargs", '{"max_response_length": 512, "mode": "strict"}'])
+    assert on_the_command_line.data.reward_keyword_arguments() == cfg.data.reward_keyword_arguments()
+
+
+def test_hydra_style_overrides_beside_dashed_options(tmp_path):
+    path = write_yaml(tmp_path / "c.yaml", {"rollout": {"n": 3}})
+    cfg = load_config(["data.batch_size=8", "--config", str(path), "trainer.lr=1e-5", "--rollout.top_k", "5",
+                       "data.train_files=[a.jsonl, 'b c.jsonl']", "data.val_files=v.jsonl", "schedule.share_prefix=false",
+                       "parallel.dp_shard=-1", "rollout.max-tokens=9", "data.system_prompt=answer=42"])
+    assert (cfg.data.batch_size, cfg.trainer.lr, cfg.rollout.n, cfg.rollout.top_k) == (8, 1e-5, 3, 5)
+    assert cfg.data.train_files == ["a.jsonl", "b c.jsonl"] and cfg.data.val_files == ["v.jsonl"]
+    assert cfg.schedule.share_prefix is False and cfg.parallel.dp_shard == -1 and cfg.rollout.max_tokens == 9
+    assert cfg.data.system_prompt == "answer=42"
+    assert load_config([f"config={path}", "data.train_files=x.jsonl", "data.val_files=[]"]).data.val_files == []
+    # The value of the option before it stays a value, though it holds a '='.
+    assert load_config(["--data.train_files", "x.jsonl", "--data.system_prompt", "a.b=c"]).data.system_prompt == "a.b=c"
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("data.batchsize=8", r"unknown key 'data.batchsize' in the command line.*Did you mean 'data.batch_size'"),
+    ("rollouts.n=3", r"unknown key 'rollouts'.*Did you mean 'rollout'"),
+    ("data=3", r"data is a section; set its keys one by one, e.g. data.task="),
+    ("rollout.n.x=3", r"rollout.n is a value, not a section"),
+])
+def test_hydra_style_unknown_keys_are_named_as_in_a_yaml_file(arg, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config([arg])
+
+
+def test_a_config_file_starts_from_a_preset(tmp_path):
+    tiny = load_config_file(TINY_PRESET_PATH)
+    path = write_yaml(tmp_path / "c.yaml", {"preset": "tiny", "rollout": {"n": 4}, "trainer": {"total_epochs": 2},
+                                            "logging": None})
+    cfg = load_config_file(path)
+    assert cfg.rollout.n == 4 and cfg.rollout.max_tokens == tiny.rollout.max_tokens == 1  # the file's, the preset's
+    assert (cfg.trainer.total_epochs, cfg.trainer.total_steps) == (2, 0)  # the file's run length, not the preset's
+    assert cfg.trainer.lr == tiny.trainer.lr and cfg.model.dtype == "float32"
+    save_config(cfg, tmp_path / "run" / "config.yaml")  # a run's saved config: every value, no preset key
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert "preset" not in saved and load_config_file(tmp_path / "run" / "config.yaml") == cfg
+    plain = write_yaml(tmp_path / "plain.yaml", {"rollout": {"n": 4}})
+    for argv in (["--config", str(plain), "--preset", "tiny"], [f"config={plain}", "preset=tiny"]):
+        from_cli = load_config(argv)
+        assert from_cli.rollout.n == 4 and from_cli.trainer.total_steps == tiny.trainer.total_steps == 500
+    assert load_config(["--preset", "tiny"]) == tiny
+
+
+def test_an_unknown_preset_lists_the_presets(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown preset 'huge': the presets are tiny \("):
+        load_config(["--preset", "huge"])
+    with pytest.raises(ConfigError, match=r"unknown preset 'template'"):  # the defaults, not a preset
+        load_config_file(write_yaml(tmp_path / "c.yaml", {"preset": "template"}))
+    with pytest.raises(ConfigError, match=r"preset in .*c.yaml: expected the name of a preset \(tiny\)"):
+        load_config_file(write_yaml(tmp_path / "c.yaml", {"preset": ["tiny"]}))
+
+
+def test_help_names_the_presets_and_key_value_overrides(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit):
+        load_config(["--help"])
+    out = capsys.readouterr().out
+    assert "--preset NAME" in out and "(tiny)" in out and "preset: NAME" in out and "rollout.n=4" in out

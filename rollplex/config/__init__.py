@@ -3,8 +3,10 @@
 Order of precedence (last wins):
 
 1. dataclass defaults below,
-2. the YAML file (``--config PATH``; default the tiny CPU demo, ``rollplex/presets/tiny.yaml``),
-3. command-line flags with dotted names, parsed by tyro (``--rollout.n 4``).
+2. a preset (``--preset NAME``, or a top-level ``preset: NAME`` in the YAML file): a YAML file in
+   ``rollplex/presets/`` but ``template.yaml``,
+3. the YAML file (``--config PATH``; with neither, the tiny CPU demo, ``rollplex/presets/tiny.yaml``),
+4. command-line flags with dotted names, parsed by tyro (``--rollout.n 4``), or Hydra-style (``rollout.n=4``).
 
 Command-line syntax (tyro 1.0, ``use_underscores=True``; hyphens are accepted too)::
 
@@ -15,6 +17,11 @@ Command-line syntax (tyro 1.0, ``use_underscores=True``; hyphens are accepted to
     --schedule.share_prefix=true
     --data.train_files a.jsonl b.jsonl  # lists take several values
     --data.train_files                  # empty list
+    data.train_files=[a.jsonl,b.jsonl]  # Hydra-style key=value (verl, EasyR1): rewritten into the forms above
+    data.train_files=a.jsonl  trainer.lr=1e-5  schedule.share_prefix=false
+
+In the YAML file, a string where a list is expected is a list of one (``train_files: a.parquet``), and
+``data.reward_kwargs`` may be a mapping (held as its JSON text).
 
 YAML is strict: unknown keys and wrongly typed values raise :class:`ConfigError` naming
 the dotted key and the file, so a typo never silently falls back to a default.

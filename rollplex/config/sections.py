@@ -311,7 +311,8 @@ class DataConfig(Section):
     0 = the model folder's max_frames if it has one, else no cap."""
     reward: str = "exact_match"
     """Reward function: a built-in (exact_match, math, format) or a user function as module:function or
-    path/to/file.py:function."""
+    path/to/file.py:function. Without :function, the module's compute_score (verl's default name), else the one
+    public function the module defines."""
     reward_workers: int = -1
     """Worker processes that score rewards in parallel, each kept across steps; a hang or crash in one costs its
     sample (scored 0, counted), not the run. 0 = in the trainer's process, one call after another (no time limit);
@@ -329,8 +330,10 @@ class DataConfig(Section):
     """The entry of a dict result that is the score; empty = "overall" (EasyR1) or "score" (verl), whichever it has.
     Every number in a dict result is logged as reward/<name>/mean."""
     reward_kwargs: str = ""
-    """Keyword arguments for the reward function on every call, as a JSON object, e.g. '{"max_response_length":
-    512}' (verl's custom_reward_function.reward_kwargs, EasyR1's reward_function_kwargs); empty = none."""
+    """Keyword arguments for the reward function on every call (verl's custom_reward_function.reward_kwargs, EasyR1's
+    reward_function_kwargs): in a YAML file a mapping or a JSON object, on the command line a JSON object, e.g.
+    --data.reward_kwargs '{"max_response_length": 512}'. Held as JSON text (a mapping is turned into it); empty =
+    none."""
     reward_clip: float = 0.0
     """Clip every reward into [-reward_clip, reward_clip] before the advantages (verl users' guard against a reward
     function's outliers); 0 = off. Off, a reward beyond 1e6 in magnitude warns once."""
