@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import re
 import warnings
@@ -155,6 +156,26 @@ def test_too_long_and_corrupt_rows_are_skipped_and_counted(processor, tmp_path):
     assert e.value.reason == "too_long"
 
 
+def test_a_missing_image_and_a_corrupt_one_are_summed_up_apart_each_with_its_own_cause(processor, tmp_path):
+    _save_images(tmp_path / "img", 1)
+    (tmp_path / "img" / "corrupt.png").write_bytes(b"not a png at all")
+    data = _write_jsonl(tmp_path / "d.jsonl", [
+        {"problem": "<image> what colour ?", "answer": "red", "images": ["img/img_0.png"]},
+        {"problem": "<image> what colour ?", "answer": "red", "images": ["img/missing.png"]},
+        {"problem": "<image> what colour ?", "answer": "red", "images": ["img/corrupt.png"]},
+    ])  # fmt: skip
+    ds = PromptDataset(data, processor, max_prompt_length=256)
+    *firsts, summary = _warnings_while(lambda: list(ds))
+    assert ds.skipped == {"bad_image": 2}
+    assert len(firsts) == 2 and "line 3" in firsts[1] and "cannot decode image 0" in firsts[1]
+    missing, corrupt = summary.splitlines()[1:]
+    assert missing.startswith("  bad_image: 1 row (d.jsonl, line 2)") and "missing.png'): no such file" in missing \
+        and "check the image paths and data.image_key" in missing
+    assert corrupt.startswith("  bad_image: 1 row (d.jsonl, line 3)") and \
+        "cannot decode image 0" in corrupt and "corrupt.png" in corrupt and "UnidentifiedImageError" in corrupt \
+        and "corrupt or of another type: replace or re-encode them" in corrupt
+
+
 def _warnings_while(action) -> list[str]:
     """The warnings `action()` gives, each one counted however often its text repeats."""
     with warnings.catch_warnings(record=True) as caught:
@@ -225,8 +246,11 @@ def test_bad_files_name_file_and_line(processor, tmp_path):
     with pytest.raises(ValueError, match=r"list.jsonl, line 1: expected a JSON object"):
         PromptDataset(tmp_path / "list.jsonl", processor, 256)
     (tmp_path / "d.csv").write_text("a,b\n")
-    with pytest.raises(ValueError, match=r"d.csv.*\.jsonl or \.parquet"):
+    with pytest.raises(ValueError, match=r"d.csv.*\.jsonl, \.json, \.parquet"):
         PromptDataset(tmp_path / "d.csv", processor, 256)
+    (tmp_path / "numbers.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"numbers.json: a .json data file holds one array of objects"):
+        PromptDataset(tmp_path / "numbers.json", processor, 256)
     with pytest.raises(ValueError, match="format must be one of"):
         PromptDataset(bad, processor, 256, format="sharegpt")
 
@@ -265,6 +289,12 @@ def test_batches_full_shuffled_resumable_and_cycling(processor, tmp_path):
         resumed = _indices(fresh.batches(batch_size=3, seed=1, start_step=5), 3)
     assert resumed == run[5:]
     assert fresh.skipped == {"too_long": 2}
+    # Each example knows the pass over the rows it was drawn in (training/epoch), a resumed stream's too; rows
+    # read one by one (validation) were drawn in none.
+    epochs = [e.epoch for batch in itertools.islice(ds.batches(3, seed=1), 8) for e in batch]
+    assert epochs == [0] * 8 + [1] * 8 + [2] * 8
+    assert [e.epoch for e in next(fresh.batches(3, seed=1, start_step=5))] == epochs[15:18] == [1, 2, 2]
+    assert next(iter(ds)).epoch is None
     # Examples carry their row's answer.
     assert all(e.answer == str(e.index) for e in next(ds.batches(3, seed=1)))
 
@@ -324,3 +354,32 @@ def test_format_prompt_on_chat_messages_and_its_errors(processor, tmp_path):
                             (str(tmp_path / "missing.jinja"), "a template file must exist")]:
         with pytest.raises(ValueError, match=error):
             PromptDataset(verl, processor, 256, format_prompt=template)
+
+
+def test_a_folder_stands_for_its_data_files(processor, tmp_path):
+    folder = tmp_path / "geo"
+    folder.mkdir()
+    _write_jsonl(folder / "b.jsonl", [{"problem": "what colour ?", "answer": "blue"}])
+    (folder / "a.json").write_text(json.dumps([{"problem": "what colour ?", "answer": "red"},
+                                               {"problem": "what shape ?", "answer": "square"}]))
+    (folder / "README.md").write_text("not data")
+    ds = PromptDataset([folder], processor, max_prompt_length=256)
+    assert [s.path.name for s in ds.sources] == ["a.json", "b.jsonl"]  # sorted; other files passed over
+    assert [e.answer for e in ds] == ["red", "square", "blue"]
+    (tmp_path / "hub" / "data").mkdir(parents=True)
+    (tmp_path / "hub" / "data" / "train-0.parquet").write_bytes(b"PAR1")
+    with pytest.raises(FileNotFoundError, match=r"hub holds no data files \(.jsonl, .json, .parquet\); these folders "
+                                                r"in it do: .*hub/data"):
+        PromptDataset(tmp_path / "hub", processor, 256)
+
+
+@pytest.mark.parametrize("name, split", [("hiyouga/geometry3k@train", "its 'train' split's files"),
+                                         ("hiyouga/geometry3k", "the files of the split you want")])
+def test_a_hub_dataset_name_says_how_to_download_it(processor, name, split):
+    with pytest.raises(FileNotFoundError) as e:
+        PromptDataset(name, processor, 256)
+    message = str(e.value)
+    assert "Rollplex reads local files only" in message and split in message
+    assert "huggingface-cli download --repo-type dataset hiyouga/geometry3k --local-dir data/geometry3k" in message
+    with pytest.raises(FileNotFoundError, match="dataset file not found: no/such.jsonl"):
+        PromptDataset("no/such.jsonl", processor, 256)  # a data file's name: not taken for a hub dataset

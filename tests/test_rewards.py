@@ -5,6 +5,7 @@ hangs (a batch's calls sharing one time limit) and crashes."""
 from __future__ import annotations
 
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +17,8 @@ import pytest
 
 from rollplex.config import ConfigError, DataConfig
 from rollplex.data.reward_scoring import RewardScorer
-from rollplex.data.rewards import exact_match, extract_math_answer, format_reward, last_boxed, load_reward, math_answer
+from rollplex.data.rewards import (RewardTypeError, exact_match, extract_math_answer, format_reward, last_boxed,
+                                   load_reward, math_answer)
 
 
 @pytest.mark.parametrize(
@@ -148,6 +150,32 @@ def test_user_function_from_module(tmp_path, monkeypatch):
         sys.modules.pop("my_rewards_mod", None)
 
 
+def test_a_reward_named_without_its_function_takes_compute_score_or_the_one_public_function(tmp_path, monkeypatch):
+    """As verl's custom_reward_function.path without .name: compute_score; else the file's only function of its own
+    (imported functions and _private ones do not count)."""
+    verl_file = tmp_path / "verl_reward.py"
+    verl_file.write_text("def helper(x):\n    return 0.0\n\n"
+                         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
+    assert load_reward(str(verl_file)).__name__ == "compute_score"
+    single = tmp_path / "single.py"
+    single.write_text("from math import floor, sqrt\n\ndef _normalise(text):\n    return text\n\n"
+                      "def my_score(response, answer):\n    return float(_normalise(response) == answer)\n")
+    assert load_reward(str(single))("a", "a") == 1.0
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert load_reward("single").__name__ == "my_score"  # a module name, without a path
+    finally:
+        sys.modules.pop("single", None)
+    several = tmp_path / "several.py"
+    several.write_text("def first(response, answer):\n    return 0.0\n\ndef second(response, answer):\n    return 1.0\n")
+    with pytest.raises(ImportError, match=r"no compute_score; its public functions are first, second\. Name the "
+                                          rf"reward function: data.reward {several}:first"):
+        load_reward(str(several))
+    (tmp_path / "empty.py").write_text("from math import sqrt\n")
+    with pytest.raises(ImportError, match="it defines no public function"):
+        load_reward(str(tmp_path / "empty.py"))
+
+
 def write_reward_folder(folder: Path, bonus: float) -> str:
     """A reward file that imports a module beside it, as a script imports one beside it; its spec."""
     folder.mkdir()
@@ -206,11 +234,11 @@ def test_raising_user_function_from_file_is_counted(tmp_path):
                 raise RuntimeError("parser exploded")
             if response == "nan":
                 return float("nan")
-            if response == "text":
-                return "not a number"
+            if response == "none":
+                return None
             return 1.0 if response == answer else 0.0
     """))
-    responses = ["a", "boom", "b", "nan", "boom", "text"]
+    responses = ["a", "boom", "b", "nan", "boom", "none"]
     answers = ["a", "a", "a", "a", "a", "a"]
     with RewardScorer(f"{path}:score", workers=0) as scorer:
         with pytest.warns(UserWarning, match=r"failed on 4 of 6.*first error: RuntimeError: parser exploded") as caught:
@@ -227,6 +255,47 @@ def test_score_in_process_clean_and_mismatch(recwarn):
     assert not recwarn.list
     with pytest.raises(ValueError, match="2 responses but 1 answers"):
         scorer.score(["a", "b"], ["a"])
+
+
+TYPED_REWARD = """
+import numpy, torch
+
+def score(response, answer):
+    return {"text": "1.0", "dict": {"score": "0.5"}, "bool": response == answer, "numpy": numpy.float32(0.25),
+            "tensor": torch.tensor([0.75])}.get(response, 0.0)
+"""
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_score_that_is_not_a_number_stops_the_run_naming_the_function(tmp_path, workers):
+    (tmp_path / "typed.py").write_text(TYPED_REWARD)
+    spec = f"{tmp_path / 'typed.py'}:score"
+    with RewardScorer(spec, workers=workers) as scorer:
+        # What verl takes is taken: a bool (an `a == b` check), numpy's numbers, a one-element tensor.
+        assert scorer.score(["bool", "bool", "numpy", "tensor"], ["bool", "x", "", ""]).scores == [1.0, 0.0, 0.25,
+                                                                                                   0.75]
+        with pytest.raises(RewardTypeError, match=rf"^reward function {re.escape(spec)} returned str '1.0', not a "
+                                                  r"number: return float\('1.0'\) \(a float, an int or a bool\)"):
+            scorer.score(["a", "text", "b"], [""] * 3)
+        with pytest.raises(RewardTypeError, match=r"returned a dict whose 'score' entry is str '0.5', not a number: "
+                                                  r"make it float\('0.5'\)"):
+            scorer.score(["dict"], [""])
+        assert scorer.score(["a"], [""]).scores == [0.0]  # the scorer, and its workers, go on
+
+
+def test_reward_clip_bounds_every_score_and_a_huge_reward_warns_once(tmp_path, recwarn):
+    (tmp_path / "huge.py").write_text("def score(response, answer):\n    return float(response)\n")
+    spec = f"{tmp_path / 'huge.py'}:score"
+    with RewardScorer(spec, workers=0, clip=10.0) as clipped:
+        assert clipped.score(["1e30", "-1e30", "0.5"], [""] * 3).scores == [10.0, -10.0, 0.5]
+    assert not recwarn.list  # clipped, nothing trains beyond LARGE_REWARD
+    with RewardScorer(spec, workers=0) as scorer:
+        with pytest.warns(UserWarning, match=rf"reward function {re.escape(spec)} returned -1e\+30: a reward beyond "
+                                             r"±1e\+06 .*data\.reward_clip") as caught:
+            assert scorer.score(["1", "-1e30"], ["", ""]).scores == [1.0, -1e30]
+        assert len(caught) == 1
+        scorer.score(["1e30"], [""])
+    assert not recwarn.list  # once per run: the second huge batch did not warn again
 
 
 # ----------------------------------------------------------------------------- worker processes

@@ -1,4 +1,5 @@
-"""Prompt datasets from files: JSONL (native) or parquet (needs the optional `pyarrow`).
+"""Prompt datasets from files: JSONL or JSON (native) or parquet (needs the optional `pyarrow`), each named
+as itself or by its folder (`data_files`).
 
 Two row layouts, as the common VLM-RL recipes store them:
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import os
+import re
 import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -41,11 +43,11 @@ from typing import Any
 
 import numpy as np
 
-from rollplex.data.media import FRAME_EXTENSIONS, MediaLoadError
+from rollplex.data.media import FRAME_EXTENSIONS, MISSING, UNDECODABLE, UNUSABLE, MediaLoadError
 from rollplex.data.processing import (
     IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, PlaceholderMismatch, prepare_prompt, text_to_messages,
 )
-from rollplex.data.rows import JsonlRows, ParquetRows, read_rows
+from rollplex.data.rows import DATA_FILE_EXTENSIONS, JsonArrayRows, JsonlRows, ParquetRows, read_rows
 from rollplex.models.inputs import Prompt
 
 FORMATS = ("auto", "easyr1", "verl")
@@ -56,6 +58,14 @@ VERL_PROMPT_KEY = "prompt"
 # verl / qwen-vl-utils: "image", "video"; rollplex videos: "frames").
 _PATH_KEYS = ("path", "image", "video", "frames")
 _SHOWN_ROWS = 3  # rows named in a skip summary's line, per reason
+# What mends rows whose image or video fails, by MediaLoadError.problem: a missing file and a corrupt one are told
+# apart (their rows are summed up on lines of their own), as their fixes differ.
+_MEDIA_FIXES = {
+    MISSING: "check the {kind} paths and data.{kind}_key (relative paths start from the data file's folder)",
+    UNDECODABLE: "these {kind} files are corrupt or of another type: replace or re-encode them, or drop their rows",
+    UNUSABLE: "check what the column data.{kind}_key names holds: {kind} file paths (relative ones start from the "
+              "data file's folder) or encoded bytes",
+}
 
 
 @dataclass
@@ -68,6 +78,9 @@ class Example:
     # The row's columns but its images and videos, for the reward (verl's data_source, extra_info, ...), with the
     # prompt as the row holds it (text or chat messages) under "prompt". Empty for the synthetic tasks.
     columns: dict[str, Any] = field(default_factory=dict)
+    # The pass over the training rows it was drawn in, 0 first (training/epoch); None where there are no passes:
+    # validation rows, the synthetic tasks (endless, no example repeats).
+    epoch: int | None = None
 
 
 class RowSkipped(ValueError):
@@ -119,9 +132,55 @@ class _Source:
     """One data file: its rows, its layout and where its rows start in the dataset."""
 
     path: Path
-    rows: JsonlRows | ParquetRows
+    rows: JsonlRows | JsonArrayRows | ParquetRows
     layout: str  # "easyr1" or "verl"
     start: int
+
+
+# --------------------------------------------------------------------------------------
+# Data file names -> data files
+# --------------------------------------------------------------------------------------
+# A Hugging Face hub dataset as EasyR1 names one: org/name, with @split or not.
+_HUB_DATASET = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/(?P<name>[\w.-]+))(?:@(?P<split>[\w.-]+))?")
+
+
+def data_files(names: Sequence[str | os.PathLike]) -> list[Path]:
+    """The data files that data.train_files / val_files name: a file stands for itself, a folder for its .jsonl,
+    .json and .parquet files (sorted by name). A name that is neither, but looks like a hub dataset, is an error
+    that says how to download it."""
+    files: list[Path] = []
+    for name in names:
+        path = Path(name)
+        if path.is_dir():
+            files += _folder_data_files(path)
+        elif not path.exists() and path.suffix.lower() not in DATA_FILE_EXTENSIONS and \
+                (hub := _HUB_DATASET.fullmatch(str(name))):
+            raise FileNotFoundError(_hub_dataset_message(str(name), hub))
+        else:
+            files.append(path)  # read_rows names it when it is missing
+    return files
+
+
+def _folder_data_files(folder: Path) -> list[Path]:
+    def data_files_in(path: Path) -> list[Path]:
+        return sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in DATA_FILE_EXTENSIONS)
+
+    if found := data_files_in(folder):
+        return found
+    message = f"the folder {folder} holds no data files ({', '.join(DATA_FILE_EXTENSIONS)})"
+    if below := sorted(str(sub) for sub in folder.iterdir() if sub.is_dir() and data_files_in(sub)):
+        message += f"; these folders in it do: {', '.join(below)}. Name the one (or the files) of your split"
+    raise FileNotFoundError(message)
+
+
+def _hub_dataset_message(name: str, hub: re.Match) -> str:
+    local = f"data/{hub['name']}"
+    split = f"its {hub['split']!r} split's files" if hub["split"] else "the files of the split you want"
+    return (f"data file {name!r} is neither a local file nor a folder; it looks like a Hugging Face hub dataset "
+            f"(org/name@split, as EasyR1 names them). Rollplex reads local files only: download it first,\n"
+            f"  huggingface-cli download --repo-type dataset {hub['repo']} --local-dir {local}\n"
+            f"then set data.train_files (or data.val_files) to {split} there (ls -R {local}), or to a folder that "
+            f"holds only them (a folder's {', '.join(DATA_FILE_EXTENSIONS)} files are all read)")
 
 
 # --------------------------------------------------------------------------------------
@@ -215,7 +274,8 @@ def _detect_layout(row: dict[str, Any], prompt_key: str, path: Path) -> str:
 # Dataset
 # --------------------------------------------------------------------------------------
 class PromptDataset:
-    """Prompts from JSONL / parquet files, rendered lazily into `Example`s.
+    """Prompts from data files (JSONL, JSON, parquet, or folders of them: `data_files`), rendered lazily into
+    `Example`s.
 
     `len(dataset)` counts every row, usable or not. `dataset[i]` renders row i (an
     Example whose index is i) or raises `RowSkipped`; iterating yields the usable
@@ -255,8 +315,7 @@ class PromptDataset:
         self.system_prompt = system_prompt
         self.sources: list[_Source] = []
         start = 0
-        for f in files:
-            path = Path(f)
+        for path in data_files(files):
             rows = read_rows(path)
             layout = _detect_layout(rows[0], prompt_key, path) if format == "auto" else format
             self.sources.append(_Source(path, rows, layout, start))
@@ -341,8 +400,7 @@ class PromptDataset:
         if isinstance(error, MediaLoadError):
             # processing names a video frame "video i frame j"; anything else is an image.
             kind = "video" if error.name.startswith("video") else "image"
-            return f"bad_{kind}", (f"check the {kind} files and data.{kind}_key (relative paths start from the "
-                                   f"data file's folder)")
+            return f"bad_{kind}", _MEDIA_FIXES[error.problem].format(kind=kind)
         if isinstance(error, PlaceholderMismatch):
             placeholder = IMAGE_PLACEHOLDER if error.kind == "image" else VIDEO_PLACEHOLDER
             key = self.image_key if error.kind == "image" else self.video_key
@@ -412,21 +470,25 @@ class PromptDataset:
         if len(self._bad) == self._length:
             raise self._no_usable_rows()
 
-    def _order(self, seed: int) -> Iterator[int]:
-        """Row indices, epoch after epoch, each epoch in its own seeded shuffle."""
+    def _order(self, seed: int) -> Iterator[tuple[int, int]]:
+        """(epoch, row index) pairs, epoch after epoch, each epoch in its own seeded shuffle."""
         for epoch in itertools.count():
-            yield from np.random.default_rng([seed, epoch]).permutation(self._length).tolist()
+            for index in np.random.default_rng([seed, epoch]).permutation(self._length).tolist():
+                yield epoch, index
 
-    def _advance(self, order: Iterator[int], render: bool) -> Example | None:
+    def _advance(self, order: Iterator[tuple[int, int]], render: bool) -> Example | None:
         """Take rows from `order` up to and including the next usable one. Returns its
-        Example when `render`; otherwise None, and a row already known good is not
-        rendered again (fast-forwarding only needs to know which rows are usable)."""
-        for index in order:
+        Example, marked with its epoch, when `render`; otherwise None, and a row already
+        known good is not rendered again (fast-forwarding only needs to know which rows are usable)."""
+        for epoch, index in order:
             if not render and index in self._good:
                 return None
             example = self._try(index)
             if example is not None:
-                return example if render else None
+                if not render:
+                    return None
+                example.epoch = epoch
+                return example
             if len(self._bad) == self._length:
                 raise self._no_usable_rows()
         raise AssertionError("the row order is endless")

@@ -33,13 +33,23 @@ ImageLike = Union[Image.Image, np.ndarray, torch.Tensor, str, os.PathLike, bytes
 VideoLike = Union[Sequence[ImageLike], np.ndarray, str, os.PathLike, dict]
 
 
-class MediaLoadError(ValueError):
-    """An image or video frame could not be read or decoded. `name` says which one."""
+# What went wrong with an image or video (MediaLoadError.problem): each has its own fix, so rows skipped for one
+# are reported apart from rows skipped for another.
+MISSING = "missing"  # no file (or no frames in a folder) where the row points
+UNDECODABLE = "undecodable"  # the data is there but does not decode: a corrupt or truncated file, not an image
+UNUSABLE = "unusable"  # a value of the wrong type or shape
 
-    def __init__(self, name: str, reason: str):
-        super().__init__(f"cannot load {name}: {reason}")
+
+class MediaLoadError(ValueError):
+    """An image or video frame could not be read or decoded. `name` says which one, `problem` what went wrong
+    (MISSING, UNDECODABLE or UNUSABLE)."""
+
+    def __init__(self, name: str, reason: str, problem: str = UNUSABLE):
+        verb = "decode" if problem == UNDECODABLE else "load"
+        super().__init__(f"cannot {verb} {name}: {reason}")
         self.name = name
         self.reason = reason
+        self.problem = problem
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
@@ -89,7 +99,7 @@ def load_image(image: ImageLike, name: str = "image") -> Image.Image:
         try:
             image.load()
         except Exception as e:  # a lazily opened, truncated file
-            raise MediaLoadError(name, f"{type(e).__name__}: {e}") from e
+            raise MediaLoadError(name, f"{type(e).__name__}: {e}", UNDECODABLE) from e
         return _to_rgb(image)
     if isinstance(image, torch.Tensor):
         return _array_to_pil(image.detach().cpu().numpy(), name)
@@ -103,7 +113,7 @@ def load_image(image: ImageLike, name: str = "image") -> Image.Image:
         p = Path(image)
         label = f"{name} ({str(p)!r})"
         if not p.is_file():
-            raise MediaLoadError(label, "no such file")
+            raise MediaLoadError(label, "no such file", MISSING)
         return _decode(p, label)
     raise MediaLoadError(name, f"unsupported image type {type(image).__name__}")
 
@@ -114,7 +124,7 @@ def _decode(source: Any, label: str) -> Image.Image:
             img.load()  # force decoding now, so corrupt data fails here
             return _to_rgb(img)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise MediaLoadError(label, f"{type(e).__name__}: {e}") from e
+        raise MediaLoadError(label, f"{type(e).__name__}: {e}", UNDECODABLE) from e
 
 
 def _natural_key(name: str) -> list[Any]:
@@ -166,7 +176,8 @@ class VideoFile:
             # WebM / Matroska store no frame count: count the packets, which needs no decoding.
             self.num_frames = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
         if self.num_frames <= 0 or self.fps <= 0:
-            raise MediaLoadError(label, f"no frames or no frame rate ({self.num_frames} frames at {self.fps} fps)")
+            raise MediaLoadError(label, f"no frames or no frame rate ({self.num_frames} frames at {self.fps} fps)",
+                                 UNDECODABLE)
 
     def __len__(self) -> int:
         return self.num_frames
@@ -177,10 +188,10 @@ class VideoFile:
         try:
             with av.open(str(self.path)) as container:
                 if not container.streams.video:
-                    raise MediaLoadError(self.label, "the file holds no video stream")
+                    raise MediaLoadError(self.label, "the file holds no video stream", UNDECODABLE)
                 yield container
         except av.error.FFmpegError as e:
-            raise MediaLoadError(self.label, f"{type(e).__name__}: {e}") from e
+            raise MediaLoadError(self.label, f"{type(e).__name__}: {e}", UNDECODABLE) from e
 
     def decode(self, indices: Sequence[int]) -> list[Image.Image]:
         """RGB images of the frames at `indices` (ascending), decoding no further than the last."""
@@ -194,7 +205,7 @@ class VideoFile:
                     break
         # A container may list more frames than it holds; the frames read keep their times.
         if not frames:
-            raise MediaLoadError(self.label, "no frame could be decoded")
+            raise MediaLoadError(self.label, "no frame could be decoded", UNDECODABLE)
         return frames
 
 
@@ -213,10 +224,10 @@ def video_frames_and_fps(video: VideoLike, name: str) -> tuple[Sequence[Any], fl
         if path.is_file():
             return VideoFile(path, label), native
         if not path.is_dir():
-            raise MediaLoadError(label, "no such video file or folder of frame images")
+            raise MediaLoadError(label, "no such video file or folder of frame images", MISSING)
         frames: list[Any] = list_frame_files(path)
         if not frames:
-            raise MediaLoadError(label, "folder holds no frame images")
+            raise MediaLoadError(label, "folder holds no frame images", MISSING)
         return frames, native
     if isinstance(video, (np.ndarray, torch.Tensor)):
         if video.ndim != 4:

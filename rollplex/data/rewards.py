@@ -5,7 +5,8 @@ Built in: "exact_match" (one-word / short answers, the synthetic tasks), "math"
 (a final math answer, checked with math-verify when it is installed) and "format"
 (the <think>...</think> answer layout). `load_reward` also loads a user function
 from `module:function` or `path/to/file.py:function` (which imports the modules
-beside it, as a script does). Scoring batches, with a failing call costing only
+beside it, as a script does); without `:function`, verl's default `compute_score`
+or the module's one public function. Scoring batches, with a failing call costing only
 its samples, is rollplex.data.reward_scoring's.
 """
 
@@ -285,30 +286,57 @@ def load_reward(spec: str) -> RewardFn:
     """A reward function by name ("exact_match", "math", "format") or a user function as
     `package.module:function` or `path/to/file.py:function` (its folder goes on sys.path,
     after the standard library and the installed packages, so that the file imports the
-    modules beside it)."""
-    if ":" not in spec:
-        if spec not in BUILTIN_REWARDS:
-            raise ValueError(
-                f"unknown reward {spec!r}: use a built-in ({', '.join(BUILTIN_REWARDS)}) "
-                f"or a function as 'module:function' / 'path/to/file.py:function'"
-            )
+    modules beside it). Without `:function`, the module's `compute_score` (verl's default
+    name), else the one public function defined in it (`_default_function`)."""
+    if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
-    where, _, func_name = spec.rpartition(":")
-    if not where or not func_name:
+    where, colon, func_name = spec.rpartition(":")
+    if not colon:
+        where = spec
+    elif not where or not func_name:
         raise ValueError(f"reward {spec!r}: expected 'module:function' or 'path/to/file.py:function'")
-    if where.endswith(".py") or "/" in where or "\\" in where:
-        module = _load_file(Path(where), spec)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except Exception as e:
-            raise ImportError(f"reward {spec!r}: cannot import module {where!r}: {type(e).__name__}: {e}") from e
+    module = _load_module(where, spec)
+    if not colon:
+        func_name = _default_function(module, where)
     fn = getattr(module, func_name, None)
     if fn is None:
         raise ImportError(f"reward {spec!r}: {where} has no function {func_name!r}")
     if not callable(fn):
         raise TypeError(f"reward {spec!r}: {where}.{func_name} is a {type(fn).__name__}, not a function")
     return fn
+
+
+def _load_module(where: str, spec: str) -> Any:
+    """The module of a user reward: a file (a path, or a name ending in .py) or an importable module."""
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        return _load_file(Path(where), spec)
+    try:
+        return importlib.import_module(where)
+    except Exception as e:
+        if where == spec and isinstance(e, ModuleNotFoundError) and e.name == where:  # a mistyped built-in, most likely
+            raise ValueError(f"unknown reward {spec!r}: use a built-in ({', '.join(BUILTIN_REWARDS)}) "
+                             f"or a function as 'module:function' / 'path/to/file.py:function'") from None
+        raise ImportError(f"reward {spec!r}: cannot import module {where!r}: {type(e).__name__}: {e}") from e
+
+
+# The function a reward named without one (`file.py`, `pkg.module`) stands for, when the module has it: verl's
+# custom_reward_function.name default.
+DEFAULT_REWARD_FUNCTION = "compute_score"
+
+
+def _default_function(module: Any, where: str) -> str:
+    """The name of the reward function in `module` when the spec names none: DEFAULT_REWARD_FUNCTION, else the one
+    public function defined in the module itself (not imported into it)."""
+    if hasattr(module, DEFAULT_REWARD_FUNCTION):
+        return DEFAULT_REWARD_FUNCTION
+    own = [name for name, value in vars(module).items()
+           if inspect.isfunction(value) and value.__module__ == module.__name__ and not name.startswith("_")]
+    if len(own) == 1:
+        return own[0]
+    found = f"its public functions are {', '.join(own)}" if own else "it defines no public function"
+    example = own[0] if own else "my_reward"
+    raise ImportError(f"reward {where!r}: no function named, and {where} has no {DEFAULT_REWARD_FUNCTION}; {found}. "
+                      f"Name the reward function: data.reward {where}:{example}")
 
 
 # ----------------------------------------------------------------------------- calling conventions
@@ -419,12 +447,19 @@ class Reward:
         return [_PER_SAMPLE_CALLS[self.kind](self.fn, s) for s in samples]
 
 
+class RewardTypeError(TypeError):
+    """A reward function returned a score that is not a number (a string, a list, ...): a mistake in the
+    function, not in its sample, so it stops the run (rollplex.data.reward_scoring) instead of scoring 0.0."""
+
+
 def score_of(result: Any, score_key: str = "") -> tuple[float, dict[str, float]]:
     """A raw result's score and its components: a number is the score, with no
     components; a dict's score is its `score_key` entry ("": "overall" or "score",
     whichever it has), and every finite number in it (the score too) is a component.
-    Raises for anything else, a missing score or a score that is not finite."""
+    A score of the wrong type raises RewardTypeError; None, a missing score or a
+    score that is not finite raise other errors (the sample's failure)."""
     components: dict[str, float] = {}
+    entry = ""
     if isinstance(result, Mapping):
         components = {str(k): float(v) for k, v in result.items()
                       if isinstance(v, numbers.Real) and math.isfinite(v)}
@@ -433,11 +468,43 @@ def score_of(result: Any, score_key: str = "") -> tuple[float, dict[str, float]]
         if found is None:
             raise KeyError(f"the reward's dict has no {' or '.join(map(repr, keys))} entry (it has "
                            f"{', '.join(map(repr, result))}): set data.reward_score_key to the entry that is the score")
-        result = result[found]
+        result, entry = result[found], f"a dict whose {found!r} entry is "
     if result is None:
         raise TypeError("the reward returned None (TRL's 'no reward for this sample'; with one reward function "
                         "there is no other to score it)")
-    score = float(result)
+    score = _real_number(result)
+    if score is None:
+        shown = repr(result) if len(repr(result)) <= 60 else repr(result)[:57] + "..."
+        number = (f"float({result!r})" if isinstance(result, str) and _parses_as_float(result) else "a number") + \
+            " (a float, an int or a bool)"
+        fix = (f"make it {number}" if entry else
+               f"return {number}, or a dict with the score under {score_key or DEFAULT_SCORE_KEYS[-1]!r}")
+        raise RewardTypeError(f"returned {entry}{type(result).__name__} {shown}, not a number: {fix}")
     if not math.isfinite(score):
         raise ValueError(f"non-finite reward {score}")
     return score, components
+
+
+def _real_number(value: Any) -> float | None:
+    """`value` as a float when it is a real number, else None. Taken as verl takes them: Python's and
+    numpy's numbers, bool too (an `a == b` check scores 1.0 or 0.0: bool is an int, and verl's reward
+    tensor and TRL's list of rewards take it), and a one-element numpy array or torch tensor. Not a
+    string, even one that reads as a number: verl fails on it, and it is most often a parse mistake."""
+    if isinstance(value, numbers.Real):
+        return float(value)
+    item = getattr(value, "item", None)  # numpy's and torch's one-element arrays (no import of either here)
+    if not callable(item):
+        return None
+    try:
+        inner = item()
+    except (ValueError, RuntimeError, TypeError):  # more elements than one, or an item() of another meaning
+        return None
+    return float(inner) if isinstance(inner, numbers.Real) else None
+
+
+def _parses_as_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
