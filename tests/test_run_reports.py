@@ -74,16 +74,31 @@ def test_logging_wandb_gets_the_runs_metrics_and_config(tmp_path, monkeypatch):
     assert config["trainer"]["output_dir"] == str(tmp_path) and config["logging"]["project"] == "tests"
 
 
+SAMPLED_VALIDATION = ["--trainer.val_n", "2", "--trainer.val_temperature", "1.0"]
+
+
 def disagg_on_two_ranks(rank: int, world: int, out: str) -> None:
     fit(Path(out), "--trainer.total_steps", "1", "--trainer.eval_every", "1", "--trainer.save_every", "0",
-        "--logging.no_console", "--schedule.kind", "disagg", "--schedule.rollout_ranks", "1")
+        "--logging.no_console", "--schedule.kind", "disagg", "--schedule.rollout_ranks", "1", *SAMPLED_VALIDATION)
 
 
 def test_disagg_evaluation_writes_the_generations_one_process_does(tmp_path):
-    """The rollout rank generates the validation responses; rank 0, a trainer, writes them."""
+    """The rollout rank generates the validation responses (trainer.val_n each, sampled); rank 0, a trainer,
+    writes them."""
     fit(tmp_path / "serial", "--trainer.total_steps", "1", "--trainer.eval_every", "1", "--trainer.save_every", "0",
-        "--logging.no_console")
+        "--logging.no_console", *SAMPLED_VALIDATION)
     run_distributed(disagg_on_two_ranks, 2, str(tmp_path / "disagg"))
     serial, disagg = samples(tmp_path / "serial", 1), samples(tmp_path / "disagg", 1)
+    assert len([r for r in serial if r["split"] == "val"]) == 4 * 2
     assert [r for r in disagg if r["split"] == "val"] == [r for r in serial if r["split"] == "val"]
     assert read_metrics(tmp_path / "disagg")[0]["val/score"] == read_metrics(tmp_path / "serial")[0]["val/score"]
+
+
+def test_bf16_or_fp16_compute_on_a_cpu_is_called_slow_in_one_line_saying_how_to_change_it():
+    from rollplex.rl.reports import slow_cpu_compute_note
+
+    note = slow_cpu_compute_note("bfloat16", "cpu")
+    assert "\n" not in note and "bfloat16 on a CPU is slow" in note
+    assert "--model.dtype float32" in note and "preset: tiny" in note
+    assert "float16 on a CPU" in slow_cpu_compute_note("float16", "cpu")
+    assert slow_cpu_compute_note("float32", "cpu") is None and slow_cpu_compute_note("bfloat16", "cuda") is None

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -37,15 +38,16 @@ from torch.distributed.fsdp import FSDPModule
 
 from rollplex.config import Config, config_to_dict, save_config
 from rollplex.data.prefetch import Prefetcher
-from rollplex.data.reward_scoring import RewardScorer, RewardScores
-from rollplex.dist import ParallelDims, all_gather_objects, build_mesh, init_distributed
+from rollplex.data.reward_scoring import LARGE_REWARD, RewardScorer, RewardScores
+from rollplex.dist import ParallelDims, all_gather_objects, all_reduce_values, build_mesh, init_distributed
 from rollplex.metrics import CONFIG_FILE, GpuMonitor, MetricsLogger, Timer, start_run_files
 from rollplex.models import Prompt, VisionEmbeds, from_pretrained
 from rollplex.models.protocol import VisionLanguageModel
 from rollplex.rl.memory import GiB, MemoryPlan
 from rollplex.rl.prompt_work import PromptWorkPlanner, update_chunks
-from rollplex.rl.reports import startup_summary, training_records, validation_records
-from rollplex.rl.rollout import RolloutRunner, balanced_share, build_engine
+from rollplex.rl.reports import (slow_cpu_compute_note, startup_summary, training_records, validation_metrics,
+                                 validation_records)
+from rollplex.rl.rollout import Rollout, RolloutRunner, balanced_share, build_engine
 from rollplex.rl.schedules.prompt_items import PromptKind
 from rollplex.rl.schedules.registry import build_schedule
 from rollplex.rl.setup import PromptSource, load_run_processor, model_path, plan_run_memory, resume_point
@@ -54,13 +56,21 @@ from rollplex.rl.step_metrics import (PhaseMeter, combine_updates, gather_metric
                                       stop_if_every_reward_failed)
 from rollplex.rl.weights import SharedWeights
 from rollplex.run_lock import RunLock, claim_run_folder
-from rollplex.train.actor import Actor, ActorConfig, PolicyBatch
-from rollplex.train.checkpoint import export_hf, load_checkpoint, remove_unfinished_saves, save_checkpoint
+from rollplex.stop_signals import Terminated, finishing_steps
+from rollplex.train.actor import Actor, ActorConfig, PolicyBatch, TooManySkippedSteps
+from rollplex.train.checkpoint import (export_hf, latest_checkpoint, load_checkpoint, remove_unfinished_saves,
+                                       save_checkpoint)
 from rollplex.train.lora import base_model_view
 from rollplex.train.lora_export import export_peft_adapter
 from rollplex.train.loss import group_advantages
 from rollplex.train.optim import lr_schedule
 from rollplex.train.parallelize import parallelize
+
+def _global_range(values: list[float], group: dist.ProcessGroup | None) -> tuple[float, float]:
+    """The least and greatest of every dp rank's `values` (each rank has some)."""
+    greatest, negated_least = all_reduce_values([max(values), -min(values)], dist.ReduceOp.MAX, group)
+    return -negated_least, greatest
+
 
 def _kill_if_asked(step: int, rank: int) -> None:
     """Fault injection for the restart tests: ROLLPLEX_KILL_AT_STEP="STEP:RANK" makes
@@ -118,6 +128,7 @@ class RLTrainer:
         self.tokenizer = self.processor.tokenizer
         self.data = PromptSource(cfg.data, self.processor)
         self.skipped_rows = 0.0  # training rows skipped as of the batch being trained on (data/skipped_total)
+        self.save_due = False  # a checkpoint is due, waiting for a step whose optimizer step was not skipped
         self.total_steps = self.data.run_steps(cfg.trainer)
         if self.complete:
             return  # no weights to load: fit() says the run is done
@@ -133,7 +144,7 @@ class RLTrainer:
         self._build_actor()
         d = cfg.data
         self.reward_scorer = RewardScorer(d.reward, d.reward_workers, d.reward_timeout_s, d.reward_kind,
-                                          d.reward_score_key, d.reward_keyword_arguments())
+                                          d.reward_score_key, d.reward_keyword_arguments(), clip=d.reward_clip)
         self.gpu_monitor = GpuMonitor(device=self.device.index if self.device.type == "cuda" else None)
 
     def _parallel_dims(self) -> ParallelDims:
@@ -150,7 +161,9 @@ class RLTrainer:
         self.logger = MetricsLogger(self.out, rank=self.rank, console=log.console, jsonl=log.jsonl,
                                     tensorboard=log.tensorboard, total_steps=self.total_steps, wandb=log.wandb,
                                     swanlab=log.swanlab, project=log.project, run_name=log.run_name,
-                                    run_config=config_to_dict(cfg), resumed_step=resumed_step)
+                                    run_config=config_to_dict(cfg), resumed_step=resumed_step,
+                                    progress=log.progress, progress_every_s=log.progress_every_s)
+        self.progress = self.logger.progress  # rank 0's: the step in progress (rollplex.progress)
 
     def _load_models(self, path: Path) -> None:
         """fp32 master weights, computed in model.dtype (FSDP gathers them in it, one process too);
@@ -192,6 +205,7 @@ class RLTrainer:
         cfg = self.cfg
         self.engine = build_engine(self.weights, cfg.rollout, self.memory.kv_pool_blocks,
                                    self.memory.batch.longest_sequence, engine_group)
+        self.engine.progress = self.progress
         tp_group = self.weights.engine_tp_group if cfg.rollout.tp > cfg.parallel.tp else None
         self.rollout_runner = RolloutRunner(self.engine, self.weights, self.model, self.tokenizer, cfg.rollout,
                                             cfg.trainer.seed, tp_group)
@@ -206,6 +220,7 @@ class RLTrainer:
         self.actor = Actor(self.model, ActorConfig.from_config(cfg, self.memory.sizes.micro_batch_tokens),
                            self.dp_group, lr_lambda=lr_schedule(t.lr_schedule, t.warmup_steps,
                                                                 self.total_steps * cfg.algorithm.updates_per_batch))
+        self.actor.on_micro_batch = self.progress.micro_batches
 
     def _batches(self, start_step: int) -> Iterator[list]:
         return self.data.batches(start_step)
@@ -245,47 +260,79 @@ class RLTrainer:
                       sum(p.numel() for p in self.model.parameters() if p.requires_grad))
         self.logger.message(startup_summary(cfg, self.model_dir, parameters, self.data, self.total_steps,
                                             self._layout_summary(), self.start))
+        if note := slow_cpu_compute_note(cfg.model.dtype, self.device.type):
+            self.logger.message(note)
         self._resume()
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.out / CONFIG_FILE)
-        if cfg.trainer.val_before_train and self.step == 0 and (before := self.evaluate()):
-            self.logger.log(0, before)  # the starting point of the val/score curve
+        first_step = self.step
         try:
+            if cfg.trainer.val_before_train and self.step == 0:
+                self._evaluate_before_training()
             self._train_steps()
-            if cfg.trainer.save_hf:
-                self._save_hf()
+            exported = self._save_hf() if cfg.trainer.save_hf else None
+            self.logger.summarize_run(self.step, self.step - first_step,
+                                      latest_checkpoint(self.out / "checkpoints"), exported)
         finally:  # a run that stops on an error still flushes its trackers and stops its reward workers
             self.logger.close()
             self.reward_scorer.close()
 
+    def _evaluate_before_training(self) -> None:
+        """trainer.val_before_train: the starting point of the val/score curve, logged as step 0."""
+        self.progress.start_step(0)
+        with self.progress.phase("val"):
+            before = self.evaluate()
+        if before:
+            self.logger.log(0, before)
+
     def _train_steps(self) -> None:
         batches = self._batches(self.step)
         # The next batch is prepared in the background while this step runs; the rows skipped so far go with it.
-        with Prefetcher(lambda: (next(batches), self.data.skipped)) as upcoming:
+        # A SIGTERM during a step lets it finish and be saved (trainer.save_on_term: rollplex.stop_signals).
+        with Prefetcher(lambda: (next(batches), self.data.skipped)) as upcoming, \
+                finishing_steps(lambda: self.step, self.total_steps, announce=self.rank == 0,
+                                save_on_term=self.cfg.trainer.save_on_term) as boundary:
             while self.step < self.total_steps:
-                examples, self.skipped_rows = upcoming.next(ahead=self.step + 1 < self.total_steps)
-                self.step += 1
+                self.step += 1  # first: a SIGTERM while the batch is awaited is one during this step
+                examples, self.skipped_rows = upcoming.next(ahead=self.step < self.total_steps)
                 _kill_if_asked(self.step, self.rank)
                 metrics = self.train_step(examples, data_s=upcoming.wait_s)
-                self._after_step(metrics)
+                saved = self._after_step(metrics)
+                if self.step < self.total_steps and boundary.requested():  # the last step ends the run anyway
+                    self._stop_for_sigterm(saved)
 
-    def _after_step(self, metrics: dict[str, float]) -> None:
-        """Evaluate, log and save as the step's number asks."""
+    def _stop_for_sigterm(self, saved: bool) -> None:
+        """Stop after this step, which a SIGTERM let finish: keep it (unless its checkpoint was just saved)."""
+        if not saved:
+            self._save()
+        raise Terminated(saved_step=self.step)
+
+    def _after_step(self, metrics: dict[str, float]) -> bool:
+        """Evaluate, log and save as the step's number asks; whether it saved a checkpoint of the step."""
         cfg, last = self.cfg, self.step == self.total_steps
         if cfg.trainer.eval_every and (self.step % cfg.trainer.eval_every == 0 or last):
-            metrics.update(self.evaluate())
-        saving = cfg.trainer.save_every and (self.step % cfg.trainer.save_every == 0 or last)
+            with self.progress.phase("val"):
+                metrics.update(self.evaluate())
+        self.save_due |= bool(cfg.trainer.save_every) and (self.step % cfg.trainer.save_every == 0 or last)
+        # A step whose last optimizer step was skipped (non-finite values) is not saved but by the run's end: its save
+        # waits for the next step that trains, so that a run stopped by trainer.max_skipped_steps keeps a good one.
+        skipped = self.actor is not None and self.actor.skipped_in_a_row > 0  # None: a disagg rollout rank
+        saving = self.save_due and (last or not skipped)
+        self.save_due &= not saving
         if saving or self.device.type == "cuda":
             metrics["perf/live_memory_gb"] = self.phases.live_bytes() / GiB
         if self.step % cfg.logging.log_every == 0 or last or "val/score" in metrics:
             self.logger.log(self.step, metrics)
         if saving:
-            self._save()
+            with self.progress.phase("save"):
+                self._save()
+        return bool(saving)
 
     def train_step(self, examples: list, data_s: float = 0.0) -> dict[str, float]:
         """One step on the global batch `examples`; `data_s`: how long the step waited for them (timing_s/data,
         counted in timing_s/step)."""
+        self.progress.start_step(self.step)
         # GPU utilisation and memory over the step (no-op without an NVIDIA GPU), and each phase's peak memory
         with self.gpu_monitor, self.phases.step() as peaks:
             metrics = self._train_step(examples, data_s)
@@ -299,7 +346,7 @@ class RLTrainer:
 
     def _train_step(self, examples: list, data_s: float) -> dict[str, float]:
         """The step's phases in order (the module docstring); each fills what `state` lacks."""
-        cfg, timer, phase = self.cfg, Timer(), self.phases.phase
+        cfg, timer, phase = self.cfg, Timer(), self._phase
         start = time.perf_counter() - data_s
         state = self._rollout_phase(examples, timer)
         if self.schedule.prompt_work_phase:
@@ -322,10 +369,16 @@ class RLTrainer:
             actor_metrics = self._update(state)
         return self._step_metrics(state, actor_metrics, timer, data_s, time.perf_counter() - start)
 
+    @contextmanager
+    def _phase(self, timer: Timer, name: str) -> Iterator[None]:
+        """A phase of the step: timed, marked for its peak memory, and shown as the step's progress."""
+        with self.progress.phase(name), self.phases.phase(timer, name):
+            yield
+
     def _rollout_phase(self, examples: list, timer: Timer) -> StepState:
         """This rank's share of the step's prompts, rolled out (the gen phase)."""
         mine = balanced_share(examples, self.dims.dp_shard, self.dp_rank)
-        with self.phases.phase(timer, "gen"):
+        with self._phase(timer, "gen"):
             state = self.rollout(mine, self.step)
         # Decode graphs captured in this rollout: each bucket's at its first use in the run, and again where the
         # engine's weights (the trainer's, gathered) landed elsewhere since.
@@ -399,20 +452,46 @@ class RLTrainer:
         rollout, updates = state.rollout, []
         old = state.per_sample(state.old) if self.cfg.algorithm.recompute_old_logprobs else rollout.logprobs
         ref = state.per_sample(state.ref) if self.ref_model is not None else None
-        for i, chunk in enumerate(update_chunks(len(rollout.groups), self.cfg.algorithm.updates_per_batch)):
+        chunks = update_chunks(len(rollout.groups), self.cfg.algorithm.updates_per_batch)
+        for i, chunk in enumerate(chunks):
             start = time.perf_counter()
             at = rollout.responses_of(chunk)
             batch = PolicyBatch(rollout.groups[chunk], state.advantages[at], old[at], ref[at] if ref else None,
                                 rollout.logprobs[at], state.kept((PromptKind.ACTOR,), i), rollout_weights=i == 0)
             early = state.update if i == 0 else None
             updates.append(early.finish(batch) if early is not None else self.actor.update(batch))
+            if self.actor.skip_cause:
+                self._report_skipped_update(state, f"{i + 1} of {len(chunks)}")
             if i == 0:
                 state.first_update_s = time.perf_counter() - start
         return combine_updates(updates)
 
+    def _report_skipped_update(self, state: StepState, which: str) -> None:
+        """Say why the step's optimizer step `which` was skipped, with the step's reward and advantage
+        ranges; once trainer.max_skipped_steps were skipped in a row, stop the run (before `_after_step`
+        saves the step). Every rank gets here alike: the skip and its count are global."""
+        limit, in_a_row, cause = self.cfg.trainer.max_skipped_steps, self.actor.skipped_in_a_row, self.actor.skip_cause
+        (reward_lo, reward_hi), advantages = (_global_range(values, self.dp_group)
+                                              for values in (state.rewards.scores, state.advantages))
+        ranges = (f"the step's rewards lie in [{reward_lo:.3g}, {reward_hi:.3g}], its advantages in "
+                  f"[{advantages[0]:.3g}, {advantages[1]:.3g}]")
+        stops = f"; trainer.max_skipped_steps {limit} stops the run" if limit else ""
+        self.logger.message(f"step {self.step}: optimizer step {which} skipped ({in_a_row} in a row{stops}): "
+                            f"{cause}; {ranges}")
+        if not limit or in_a_row < limit:
+            return
+        tries = ["data.reward_clip (every reward into [-c, c]) or a bounded reward function",
+                 "algorithm.adv_estimator grpo (each group's advantages divided by their std)", "a lower trainer.lr"]
+        if max(abs(reward_lo), abs(reward_hi)) <= LARGE_REWARD:  # rewards of a sane size: the step size first
+            tries.reverse()
+        raise TooManySkippedSteps(
+            f"{in_a_row} optimizer steps in a row were skipped for non-finite values (trainer.max_skipped_steps "
+            f"{limit}; 0 never stops), the last at step {self.step}: {cause}; {ranges}. Try {'; or '.join(tries)}. "
+            f"The run stopped before saving this step")
+
     def _step_metrics(self, state: StepState, actor_metrics: dict[str, float], timer: Timer, data_s: float,
                       seconds: float) -> dict[str, float]:
-        metrics = gather_metrics(state.rollout, state.rewards, actor_metrics, self.skipped_rows, self.dp_group)
+        metrics = gather_metrics(state, actor_metrics, self.skipped_rows, self.dp_group)
         metrics["timing_s/data"] = data_s
         metrics.update(timer.as_metrics())
         metrics.update(state.metrics)
@@ -430,32 +509,36 @@ class RLTrainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Greedy score on the validation prompts, split across dp ranks; every generation goes
+        """The score on the validation prompts (trainer.val_n responses each, greedy by default),
+        split across dp ranks, and per data_source where the rows have one; every generation goes
         to the step's samples file."""
         examples = self.data.val_examples
         if not examples:
             return {}
         start = time.perf_counter()
         records = self._validation_records(examples)
-        records.sort(key=lambda r: r["index"])  # the same order, and so the same sum, on any layout
-        score = sum(r["score"] for r in records) / len(records)
+        # A stable sort: the same order (a prompt's responses as drawn), and so the same sums, on any layout.
+        records.sort(key=lambda r: r["index"])
+        metrics = validation_metrics(records)
         path = self.logger.log_samples(self.step, records)
-        self.logger.message(f"step {self.step}: val/score {score:.4g} over {len(records)} prompts "
-                            f"({time.perf_counter() - start:.1f} s), generations in {path}")
-        return {"val/score": score}
+        n = self.cfg.trainer.val_n
+        responses = f" x {n} responses" if n > 1 else ""
+        self.logger.message(f"step {self.step}: val/score {metrics['val/score']:.4g} over {len(examples)} prompts"
+                            f"{responses} ({time.perf_counter() - start:.1f} s), generations in {path}")
+        return metrics
 
     def _validation_records(self, examples: list) -> list[dict]:
         """Every rank's records of `examples`, each rank generating its share."""
-        mine = self._greedy_records(examples[self.dp_rank::self.dims.dp_shard])
+        mine = self._generation_records(examples[self.dp_rank::self.dims.dp_shard])
         return [r for rank_records in all_gather_objects(mine, self.dp_group) for r in rank_records]
 
-    def _greedy_records(self, examples: list) -> list[dict]:
-        """The samples-file records of `examples`' greedy responses on this rank's engine, with their scores."""
-        samples = self.rollout_runner.greedy(examples)
-        responses = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-        rewards = self.reward_scorer.score(responses, [e.answer for e in examples], [s.token_ids for s in samples],
-                                           [e.columns for e in examples])
-        return validation_records(examples, responses, rewards)
+    def _generation_records(self, examples: list) -> list[dict]:
+        """The samples-file records of the validation responses to `examples` on this rank's engine
+        (trainer.val_n each, at trainer.val_temperature and val_top_p), with their scores."""
+        t = self.cfg.trainer
+        groups = self.rollout_runner.validate(examples, t.val_n, t.val_temperature, t.val_top_p)
+        rollout = Rollout.of(examples, groups, self.tokenizer)
+        return validation_records(rollout, score_groups(self.reward_scorer, examples, groups, rollout.texts))
 
     def _save(self) -> None:
         start = time.perf_counter()
@@ -464,9 +547,10 @@ class RLTrainer:
                                keep_last=self.cfg.trainer.keep_last, group=self.checkpoint_group)
         self.logger.message(f"step {self.step}: saved checkpoint {path} ({time.perf_counter() - start:.1f} s)")
 
-    def _save_hf(self) -> None:
+    def _save_hf(self) -> tuple[str, Path] | None:
         """trainer.save_hf: the final weights as a Hugging Face folder, each rank writing its own shards;
-        a LoRA run's adapters as a PEFT folder (the merged model when its vision tower trained in full)."""
+        a LoRA run's adapters as a PEFT folder (the merged model when its vision tower trained in full).
+        Returns what it wrote and where."""
         start, cfg = time.perf_counter(), self.cfg
         out_dir = cfg.trainer.hf_dir or self.out / "hf"
         if cfg.lora.adapters_only:
@@ -476,6 +560,7 @@ class RLTrainer:
             out = export_hf(self.model, out_dir, self.model_dir, self.compute_dtype, group=self.checkpoint_group)
             what = "Hugging Face model"
         self.logger.message(f"step {self.step}: wrote the {what} {out} ({time.perf_counter() - start:.1f} s)")
+        return what, out
 
     def _resume(self) -> None:
         """Load the checkpoint `resume_point` chose."""

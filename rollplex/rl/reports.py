@@ -5,11 +5,15 @@ per generation:
     {"split": "train" | "val", "index": dataset row or task index, "prompt": rendered prompt,
      "response": decoded response, "answer": reference answer, "score": reward,
      "components": {name: value}   (a reward that returns a dict: its entries),
-     "advantage": ..., "finish_reason": "stop" | "length"   (training samples)}
+     "advantage": ..., "finish_reason": "stop" | "length"   (training samples),
+     "data_source": the row's data_source column   (validation samples of rows that have one)}
+
+and the validation scores made from those records (`validation_metrics`).
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +21,8 @@ from rollplex.config import Config
 from rollplex.data.reward_scoring import RewardScores
 from rollplex.rl.rollout import Rollout
 from rollplex.rl.setup import PromptSource, ResumePoint
+
+DATA_SOURCE = "data_source"  # verl's column naming the dataset a row comes from (its validation metrics split by it)
 
 
 def _record(split: str, example, response: str, rewards: RewardScores, i: int) -> dict[str, Any]:
@@ -36,9 +42,28 @@ def training_records(rollout: Rollout, rewards: RewardScores, advantages: list[f
              "advantage": advantages[i], "finish_reason": rollout.finish_reasons[i]} for i in chosen]
 
 
-def validation_records(examples: list, responses: list[str], rewards: RewardScores) -> list[dict]:
-    """One record per validation prompt and its greedy response."""
-    return [_record("val", e, response, rewards, i) for i, (e, response) in enumerate(zip(examples, responses))]
+def validation_records(rollout: Rollout, rewards: RewardScores) -> list[dict]:
+    """One record per validation response (trainer.val_n per prompt, prompt by prompt), with
+    its row's data_source when the row has one (verl's layout)."""
+    per_sample = [e for e, g in zip(rollout.examples, rollout.groups) for _ in g.samples]
+    records = [_record("val", e, text, rewards, i) for i, (e, text) in enumerate(zip(per_sample, rollout.texts))]
+    for record, e in zip(records, per_sample):
+        if DATA_SOURCE in e.columns:
+            record[DATA_SOURCE] = e.columns[DATA_SOURCE]
+    return records
+
+
+def validation_metrics(records: list[dict]) -> dict[str, float]:
+    """val/score, the mean score of every validation response; where rows have a data_source,
+    also val/score/<data_source>, each source's mean (rows without one: "unknown", as verl
+    names them), in the records' order."""
+    metrics = {"val/score": sum(r["score"] for r in records) / len(records)}
+    if not any(DATA_SOURCE in r for r in records):
+        return metrics
+    by_source: defaultdict[str, list[float]] = defaultdict(list)
+    for r in records:
+        by_source[str(r.get(DATA_SOURCE, "unknown"))].append(r["score"])
+    return metrics | {f"val/score/{source}": sum(scores) / len(scores) for source, scores in sorted(by_source.items())}
 
 
 def _count(n: int) -> str:
@@ -72,3 +97,16 @@ def startup_summary(cfg: Config, model_dir: Path, parameters: tuple[int, int], d
         f"  layout  {layout}",
         f"  output  {cfg.trainer.output_dir}: metrics.jsonl, checkpoints/, samples/",
     ])
+
+
+# Compute dtypes that most CPUs have no fast matmuls for.
+_SLOW_ON_CPU = ("bfloat16", "float16")
+
+
+def slow_cpu_compute_note(dtype: str, device_type: str) -> str | None:
+    """The line a run that computes in `dtype` on a `device_type` device prints at start-up when that is slow (bf16 or
+    fp16 on a CPU: the defaults are a GPU run's), saying how to change it; None when it is not slow."""
+    if device_type != "cpu" or dtype not in _SLOW_ON_CPU:
+        return None
+    return (f"note: computing in {dtype} on a CPU is slow (most CPUs have no fast {dtype} matmuls): set "
+            f"--model.dtype float32, or start from the tiny CPU demo's settings (preset: tiny)")
