@@ -4,7 +4,9 @@ One record per logged step goes to ``<output_dir>/metrics.jsonl`` (one JSON
 object a line, ``{"step": 12, "critic/score/mean": 0.51, ...}``), to a one-line
 console summary and, optionally, to TensorBoard (``<output_dir>/tb``), wandb and
 SwanLab (rollplex.trackers). Sample generations go to
-``<output_dir>/samples/step_N.jsonl``. Only rank 0 writes; every rank may call
+``<output_dir>/samples/step_N.jsonl``. The console also shows the step in
+progress (rollplex.progress: logging.progress) and, at the end, a summary of
+the run (`MetricsLogger.summarize_run`). Only rank 0 writes; every rank may call
 the logger. ``start_run_files`` makes those files a run's own before it logs (a
 resumed run's cut back to its checkpoint's step, a new run's earlier ones set
 aside). ``read_metrics`` reads the metrics file back.
@@ -13,8 +15,12 @@ Metric names follow verl where verl has the metric, so runs can be compared with
 verl's tooling and dashboards:
 
     critic/score/mean, /max, /min  sequence-level reward over the step's responses
-    response_length/mean           response tokens per sample
+    critic/rewards/mean, /max, /min   the rewards the advantages were computed from
+    critic/advantages/mean, /max, /min   advantages (the mean over response tokens)
+    prompt_length/mean, /max, /min  prompt tokens per sample, image and video tokens included
+    response_length/mean, /max, /min  response tokens per sample
     response_length/clip_ratio     fraction of responses cut at the length limit
+    training/epoch                 the pass over the training files the step's batch starts in (files only)
     timing_s/step                  wall seconds of the whole step
     timing_s/gen                   rollout (generation)
     timing_s/reward                reward computation
@@ -35,7 +41,7 @@ verl's tooling and dashboards:
 
 Rollplex's own (no verl equivalent):
 
-    val/score                      mean validation reward
+    val/score                      mean validation reward; val/score/<data_source> each source's
     data/skipped_total             training rows found unusable (too long, unreadable) since the process started
     reward/errors                  responses whose reward call failed (raised, returned no finite score, or its
                                    worker died); reward/timeouts those not scored within data.reward_timeout_s
@@ -68,12 +74,14 @@ import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rollplex.progress import Progress
 from rollplex.trackers import TENSORBOARD_DIR, Tracker, open_trackers, require_trackers
 
 log = logging.getLogger(__name__)
@@ -82,7 +90,7 @@ GiB = 1024**3
 METRICS_FILE, SAMPLES_DIR, CONFIG_FILE = "metrics.jsonl", "samples", "config.yaml"  # in the output folder
 _SAMPLES_FILE = re.compile(r"step_(\d+)\.jsonl")
 
-# (metric, console label, unit suffix) for the console progress line, in print order.
+# (metric, console label, unit suffix) for the console line of a logged step, in print order.
 _CONSOLE_KEYS = (
     ("critic/score/mean", "score", ""),
     ("val/score", "val", ""),
@@ -114,6 +122,35 @@ def _hms(seconds: float) -> str:
     return str(timedelta(seconds=round(seconds)))
 
 
+@dataclass
+class RunHighlights:
+    """What a run's end summary reports of its logged steps: val/score, best and final, and the final
+    critic/score/mean, each as (value, step)."""
+
+    best_val: tuple[float, int] | None = None  # the first step of the highest
+    final_val: tuple[float, int] | None = None
+    final_score: tuple[float, int] | None = None
+
+    def add(self, record: dict[str, Any]) -> None:
+        step = record["step"]
+        if (val := record.get("val/score")) is not None:
+            self.final_val = (val, step)
+            if self.best_val is None or val > self.best_val[0]:
+                self.best_val = (val, step)
+        if (score := record.get("critic/score/mean")) is not None:
+            self.final_score = (score, step)
+
+    def lines(self) -> list[str]:
+        lines = []
+        if self.final_val is not None:
+            (val, step), (best, best_step) = self.final_val, self.best_val
+            best_text = " (the best)" if best_step == step else f" (best {best:.4g} at step {best_step})"
+            lines.append(f"val/score {val:.4g} at step {step}{best_text}")
+        if self.final_score is not None:
+            lines.append(f"mean reward (critic/score/mean) {self.final_score[0]:.4g} at step {self.final_score[1]}")
+        return lines
+
+
 class MetricsLogger:
     """Writes one record per step to metrics.jsonl, the console and (optionally) trackers, and
     the samples files and console messages the loop asks for.
@@ -127,23 +164,31 @@ class MetricsLogger:
     def __init__(self, output_dir: str | Path, rank: int = 0, console: bool = True, jsonl: bool = True,
                  tensorboard: bool = False, total_steps: int | None = None, wandb: bool = False,
                  swanlab: bool = False, project: str = "rollplex", run_name: str = "",
-                 run_config: dict[str, Any] | None = None, resumed_step: int | None = None):
+                 run_config: dict[str, Any] | None = None, resumed_step: int | None = None,
+                 progress: str = "off", progress_every_s: float = 30.0):
         """`wandb`, `swanlab`: log to those trackers too (rollplex.trackers), as run `run_name` (empty: the
         output folder's name) of `project`, with `run_config` (the run's config) as the run's config.
-        `resumed_step`: the checkpoint's step a resumed run continues from (None: a new run)."""
+        `resumed_step`: the checkpoint's step a resumed run continues from (None: a new run).
+        `progress`, `progress_every_s`: how the console shows the step in progress (`self.progress`)."""
         self.output_dir = Path(output_dir)
         self.total_steps = total_steps
         self.active = rank == 0
         self.console = console and self.active
+        # The trainer, engine and actor report to it; the logger's own lines go through it (above a live line).
+        self.progress = Progress(progress if self.console else "off", progress_every_s, total_steps)
         self._start = time.monotonic()
         self._first_logged: tuple[int, float] | None = None  # (step, time) of this session's first log
         self._file = None
         self._samples_step: int | None = None  # the step this logger last wrote samples for
         self._trackers: list[Tracker] = []
+        self.highlights = RunHighlights()
         extras = [name for name, on in (("wandb", wandb), ("swanlab", swanlab)) if on]
-        require_trackers(extras)  # on every rank, so that all stop alike
+        require_trackers(["tensorboard"] * tensorboard + extras)  # on every rank, so that all stop alike
         if not self.active:
             return
+        if jsonl and resumed_step is not None and (self.output_dir / METRICS_FILE).is_file():
+            for record in read_metrics(self.output_dir / METRICS_FILE):  # the steps before the resume
+                self.highlights.add(record)
         if jsonl:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             path = self.output_dir / METRICS_FILE
@@ -158,10 +203,16 @@ class MetricsLogger:
         self._trackers = open_trackers(self.output_dir, tensorboard, extras, project, run_name, run_config or {},
                                        first_step)
 
+    @property
+    def metrics_path(self) -> Path | None:
+        """The metrics.jsonl this logger writes (None: logging.jsonl is off, or not rank 0)."""
+        return None if self._file is None else self.output_dir / METRICS_FILE
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.active:
             return
         record = {"step": int(step), **{k: _clean(v) for k, v in metrics.items()}}
+        self.highlights.add(record)
         if self._file is not None:
             # allow_nan=False: _clean already mapped non-finite values to null, this guards the guarantee.
             self._write_record(json.dumps(record, allow_nan=False) + "\n")
@@ -169,7 +220,7 @@ class MetricsLogger:
         for tracker in self._trackers:
             tracker.log(record["step"], scalars)
         if self.console:
-            print(self._progress_line(step, record), flush=True)
+            self.progress.write(self._step_line(step, record))
 
     def _write_record(self, line: str) -> None:
         try:
@@ -191,7 +242,22 @@ class MetricsLogger:
     def message(self, text: str) -> None:
         """A line for the user on the console (rank 0): the start-up summary, a save, an evaluation."""
         if self.console:
-            print(text, flush=True)
+            self.progress.write(text)
+
+    def summarize_run(self, step: int, steps_run: int, checkpoint: Path | None,
+                      exported: tuple[str, Path] | None) -> None:
+        """The run's end on the console (rank 0): `step` reached, `steps_run` of them in this process, its wall
+        time, val/score and mean reward, the last `checkpoint`, `exported` (what, where: trainer.save_hf's
+        folder) and the metrics file."""
+        total = f"/{self.total_steps}" if self.total_steps else ""
+        lines = [f"run complete: step {step}{total} in {self.output_dir} ({steps_run} step(s) in this process, "
+                 f"{_hms(time.monotonic() - self._start)})", *self.highlights.lines(),
+                 f"last checkpoint: {checkpoint}" if checkpoint else "no checkpoint"]
+        if exported is not None:
+            lines.append(f"{exported[0]}: {exported[1]}")
+        if self.metrics_path is not None:
+            lines.append(f"metrics: {self.metrics_path}")
+        self.message("\n  ".join(lines))
 
     def log_samples(self, step: int, records: list[dict[str, Any]]) -> Path | None:
         """Write `records` (prompt, response, answer, score, ...: JSON-serialisable) to
@@ -207,7 +273,7 @@ class MetricsLogger:
         self._samples_step = step
         return path
 
-    def _progress_line(self, step: int, record: dict[str, Any]) -> str:
+    def _step_line(self, step: int, record: dict[str, Any]) -> str:
         now = time.monotonic()
         if self._first_logged is None:
             self._first_logged = (step, now)
@@ -230,6 +296,7 @@ class MetricsLogger:
         return " | ".join(parts)
 
     def close(self) -> None:
+        self.progress.close()
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -14,7 +14,9 @@ FAST = ["--trainer.total_steps", "2", "--data.batch_size", "4", "--rollout.n", "
 NAMES = ["critic/score/mean", "response_length/mean", "response_length/clip_ratio", "timing_s/step", "timing_s/gen",
          "timing_s/reward", "timing_s/update_actor", "timing_s/update_weights", "perf/throughput", "actor/pg_loss",
          "actor/entropy", "actor/grad_norm", "actor/lr", "training/rollout_probs_diff_mean",
-         "training/rollout_probs_diff_max", "weights/bytes_shared", "reward/errors", "data/skipped_total"]
+         "training/rollout_probs_diff_max", "weights/bytes_shared", "reward/errors", "data/skipped_total",
+         "critic/rewards/mean", "critic/advantages/mean", "critic/advantages/max", "prompt_length/mean",
+         "prompt_length/max", "response_length/max", "response_length/min"]
 
 
 def run(out, *extra):
@@ -29,6 +31,7 @@ def test_default_config_runs_and_logs_verl_names(tmp_path):
     for name in NAMES:
         assert name in rows[0], name
     assert "val/score" in rows[-1]
+    assert "training/epoch" not in rows[0]  # the built-in task is endless: it has no passes to count
     total = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
     assert rows[0]["weights/bytes_shared"] == total  # the engine ran on the trainer's own weights
     # One KV pool for the run, kept between rollouts (the decode graphs read it by address): the memory plan
@@ -63,8 +66,9 @@ def test_two_ranks_equal_one(tmp_path, engine_tp, schedule):
                     "--schedule.kind", schedule)
     double = read_metrics(tmp_path / "two" / "metrics.jsonl")
     assert abs(double[0]["actor/pg_loss"] - single[0]["actor/pg_loss"]) < 1e-5
-    for key in ("critic/score/mean", "response_length/mean", "val/score"):
-        assert [r.get(key) for r in double] == [r.get(key) for r in single], key
+    for key in ("critic/score/mean", "critic/score/min", "critic/advantages/mean", "critic/advantages/max",
+                "prompt_length/mean", "prompt_length/max", "response_length/mean", "response_length/min", "val/score"):
+        assert [r.get(key) for r in double] == [r.get(key) for r in single], key  # combined over the ranks
     if engine_tp == 2:
         assert double[0]["weights/bytes_viewed"] > 0 and double[0]["weights/bytes_rebuilt"] == 0
 

@@ -32,6 +32,8 @@ def test_total_epochs_sets_the_steps_and_val_before_train_logs_step_0(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert set(rows[0]) == {"step", "val/score"}  # the untrained model's score, before any update
     assert "actor/pg_loss" in rows[1] and "val/score" not in rows[1]
+    # 6 rows, 4 a step: step 2 starts in the first pass and runs into the second, which step 3 is in.
+    assert [r["training/epoch"] for r in rows[1:]] == [0, 0, 1]
 
 
 def test_total_epochs_needs_data_files(tmp_path):

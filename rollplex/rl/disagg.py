@@ -262,15 +262,14 @@ class DisaggTrainer(RLTrainer):
         return {}  # no shared weights: the broadcast's time is timing_s/update_weights
 
     def _validation_records(self, examples: list) -> list[dict]:
-        return self.exchange.evaluate(examples, self._greedy_records)
+        return self.exchange.evaluate(examples, self._generation_records)
 
     def _save(self) -> None:
         if not self.generates:
             super()._save()
 
-    def _save_hf(self) -> None:
-        if not self.generates:
-            super()._save_hf()
+    def _save_hf(self) -> tuple[str, Path] | None:
+        return None if self.generates else super()._save_hf()
 
     def _resume(self) -> None:
         """Every rank knows the resume step (a rollout rank too); the trainers load the checkpoint."""

@@ -3,8 +3,9 @@
 Each dp rank rolls out its own share of the prompts (`balanced_share`); all n
 samples of a prompt stay on one rank. Sampling seeds come from the prompt's
 global index, so a prompt gets the same samples whatever rank, world size or
-schedule handles it. `Rollout` is what the training phases read: a group per
-prompt, each with its samples' tokens, the engine's logprobs and finish reasons.
+schedule handles it; validation's come from its own stream of seeds
+(`RolloutRunner.validate`). `Rollout` is what the training phases read: a group
+per prompt, each with its samples' tokens, the engine's logprobs and finish reasons.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from rollplex.engine.sampler import mix_seed
 from rollplex.models.inputs import Group, Sample, VisionEmbeds
 from rollplex.models.protocol import VisionLanguageModel
 from rollplex.rl.weights import SharedWeights
+
+# The step a validation seed mixes in: a training prompt's seed mixes (run seed, step, index) with a step of 0 or
+# more, so no validation draw repeats a training one, whatever the indices of the training and validation rows.
+VALIDATION_STEP = -1
 
 
 @dataclass
@@ -106,7 +111,8 @@ def build_engine(weights: SharedWeights, r: RolloutConfig, num_blocks: int, max_
 
 class RolloutRunner:
     """This rank's engine as the loop drives it: requests with the prompts' seeds
-    and limits, sampled (rollout.*) or greedy (evaluation), on the trainer's weights."""
+    and limits, sampled as rollout.* says (training) or as trainer.val_* says
+    (evaluation: greedy by default), on the trainer's weights."""
 
     def __init__(self, engine: Engine, weights: SharedWeights, model: VisionLanguageModel, tokenizer, r: RolloutConfig,
                  seed: int, tp_group: dist.ProcessGroup | None = None):
@@ -115,7 +121,6 @@ class RolloutRunner:
         self.engine, self.weights, self.model, self.tokenizer = engine, weights, model, tokenizer
         self.config, self.seed, self.tp_group = r, seed, tp_group
         self.sampling = SamplingParams.from_config(r)
-        self.greedy_params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens)
 
     @contextmanager
     def session(self) -> Iterator[None]:
@@ -154,8 +159,14 @@ class RolloutRunner:
                                        mine if on_finished is not None else None)
         return outputs[first:first + len(requests)]
 
-    def greedy(self, examples: list) -> list[Sample]:
-        """The greedy response to each example (evaluation)."""
+    def validate(self, examples: list, n: int = 1, temperature: float = 0.0, top_p: float = 1.0) -> list[Group]:
+        """`n` responses to each example (evaluation), at `temperature` (0: greedy) and `top_p`,
+        up to rollout.max_tokens. The seeds mix the run's seed and the prompt's index, not the
+        step: every evaluation draws alike, so the val/score curve moves with the weights rather
+        than with the draws, and a rerun or resumed run draws the same. The engine's sampling
+        is counter-based, keyed by each request's seed, so this leaves the training's draws as
+        they were."""
+        params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=self.config.max_tokens)
+        requests = [Request(e.prompt, n=n, seed=mix_seed(self.seed, VALIDATION_STEP, e.index)) for e in examples]
         with self.session():
-            outputs = self.generate([Request(e.prompt) for e in examples], self.greedy_params)
-        return [o.samples[0] for o in outputs]
+            return self.generate(requests, params)

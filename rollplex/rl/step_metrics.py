@@ -21,7 +21,9 @@ from rollplex.metrics import Timer
 from rollplex.rl.memory import GiB, PHASE_MARK, CpuPhasePeaks, MemoryPlan, live_tensor_bytes, loop_phase_bytes
 from rollplex.rl.prompt_work import PromptWorkScheduler
 from rollplex.rl.rollout import Rollout
+from rollplex.rl.step import StepState
 from rollplex.train.flops import peak_flops
+from rollplex.user_code import carry_user_traceback
 
 # Actor metrics that are global already (see Actor.update); the others are this rank's share of a global sum,
 # or, ending in _max, this rank's maximum.
@@ -41,25 +43,59 @@ def combine_updates(updates: list[dict[str, float]]) -> dict[str, float]:
     return combined
 
 
-def gather_metrics(rollout: Rollout, rewards: RewardScores, actor: dict[str, float], skipped_total: float,
+def gather_metrics(state: StepState, actor: dict[str, float], skipped_total: float,
                    group: dist.ProcessGroup | None) -> dict[str, float]:
-    """The step's scores, response lengths, reward failures and actor metrics over every dp rank of `group`;
+    """The step's sample metrics (`sample_metrics`) and actor metrics over every dp rank of `group`;
     `skipped_total`: the training rows found unusable since the process started."""
-    lengths = [len(r) for g in rollout.groups for r in g.responses]
-    clipped = sum(reason == "length" for reason in rollout.finish_reasons)
-    scores = rewards.scores
-    total, count, length_sum, clip_sum, error_sum, timeout_sum = all_reduce_values(
-        [sum(scores), len(scores), sum(lengths), clipped, rewards.errors, rewards.timeouts], group=group)
-    hi, lo = all_reduce_values([max(scores), -min(scores)], dist.ReduceOp.MAX, group)
-    metrics = {"critic/score/mean": total / count, "critic/score/max": hi, "critic/score/min": -lo,
-               "response_length/mean": length_sum / count, "response_length/clip_ratio": clip_sum / count,
-               "reward/errors": error_sum, "reward/timeouts": timeout_sum, "data/skipped_total": skipped_total}
+    metrics = {**sample_metrics(state, group), "data/skipped_total": skipped_total}
     shares = sorted(k for k in actor if k not in GLOBAL_ACTOR_METRICS and not k.endswith("_max"))
     metrics.update(zip(shares, all_reduce_values([actor[k] for k in shares], group=group)))
     maxima = sorted(k for k in actor if k.endswith("_max"))
     metrics.update(zip(maxima, all_reduce_values([actor[k] for k in maxima], dist.ReduceOp.MAX, group)))
     metrics.update({k: actor[k] for k in GLOBAL_ACTOR_METRICS})
-    metrics.update(reward_component_means(rewards.components, group))
+    metrics.update(reward_component_means(state.rewards.components, group))
+    return metrics
+
+
+def sample_metrics(state: StepState, group: dist.ProcessGroup | None) -> dict[str, float]:
+    """The step's samples over every dp rank of `group`: reward/errors and reward/timeouts (sums), and
+    verl's data metrics under its names: critic/score/* and critic/rewards/* (the rewards the advantages
+    were computed from, `state.rewards`: the scorer's, clipped by data.reward_clip; the two differ in
+    verl only by a KL penalty in the reward, which rollplex puts in the loss instead),
+    critic/advantages/* (the mean over response tokens, as verl's), prompt_length/* and
+    response_length/* (tokens; a prompt's image and video tokens count), response_length/clip_ratio,
+    and, where the prompts come from files, training/epoch (the pass over the training rows that
+    the batch's first row comes from, 0 first). A mean is a sum over the ranks over a count over
+    them; a max or min is over every rank's samples."""
+    rollout, rewards, advantages = state.rollout, state.rewards, state.advantages
+    response_lengths = [len(r) for g in rollout.groups for r in g.responses]
+    # Per sample, as verl's batch holds a prompt once per response (a group's samples are all on this rank).
+    prompt_lengths = [len(g.prompt.input_ids) for g in rollout.groups for _ in g.samples]
+    sums = dict(zip(("errors", "timeouts", "samples", "score", "advantage_x_tokens", "response_tokens",
+                     "prompt_tokens", "clipped"), all_reduce_values([
+        rewards.errors, rewards.timeouts, len(rewards.scores), sum(rewards.scores),
+        sum(a * n for a, n in zip(advantages, response_lengths)), sum(response_lengths), sum(prompt_lengths),
+        sum(reason == "length" for reason in rollout.finish_reasons)], group=group)))
+    samples = sums["samples"]
+    metrics = {"reward/errors": sums["errors"], "reward/timeouts": sums["timeouts"],
+               "critic/score/mean": sums["score"] / samples,
+               "critic/advantages/mean": sums["advantage_x_tokens"] / sums["response_tokens"],
+               "prompt_length/mean": sums["prompt_tokens"] / samples,
+               "response_length/mean": sums["response_tokens"] / samples,
+               "response_length/clip_ratio": sums["clipped"] / samples}
+    ranges = {"critic/score": rewards.scores, "critic/advantages": advantages,
+              "prompt_length": prompt_lengths, "response_length": response_lengths}
+    # One MAX reduction: each name's max, its min as the max of the negatives, and the earliest epoch likewise.
+    extremes = [value for values in ranges.values() for value in (max(values), -min(values))]
+    epochs = [e.epoch for e in rollout.examples]
+    has_epochs = epochs[0] is not None  # the same on every rank: the prompts come from files (rollplex.data)
+    reduced = all_reduce_values(extremes + ([-min(epochs)] if has_epochs else []), dist.ReduceOp.MAX, group)
+    for i, name in enumerate(ranges):
+        metrics[f"{name}/max"], metrics[f"{name}/min"] = reduced[2 * i], -reduced[2 * i + 1]
+    if has_epochs:
+        metrics["training/epoch"] = int(-reduced[-1])
+    # verl's name for the rewards the advantages came from, which verl users plot: the scores themselves here.
+    metrics.update({f"critic/rewards/{stat}": metrics[f"critic/score/{stat}"] for stat in ("mean", "max", "min")})
     return metrics
 
 
@@ -99,7 +135,9 @@ def stop_if_every_reward_failed(rewards: RewardScores, name: str, group: dist.Pr
                   f"(data.reward_score_key)" if rewards.first_error else
                   "none was scored within data.reward_timeout_s. A function that hangs needs a fix; a slow one, "
                   "a higher data.reward_timeout_s or more data.reward_workers")
-        raise RewardsFailed(f"reward function {name} failed on all {int(total)} responses of the step; {advice}")
+        error = RewardsFailed(f"reward function {name} failed on all {int(total)} responses of the step; {advice}")
+        raise carry_user_traceback(error, f"The traceback of reward function {name}'s first failed call:",
+                                   rewards.first_traceback)
 
 
 def prompt_work_metrics(prefix: PromptWorkScheduler) -> dict[str, float]:
