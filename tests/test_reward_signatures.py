@@ -196,7 +196,11 @@ def test_a_failing_batch_call_costs_its_chunk_and_a_wrong_length_fails_the_batch
         with pytest.warns(UserWarning, match=r"failed on 4 of 4.*first error: RuntimeError: grader crashed"):
             result = scorer.score(["a", "boom", "b", "c"], [""] * 4)
     # Chunk ["a", "boom"] raised; chunk ["b", "c"] came back one result short: every sample failed.
-    assert result.errors == 4 and result.first_error == "RuntimeError: grader crashed"
+    assert result.errors == 4 and result.first_error == "RuntimeError: grader crashed (batch.py:4 in compute_score)"
+    # The worker's traceback comes back from the function's own frame on, none of Rollplex's around it.
+    assert result.first_traceback.startswith("Traceback (most recent call last):\n  File ")
+    assert f'{reward}", line 4, in compute_score' in result.first_traceback
+    assert "rollplex" not in result.first_traceback
 
 
 # ----------------------------------------------------------------------------- tiny runs

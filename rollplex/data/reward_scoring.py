@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 import weakref
 from collections import deque
@@ -28,35 +29,48 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, NamedTuple
 
-from rollplex.data.rewards import BATCH_KINDS, Reward, RewardSample, score_of
+from rollplex.data.rewards import BATCH_KINDS, Reward, RewardSample, RewardTypeError, score_of
+from rollplex.user_code import carry_user_traceback, last_user_frame, user_traceback
 
 # One sample's outcome: (score, components, error); a failed sample is (0.0, {}, its error).
 Outcome = tuple[float, dict[str, float], str]
 
 
 def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
+    """The error's one line, with where the user's code raised it ("... (reward.py:3 in reward)")."""
+    where = last_user_frame(error)
+    return f"{type(error).__name__}: {error}" + (f" ({where})" if where else "")
+
+
+class CallOutcomes(NamedTuple):
+    """One call's outcomes, one per sample it scored, and, when the call raised, its traceback from the
+    reward function's frame on (text: it crosses the workers' pipe, and the run's error.log shows it)."""
+
+    outcomes: list[Outcome]
+    traceback: str = ""
 
 
 def _outcome(result: Any, score_key: str) -> Outcome:
     try:
         score, components = score_of(result, score_key)
+    except RewardTypeError:  # the function's mistake, not the sample's: it stops the run (RewardScorer.score)
+        raise
     except Exception as e:  # noqa: BLE001 - a result may be anything; its sample pays
         return 0.0, {}, _describe(e)
     return score, components, ""
 
 
-def score_chunk(reward: Reward, samples: Sequence[RewardSample], score_key: str = "") -> list[Outcome]:
+def score_chunk(reward: Reward, samples: Sequence[RewardSample], score_key: str = "") -> CallOutcomes:
     """Call `reward` on `samples` (one sample, or a batched reward's chunk): a call that
     raises, or returns the wrong number of results, fails all of them; a result that is
     not a finite number (or a dict without its score) fails only its sample."""
     try:
         results = reward(samples)
     except Exception as e:  # noqa: BLE001 - a user function may raise anything; its samples pay
-        return [(0.0, {}, _describe(e))] * len(samples)
-    return [_outcome(result, score_key) for result in results]
+        return CallOutcomes([(0.0, {}, _describe(e))] * len(samples), user_traceback(e))
+    return CallOutcomes([_outcome(result, score_key) for result in results])
 
 
 def chunks(size: int, batched: bool, parts: int) -> list[range]:
@@ -80,14 +94,29 @@ class RewardScores:
     timeouts: int = 0
     components: list[dict[str, float]] = field(default_factory=list)
     first_error: str = ""  # the first failed sample's error ("" when none raised)
+    first_traceback: str = ""  # its call's traceback, when the call raised ("" when none did)
 
     @classmethod
-    def of(cls, outcomes: Sequence[Outcome | None]) -> RewardScores:
-        """From each sample's outcome, None for one not scored within the time limit."""
+    def of(cls, outcomes: Sequence[Outcome | None], tracebacks: Sequence[str] = ()) -> RewardScores:
+        """From each sample's outcome, None for one not scored within the time limit, and each sample's call's
+        traceback (`tracebacks`, when known: `of_calls`)."""
         done = [o if o is not None else (0.0, {}, "") for o in outcomes]
-        errors = [error for _, _, error in done if error]
-        return cls([score for score, _, _ in done], errors=len(errors), timeouts=sum(o is None for o in outcomes),
-                   components=[components for _, components, _ in done], first_error=errors[0] if errors else "")
+        failed = [i for i, (_, _, error) in enumerate(done) if error]
+        first = failed[0] if failed else None
+        return cls([score for score, _, _ in done], errors=len(failed), timeouts=sum(o is None for o in outcomes),
+                   components=[components for _, components, _ in done],
+                   first_error=done[first][2] if first is not None else "",
+                   first_traceback=tracebacks[first] if first is not None and tracebacks else "")
+
+    @classmethod
+    def of_calls(cls, calls: Sequence[range], results: Sequence[CallOutcomes | None]) -> RewardScores:
+        """From each call's samples (`chunks`) and its outcomes, None for a call not done within the time limit."""
+        outcomes: list[Outcome | None] = []
+        tracebacks: list[str] = []
+        for call, result in zip(calls, results):
+            outcomes += result.outcomes if result is not None else [None] * len(call)
+            tracebacks += [result.traceback if result is not None else ""] * len(call)
+        return cls.of(outcomes, tracebacks)
 
     @property
     def failed(self) -> int:
@@ -96,8 +125,10 @@ class RewardScores:
     @classmethod
     def concat(cls, parts: Sequence[RewardScores]) -> RewardScores:
         """Batches scored apart, as one batch in their order."""
+        first = next((p for p in parts if p.first_error), None)
         return cls([x for p in parts for x in p.scores], sum(p.errors for p in parts), sum(p.timeouts for p in parts),
-                   [c for p in parts for c in p.components], next((p.first_error for p in parts if p.first_error), ""))
+                   [c for p in parts for c in p.components], first.first_error if first else "",
+                   first.first_traceback if first else "")
 
 
 def _warn_failures(name: str, result: RewardScores, timeout_s: float = 0.0) -> None:
@@ -116,13 +147,16 @@ def score_all(reward: Reward, samples: Sequence[RewardSample], score_key: str = 
     """Score `samples` in this process, one call per sample or, for a batched reward,
     one call for all; a failing call costs its samples (scored 0.0, counted in
     `errors`) and the others go on."""
-    outcomes = [o for chunk in chunks(len(samples), reward.batched, 1)
-                for o in score_chunk(reward, [samples[i] for i in chunk], score_key)]
-    return RewardScores.of(outcomes)
+    calls = chunks(len(samples), reward.batched, 1)
+    return RewardScores.of_calls(calls, [score_chunk(reward, [samples[i] for i in call], score_key) for call in calls])
 
 
 # ----------------------------------------------------------------------------- worker processes
 
+# Beyond this magnitude a score warns (once per run, RewardScorer._bounded): no bounded reward gets near it, and
+# with Dr.GRPO's unnormalised advantages the gradient norm grows with the reward (the tiny demo's is ~3x it): a
+# reward of 1e19 overflows it in float32 there, sooner on a larger model, and each such step is skipped.
+LARGE_REWARD = 1e6
 USER_REWARD_WORKERS = 2  # worker processes for a user function when data.reward_workers is -1 (auto)
 _START_TIMEOUT_S = 300.0  # a worker's interpreter start and reward import (which may load a model)
 _STOP_GRACE_S = 1.0  # an idle worker exits on its own once its pipe closes
@@ -139,20 +173,32 @@ def _die_with(trainer_pid: int) -> None:
 
 
 def _serve(fd: int, spec: str, kind: str, score_key: str, kwargs_json: str, trainer_pid: int) -> None:
-    """A worker process: load the reward, say so (("", its kind), or (the load error,
-    "")), then score chunks of samples until the trainer closes the pipe."""
+    """A worker process: load the reward, say so (("", "", its kind), or (the load error, its
+    traceback, "")), then score chunks of samples until the trainer closes the pipe."""
     _die_with(trainer_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle: it closes our pipe
+    # Ctrl-C and SIGTERM are the trainer's to handle (SLURM and Ctrl-C signal every process): it closes our pipe,
+    # after the step it finishes on SIGTERM, which its rewards still score here.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(fd)
     with contextlib.suppress(EOFError, ConnectionError):  # the trainer closed the pipe: we are done
         try:
             reward = Reward(spec, kind, json.loads(kwargs_json))
         except Exception as e:  # noqa: BLE001 - reported to the trainer, which raises it
-            conn.send((_describe(e), ""))
+            conn.send((_describe(e), "".join(traceback.format_exception(e)), ""))
             return
-        conn.send(("", reward.kind))
+        conn.send(("", "", reward.kind))
         while True:
-            conn.send(score_chunk(reward, conn.recv(), score_key))
+            conn.send(_score_in_worker(reward, conn.recv(), score_key))
+
+
+def _score_in_worker(reward: Reward, samples: Sequence[RewardSample], score_key: str) -> CallOutcomes | RewardTypeError:
+    """`score_chunk` in a worker process; a score of the wrong type comes back as its RewardTypeError, which
+    the trainer raises (RewardScorer.score), where the worker would otherwise die of it."""
+    try:
+        return score_chunk(reward, samples, score_key)
+    except RewardTypeError as mistake:
+        return mistake
 
 
 def _exit_reason(code: int) -> str:
@@ -207,12 +253,14 @@ class _Worker:
 
     def finish_start(self, spec: str) -> None:
         """Read the worker's start message (it is waiting); raise if it could not load the reward."""
+        error_traceback = ""
         try:
-            error, self.kind = self.conn.recv()
+            error, error_traceback, self.kind = self.conn.recv()
         except EOFError:
             error = f"the worker exited ({_exit_reason(self.stop())})"
         if error:
-            raise ImportError(f"reward {spec!r} in a worker process: {error}")
+            raise carry_user_traceback(ImportError(f"reward {spec!r} in a worker process: {error}"),
+                                       f"Loading reward {spec} in a worker process:", error_traceback)
         self.started = True
 
     def stop(self, grace_s: float = 0.0) -> int:
@@ -256,14 +304,14 @@ class _WorkerPool:
             raise
         self.kind = self.workers[0].kind
 
-    def score(self, tasks: Sequence[list[RewardSample]]) -> list[list[Outcome] | None]:
+    def score(self, tasks: Sequence[list[RewardSample]]) -> list[CallOutcomes | None]:
         """Each task's (a call's samples) outcomes, or None for a task not done within `timeout_s`
         of the first call. One deadline for all: a function that hangs costs the batch one time
         limit, where one per call would cost tasks x limit / workers."""
         if not self.workers:
             raise RuntimeError(f"reward {self.spec!r}: the worker processes are closed")
         todo = deque(range(len(tasks)))
-        results: list[list[Outcome] | None] = [None] * len(tasks)
+        results: list[CallOutcomes | None] = [None] * len(tasks)
         deadline = math.inf  # set by the first call: waiting for workers to start does not use up the limit
         while (todo or self._calling()) and time.monotonic() < deadline:
             for worker in self.workers:
@@ -278,7 +326,7 @@ class _WorkerPool:
     def _calling(self) -> list[_Worker]:
         return [worker for worker in self.workers if worker.task is not None]
 
-    def _take_messages(self, tasks: Sequence[list[RewardSample]], results: list[list[Outcome] | None],
+    def _take_messages(self, tasks: Sequence[list[RewardSample]], results: list[CallOutcomes | None],
                        deadline: float) -> None:
         """Wait for a message from a busy or starting worker, or for `deadline`, and take in those that came."""
         waiting = [worker for worker in self.workers if not worker.idle]
@@ -292,7 +340,7 @@ class _WorkerPool:
                                    f"in {_START_TIMEOUT_S:g} s")
 
     def _receive(self, worker: _Worker, tasks: Sequence[list[RewardSample]],
-                 results: list[list[Outcome] | None]) -> None:
+                 results: list[CallOutcomes | None]) -> None:
         """Take the worker's message: that it started, or its task's outcomes."""
         if not worker.started:
             worker.finish_start(self.spec)
@@ -301,7 +349,8 @@ class _WorkerPool:
         try:
             results[task] = worker.conn.recv()
         except EOFError:  # a crash in user code: a segfault, os.abort, or a kill from outside
-            results[task] = [(0.0, {}, f"its worker process died ({_exit_reason(worker.stop())})")] * len(tasks[task])
+            died = f"its worker process died ({_exit_reason(worker.stop())})"
+            results[task] = CallOutcomes([(0.0, {}, died)] * len(tasks[task]))
             self._replace(worker)
 
     def _kill_calls(self) -> None:
@@ -332,13 +381,16 @@ class RewardScorer:
 
     -1 = auto: in this process for a built-in reward, else `USER_REWARD_WORKERS`
     processes. Either way a call that raises or returns no finite number scores 0.0
-    and counts as an error, and each batch warns once with its first error.
+    and counts as an error, and each batch warns once with its first error; a score
+    that is not a number at all (a string) stops the run (`score`).
     `close()` stops the workers (so does interpreter exit).
     """
 
     def __init__(self, spec: str, workers: int = -1, timeout_s: float = 60.0, kind: str = "auto",
-                 score_key: str = "", kwargs: dict[str, Any] | None = None):
+                 score_key: str = "", kwargs: dict[str, Any] | None = None, clip: float = 0.0):
         self.spec, self.timeout_s, self.score_key = spec, timeout_s, score_key
+        self.clip = clip  # data.reward_clip: every score into [-clip, clip]; 0 = off
+        self._warned_large = False  # a score beyond LARGE_REWARD warns once (a run's scorer: once per run)
         self.workers = (0 if ":" not in spec else USER_REWARD_WORKERS) if workers == -1 else workers
         self._reward = Reward(spec, kind, kwargs) if self.workers == 0 else None
         self._pool = _WorkerPool(_RewardSpec(spec, kind, score_key, json.dumps(kwargs or {})), self.workers,
@@ -349,17 +401,42 @@ class RewardScorer:
               columns: Sequence[dict[str, Any]] | None = None, warn: bool = True) -> RewardScores:
         """Score each response against its answer; `response_ids` (its tokens) and `columns`
         (its dataset row's, see `RewardSample`) are what the anchors' functions also read.
-        Warns once when some failed (with `warn`; else the caller does: `warn_failures`)."""
+        Warns once when some failed (with `warn`; else the caller does: `warn_failures`).
+
+        A score of the wrong type (a string, a list: see `score_of`) raises RewardTypeError,
+        naming the function: its mistake, not the sample's. With `clip`, every score comes
+        back clipped into [-clip, clip], as it trains (`_bounded`)."""
         samples = _samples(responses, answers, response_ids, columns)
-        if self._pool is None:
-            scores = score_all(self._reward, samples, self.score_key)
-        else:
-            calls = chunks(len(samples), self.kind in BATCH_KINDS, self.workers)
-            results = self._pool.score([[samples[i] for i in chunk] for chunk in calls])
-            scores = RewardScores.of([o for chunk, result in zip(calls, results)
-                                      for o in (result if result is not None else [None] * len(chunk))])
+        try:
+            scores = self._score(samples)
+        except RewardTypeError as mistake:
+            raise RewardTypeError(f"reward function {self.spec} {mistake}") from mistake
         if warn:
             self.warn_failures(scores)
+        return self._bounded(scores)
+
+    def _score(self, samples: list[RewardSample]) -> RewardScores:
+        if self._pool is None:
+            return score_all(self._reward, samples, self.score_key)
+        calls = chunks(len(samples), self.kind in BATCH_KINDS, self.workers)
+        results = self._pool.score([[samples[i] for i in chunk] for chunk in calls])
+        if mistake := next((r for r in results if isinstance(r, RewardTypeError)), None):  # from _score_in_worker
+            raise mistake
+        return RewardScores.of_calls(calls, results)
+
+    def _bounded(self, scores: RewardScores) -> RewardScores:
+        """`scores` clipped into [-clip, clip] (clip 0: as they are). The first score that would train
+        beyond LARGE_REWARD in magnitude warns, once for the scorer's life (a run's)."""
+        largest = max(scores.scores, key=abs, default=0.0)
+        if not self._warned_large and min(abs(largest), self.clip or math.inf) > LARGE_REWARD:
+            self._warned_large = True
+            warnings.warn(f"reward function {self.spec} returned {largest:.3g}: a reward beyond ±{LARGE_REWARD:g} "
+                          f"swamps the advantages and can overflow the gradients, which skips optimizer steps "
+                          f"(trainer.max_skipped_steps in a row stop the run). Clip the rewards with "
+                          f"data.reward_clip (every reward into [-c, c]) or bound the function. "
+                          f"This warning is given once per run", stacklevel=3)
+        if self.clip:
+            scores.scores = [min(max(score, -self.clip), self.clip) for score in scores.scores]
         return scores
 
     def warn_failures(self, scores: RewardScores) -> None:
