@@ -5,10 +5,12 @@ finite, and counts them in `training/nonfinite_logprobs`."""
 
 import json
 import math
+import re
 
 import pytest
 import torch
 
+import rollplex.cli
 from distributed import run_distributed
 from rollplex.config import load_config
 from rollplex.engine import Engine, EngineConfig, NonFiniteLogitsError, Request, SamplingParams
@@ -219,18 +221,28 @@ def skip_on_one_rank(rank: int, world: int, out: str) -> None:
     mesh = build_mesh(ParallelDims.resolve(world, -1, 1), "cpu")
     parallelize(model, mesh)
     before = parameters(model)
-    metrics = Actor(model, cfg, dp_group=mesh["dp_shard"].get_group()).update(batch)
+    actor = Actor(model, cfg, dp_group=mesh["dp_shard"].get_group())
+    metrics = actor.update(batch)
     unchanged = all(torch.equal(p, before[n]) for n, p in parameters(model).items())
+    causes = [actor.skip_cause]
+    # Each rank sees only its shards of the gradients: rank 1 an earlier parameter's NaN than rank 0's inf.
+    poisoning(actor, {"language_model.layers.1.mlp.up_proj.weight": INF} if rank == 0 else
+              {"language_model.layers.0.self_attn.q_proj.weight": NAN})
+    batch.ref_logprobs[0][0] = 0.0
+    actor.update(batch)
     with open(f"{out}.{rank}", "w") as f:
         json.dump({"nonfinite": metrics["training/nonfinite_logprobs"], "skipped": metrics["actor/skipped_steps_total"],
-                   "unchanged": unchanged}, f)
+                   "unchanged": unchanged, "causes": causes + [actor.skip_cause]}, f)
 
 
-def test_a_nonfinite_logprob_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+def test_a_nonfinite_logprob_or_gradient_on_one_rank_skips_the_step_on_every_rank_naming_it(tmp_path):
     run_distributed(skip_on_one_rank, 2, str(tmp_path / "rank"))
+    causes = ["non-finite logprobs: 1 in the reference logprobs",
+              "the gradient of language_model.layers.0.self_attn.q_proj.weight holds NaN (as does one other "
+              "parameter's gradient)"]
     for rank in (0, 1):
         got = json.loads((tmp_path / f"rank.{rank}").read_text())
-        assert got == {"nonfinite": 1, "skipped": 1, "unchanged": True}, rank
+        assert got == {"nonfinite": 1, "skipped": 1, "unchanged": True, "causes": causes}, rank
 
 
 def test_rl_step_with_nan_reference_pass_is_skipped_counted_and_the_run_goes_on(tmp_path):
@@ -260,3 +272,83 @@ def test_rl_step_with_nan_reference_pass_is_skipped_counted_and_the_run_goes_on(
     assert metrics["training/nonfinite_logprobs"] == 0 and metrics["actor/skipped_steps_total"] == 1
     assert math.isfinite(metrics["actor/grad_norm"])
     assert not all(torch.equal(p, before[n]) for n, p in parameters(trainer.model).items())
+
+
+def poisoning(actor: Actor, poisons: dict[str, float]) -> None:
+    """Before each of the actor's optimizer steps, write each value of `poisons` into the first element of this
+    rank's share of that parameter's gradient, as a bad kernel would."""
+    clip_and_step = actor._clip_and_step
+
+    def poisoned(known_cause: str) -> float:
+        for name, p in actor.model.named_parameters():
+            if name in poisons:
+                (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).view(-1)[0] = poisons[name]
+        return clip_and_step(known_cause)
+
+    actor._clip_and_step = poisoned
+
+
+def test_a_skipped_step_names_its_cause_and_a_taken_step_ends_the_run_of_skips():
+    model = build_model(tiny_args(), seed=5, init_std=None)
+    actor = Actor(model, ActorConfig(lr=1e-3, kl_coef=0.1))
+    good = policy_batch(model, actor.config)
+    # Advantages of 1e30 (Dr.GRPO on rewards of 1e30): every gradient finite, their squares not.
+    actor.update(PolicyBatch(good.groups, [a * 1e30 for a in good.advantages], good.old_logprobs, good.ref_logprobs))
+    assert re.fullmatch(r"every gradient is finite but their norm overflows float32: the largest \|gradient\| is "
+                        r"\d\.\d+e\+\d\d, in [\w.]+", actor.skip_cause), actor.skip_cause
+    poisoning(actor, {"language_model.layers.1.mlp.up_proj.weight": INF, "lm_head.weight": NAN})
+    actor.update(good)
+    assert actor.skip_cause == ("the gradient of language_model.layers.1.mlp.up_proj.weight holds inf (as does one "
+                                "other parameter's gradient)")
+    del actor._clip_and_step
+    ref = [lp.clone() for lp in good.ref_logprobs]
+    ref[2][0] = -INF
+    actor.update(with_reference(good, ref))
+    assert actor.skip_cause == "non-finite logprobs: 1 in the reference logprobs" and actor.skipped_in_a_row == 3
+    actor.update(good)
+    assert (actor.skip_cause, actor.skipped_in_a_row, actor.skipped_steps) == ("", 0, 3)
+
+
+# 16 responses a step (FAST: 4 prompts x 4), every other one 1e30 (so every group mixes 1e30 and 0), but in step 2,
+# where the rewards are 0.5 and 0. Scored in the trainer's process, in order: `calls` counts the step's responses.
+HUGE_REWARDS_BUT_STEP_2 = """
+calls = 0
+
+def reward(response, answer):
+    global calls
+    calls += 1
+    return (0.5 if (calls - 1) // 16 + 1 == 2 else 1e30) * (calls % 2)
+"""
+
+
+def test_rewards_that_overflow_the_gradients_stop_the_run_with_its_last_good_checkpoint(tmp_path, capsys):
+    """Dr.GRPO on rewards of 1e30 overflows the gradient norm: every optimizer step is skipped, each with a line
+    saying why; a good step (step 2) ends the run of skips, and the third skip in a row (step 4's first update)
+    stops the run before it saves, its one line naming the reward range. Steps 1 and 3, skipped, are not saved:
+    step 1's save waits for step 2, which trained, and stays the last checkpoint."""
+    (tmp_path / "reward.py").write_text(HUGE_REWARDS_BUT_STEP_2)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as stopped:
+        rollplex.cli.train([*FAST, "--trainer.total_steps", "10", "--trainer.save_every", "1", "--trainer.eval_every",
+                            "0", "--trainer.val_before_train", "false", "--logging.console", "true",
+                            "--algorithm.adv_estimator", "drgrpo", "--algorithm.updates_per_batch", "2",
+                            "--data.reward", f"{tmp_path / 'reward.py'}:reward", "--data.reward_workers", "0",
+                            "--trainer.output_dir", str(out)])
+    assert stopped.value.code == 1
+    console = capsys.readouterr()
+    skips = [line for line in console.out.splitlines() if " skipped (" in line]
+    overflow = "every gradient is finite but their norm overflows float32: the largest |gradient| is "
+    ranges = "; the step's rewards lie in [0, 1e+30], its advantages in [-5e+29, 5e+29]"
+    assert [line.split(overflow)[0] for line in skips] == [
+        f"step {step}: optimizer step {update} of 2 skipped ({in_a_row} in a row; trainer.max_skipped_steps 3 stops "
+        f"the run): " for step, update, in_a_row in ((1, 1, 1), (1, 2, 2), (3, 1, 1), (3, 2, 2), (4, 1, 3))]
+    assert all(line.endswith(ranges) for line in skips)
+    [end] = console.err.splitlines()[-1:]
+    assert end.startswith("rollplex: 3 optimizer steps in a row were skipped for non-finite values "
+                          "(trainer.max_skipped_steps 3; 0 never stops), the last at step 4: " + overflow)
+    assert f"{ranges}. Try data.reward_clip" in end and "The run stopped before saving this step" in end
+    assert end.endswith(f"Last checkpoint: step 2 ({out / 'checkpoints' / 'step_00000002'}); run the same command to "
+                        f"resume. The traceback is in {out / 'error.log'}.")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002"]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["actor/skipped_steps_total"]) for r in rows] == [(1, 2), (2, 2), (3, 4)]

@@ -335,8 +335,9 @@ class DataConfig(Section):
     --data.reward_kwargs '{"max_response_length": 512}'. Held as JSON text (a mapping is turned into it); empty =
     none."""
     reward_clip: float = 0.0
-    """Clip every reward into [-reward_clip, reward_clip] before the advantages (verl users' guard against a reward
-    function's outliers); 0 = off. Off, a reward beyond 1e6 in magnitude warns once."""
+    """Clip every reward into [-reward_clip, reward_clip] as it is scored, before the advantages (verl users' guard
+    against a reward function's outliers): critic/score, the samples files and val/score show the clipped value; 0 =
+    off. A reward that would train beyond 1e6 in magnitude warns once per run."""
     seed: int = 0
     """Seed for shuffling and synthetic data."""
 
@@ -441,8 +442,9 @@ class TrainerConfig(Section):
     collective_timeout_s: float = 1800.0
     """A collective that waits longer than this for a peer (hung or dead) fails the run instead of hanging it."""
     max_skipped_steps: int = 3
-    """Optimizer steps skipped in a row for non-finite gradients that stop the run (its last good checkpoint kept);
-    0 = never stop (each skipped step still prints its cause)."""
+    """Optimizer steps skipped in a row for non-finite logprobs or gradients that stop the run, before it saves the
+    step (a save due at a skipped step waits for one that trains: the last checkpoint is a good step's); 0 = never
+    stop (each skipped step still prints its cause)."""
     save_on_term: bool = True
     """On SIGTERM (SLURM, Kubernetes, timeout), finish the step under way, save a checkpoint of it and stop; false
     stops at once, as Ctrl-C does, keeping the last checkpoint saved."""

@@ -13,11 +13,13 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from rollplex.device import to_device
 from rollplex.dist import all_reduce_values
@@ -42,6 +44,11 @@ def response_logprobs(model: VisionLanguageModel, batch: TrainBatch, vision: Vis
     that predict a response token."""
     hidden = model.forward_packed(batch.packed, vision)
     return token_logprobs(model, hidden[batch.target_index], batch.target_ids, with_entropy, temperature)
+
+
+class TooManySkippedSteps(RuntimeError):
+    """trainer.max_skipped_steps optimizer steps in a row were skipped for non-finite values: the run stops
+    before it saves the step (rollplex.rl.loop), so its last checkpoint holds the last good weights."""
 
 
 @dataclass
@@ -208,7 +215,8 @@ class PolicyUpdate:
 
         The step is skipped (counted in skipped_steps) on every rank when any rank
         sees a non-finite loss or gradient, or a non-finite logprob in the batch's
-        old or reference logprobs or in this update's own pass.
+        old or reference logprobs or in this update's own pass; `Actor.skip_cause`
+        then says which, in the same words on every rank.
 
         Loss-like metrics (and the mean engine/trainer probability difference) are
         this rank's share of the global value: summed over dp ranks they give the
@@ -229,14 +237,14 @@ class PolicyUpdate:
             if self.started_early and batch.kept is None and i == len(batches) - 1:
                 actor._sync_gradients()  # no prompt backward to reduce them: this last micro-batch's does
             self.add(mb or actor._fallback_units(batch.groups), batch, weight=1.0 if mb else 0.0)
-        self.nonfinite += count_nonfinite(batch.old_logprobs) + count_nonfinite(batch.ref_logprobs)
+            actor.on_micro_batch(i + 1, len(batches))
         if self.norm is None:  # started early: its normaliser is known now that every group is in
             self.apply_norm(actor._loss_norm(batch))
         flops = self.flops + (self._prompt_backward(batch.kept) if batch.kept is not None else 0.0)
         if self.grad_scale != 1.0:  # linear in the loss: the early step's normaliser, applied once
             torch._foreach_mul_([p.grad for p in actor.model.parameters() if p.grad is not None], self.grad_scale)
-        nonfinite = actor._global_sum(float(self.nonfinite.item()))
-        grad_norm = actor._clip_and_step(skip=nonfinite > 0)
+        nonfinite, cause = self._nonfinite_logprobs(batch)
+        grad_norm = actor._clip_and_step(cause)
         metrics = {f"actor/{k}": v.item() for k, v in self.sums.items()}
         metrics["perf/actor_flops"] = flops
         if self.measures_diff:
@@ -246,6 +254,17 @@ class PolicyUpdate:
                         "actor/skipped_steps_total": float(actor.skipped_steps),
                         "training/nonfinite_logprobs": nonfinite})
         return metrics
+
+    def _nonfinite_logprobs(self, batch: PolicyBatch) -> tuple[float, str]:
+        """The non-finite logprobs over every dp rank (this update's own pass, the batch's old and
+        reference logprobs), and what they are as a skipped step's cause ("" when there are none)."""
+        counts = [float(self.nonfinite.item()), count_nonfinite(batch.old_logprobs),
+                  count_nonfinite(batch.ref_logprobs)]
+        if self.actor.dp_size > 1:
+            counts = all_reduce_values(counts, group=self.actor.dp_group)
+        where = [f"{int(n)} in {what}" for n, what in zip(counts, ("the update's own pass", "the old logprobs",
+                                                                   "the reference logprobs")) if n]
+        return sum(counts), f"non-finite logprobs: {', '.join(where)}" if where else ""
 
     def _prompt_backward(self, kept: KeptPrefix) -> float:
         """The kept prompt's backward, which reduces the gradients (held by an early step until
@@ -270,7 +289,12 @@ class Actor:
         self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, fused=True)
         self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda or (lambda step: 1.0))
         self.skipped_steps = 0
+        self.skipped_in_a_row = 0  # optimizer steps skipped since the last one taken (trainer.max_skipped_steps)
+        self.skip_cause = ""  # why the latest optimizer step was skipped, the same on every rank; "" if it was taken
         self.offload = OptimizerOffload(self.optimizer) if config.offload_optimizer else None
+        # Called with (done, total) after each micro-batch of an update or a logprob pass: the RL loop shows it
+        # (rollplex.progress); a pass can run for minutes.
+        self.on_micro_batch: Callable[[int, int], None] = lambda done, total: None
 
     @property
     def dp_size(self) -> int:
@@ -347,9 +371,11 @@ class Actor:
         their own (the decode window's: the model is whole on this rank then); without
         `to_host` the logprobs stay on the device, so that the host never waits for them."""
         out: list[torch.Tensor | None] = [None] * sum(len(g.responses) for g in groups)
-        for mb in self.micro_batches(groups, positions, skip, agree):
+        batches = self.micro_batches(groups, positions, skip, agree)
+        for done, mb in enumerate(batches, 1):
             units = mb or self._fallback_units(groups)
             lp, _, lens, _ = self._pass(model, units, kept, with_entropy=False)
+            self.on_micro_batch(done, len(batches))
             if not mb:
                 continue
             for i, piece in zip(_response_ids(units), lp.split(lens)):
@@ -399,31 +425,77 @@ class Actor:
         tokens, seqs = local if self.dp_size == 1 else all_reduce_values(local, group=self.dp_group)
         return LossNorm(tokens, seqs, self.config.max_response_len)
 
-    def _global_sum(self, value: float) -> float:
-        return value if self.dp_size == 1 else all_reduce_values([value], group=self.dp_group)[0]
-
-    def _clip_and_step(self, skip: bool) -> float:
-        """Clip and take the optimizer step, unless `skip` (the same on every rank) or
-        the global grad norm is not finite: then the step is skipped and counted."""
+    def _clip_and_step(self, known_cause: str) -> float:
+        """Clip and take the optimizer step, unless `known_cause` (why to skip it, found
+        before the gradients: the same on every rank) or the global grad norm is not
+        finite: then the step is skipped, counted, and its cause kept in `skip_cause`."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         grad_norm = float(global_grad_norm(grads))
-        if self.config.grad_clip > 0 and grad_norm > self.config.grad_clip:
-            torch._foreach_mul_(grads, self.config.grad_clip / (grad_norm + 1e-6))
-        if skip or not math.isfinite(grad_norm):
-            # `skip` and the norm are global: every rank skips.
+        # `known_cause` and the norm are global: every rank skips, and finds the same cause.
+        self.skip_cause = known_cause or ("" if math.isfinite(grad_norm) else self._nonfinite_gradient_cause())
+        if self.skip_cause:
             self.skipped_steps += 1
+            self.skipped_in_a_row += 1
         else:
+            if self.config.grad_clip > 0 and grad_norm > self.config.grad_clip:
+                torch._foreach_mul_(grads, self.config.grad_clip / (grad_norm + 1e-6))
             if self.offload:
                 self.offload.load()
             self.optimizer.step()
             if self.offload:
                 self.offload.offload()
             self.lr_schedule.step()
+            self.skipped_in_a_row = 0
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
+    def _nonfinite_gradient_cause(self) -> str:
+        """Why the global gradient norm is not finite, the same words on every rank: the first
+        parameter (in the model's order) whose gradient holds NaN or inf on any rank, or, where
+        every gradient is finite, the largest gradient (its square overflows float32). Costs a
+        pass over the gradients and a reduction over the ranks: only for a step being skipped."""
+        named = [(name.replace(_CHECKPOINT_PREFIX, ""), p.grad) for name, p in self.model.named_parameters()
+                 if p.grad is not None]
+        stats = [_gradient_stats(grad.to_local() if isinstance(grad, DTensor) else grad) for _, grad in named]
+        stats = _max_over_ranks(torch.stack(stats).tolist() if stats else [], [grad for _, grad in named])
+        bad = [(name, nan, inf) for (name, _), (nan, inf, _) in zip(named, stats) if nan or inf]
+        if bad:
+            name, nan, inf = bad[0]
+            kind = " and ".join(word for word, present in (("NaN", nan), ("inf", inf)) if present)
+            others = {1: "", 2: " (as does one other parameter's gradient)"}.get(
+                len(bad), f" (as do {len(bad) - 1} other parameters' gradients)")
+            return f"the gradient of {name} holds {kind}{others}"
+        if not stats:
+            return "the gradient norm is not finite"
+        largest = max(range(len(stats)), key=lambda i: stats[i][2])
+        return (f"every gradient is finite but their norm overflows float32: the largest |gradient| is "
+                f"{stats[largest][2]:.3g}, in {named[largest][0]}")
+
     def _fallback_units(self, groups: list[Group]) -> list[_Unit]:
         return [_Unit(Group(groups[0].prompt, groups[0].samples[:1]), 0, 0)]
+
+
+def _gradient_stats(grad: torch.Tensor) -> torch.Tensor:
+    """(holds NaN, holds inf, largest finite |value|) of one gradient (a rank's shard of it: maybe empty)."""
+    if not grad.numel():
+        return torch.zeros(3, device=grad.device)
+    finite = grad.detach().abs().nan_to_num(nan=0.0, posinf=0.0)
+    return torch.stack([grad.isnan().any().float(), grad.isinf().any().float(), finite.amax().float()])
+
+
+def _max_over_ranks(rows: list[list[float]], grads: list[torch.Tensor]) -> list[list[float]]:
+    """Each value of `rows` (one row per gradient) maxed over the ranks of the gradients' meshes:
+    over each dimension of the largest mesh in turn (dp, then tp), which covers every rank of it."""
+    meshes = [grad.device_mesh for grad in grads if isinstance(grad, DTensor)]
+    if not rows or not meshes:
+        return rows
+    mesh = max(meshes, key=lambda m: m.ndim)
+    flat = [value for row in rows for value in row]
+    for dim in range(mesh.ndim):
+        if mesh.size(dim) > 1:
+            flat = all_reduce_values(flat, dist.ReduceOp.MAX, mesh.get_group(dim))
+    width = len(rows[0])
+    return [flat[i:i + width] for i in range(0, len(flat), width)]
 
 
 def count_nonfinite(logprobs: list[torch.Tensor] | None) -> int:
