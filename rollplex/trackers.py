@@ -1,10 +1,10 @@
 """Experiment trackers the metrics logger feeds: TensorBoard, Weights & Biases, SwanLab.
 
-Each takes the step's numbers (`log`) and is closed at the end of the run. wandb
-and SwanLab are optional extras (``pip install 'rollplex[wandb]'``,
-``'rollplex[swanlab]'``); asking for one that is not installed is an error
-naming its extra, raised by `require_trackers` on every rank before the run
-loads anything. Their mode is theirs to set, as they document it: online by
+Each takes the step's numbers (`log`) and is closed at the end of the run. All
+three are optional extras (``pip install 'rollplex[tensorboard]'``,
+``'rollplex[wandb]'``, ``'rollplex[swanlab]'``); asking for one that is not
+installed is an error naming its extra, raised by `require_trackers` on every
+rank before the run loads anything. Their mode is theirs to set, as they document it: online by
 default, ``WANDB_MODE=offline`` keeps a run in ``<output_dir>/wandb`` and
 ``SWANLAB_MODE=offline`` (or ``local``) in ``<output_dir>/swanlog``, to sync later.
 """
@@ -12,11 +12,9 @@ default, ``WANDB_MODE=offline`` keeps a run in ``<output_dir>/wandb`` and
 from __future__ import annotations
 
 import importlib.util
-import warnings
 from pathlib import Path
 from typing import Any, Protocol
 
-EXTRA_TRACKERS = ("wandb", "swanlab")  # name = its package = its rollplex extra
 TENSORBOARD_DIR = "tb"  # in the output folder
 
 
@@ -31,11 +29,22 @@ class TrackerMissing(ImportError):
 
 
 def require_trackers(names: list[str]) -> None:
-    """Raise TrackerMissing, naming the extra to install, for the first of `names` that is not installed."""
+    """Raise TrackerMissing, naming the extra to install, for the first of `names` (tensorboard, wandb, swanlab:
+    each its package, its rollplex extra and its logging switch) that is not installed."""
     for name in names:
-        if importlib.util.find_spec(name) is None:
+        if not _installed(name):
             raise TrackerMissing(f"logging.{name} is on but the {name} package is not installed: "
                                  f"pip install 'rollplex[{name}]' (or turn logging.{name} off)")
+
+
+def _installed(name: str) -> bool:
+    if name == "tensorboard":  # torch holds the writer, which fails to import without the tensorboard package
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            return False
+        return True
+    return importlib.util.find_spec(name) is not None  # found, not imported: wandb takes seconds to import
 
 
 class TensorBoardTracker:
@@ -86,16 +95,11 @@ class SwanlabTracker:
 
 def open_trackers(output_dir: Path, tensorboard: bool, extras: list[str], project: str, run_name: str,
                   config: dict[str, Any], first_step: int | None = None) -> list[Tracker]:
-    """The trackers a run asked for (rank 0 only). TensorBoard, which ships with most torch installs, is skipped
-    with a warning when missing; `extras` (wandb, swanlab) were checked by `require_trackers`. `first_step`:
-    a resumed run's first step (TensorBoardTracker)."""
+    """The trackers a run asked for (rank 0 only), which `require_trackers` found installed: TensorBoard, and
+    `extras` (wandb, swanlab). `first_step`: a resumed run's first step (TensorBoardTracker)."""
     trackers: list[Tracker] = []
     if tensorboard:
-        try:
-            trackers.append(TensorBoardTracker(output_dir / TENSORBOARD_DIR, first_step))
-        except ImportError:
-            warnings.warn("logging.tensorboard is on but the tensorboard package is not installed "
-                          "(pip install tensorboard); TensorBoard logging is off", stacklevel=3)
+        trackers.append(TensorBoardTracker(output_dir / TENSORBOARD_DIR, first_step))
     kinds = {"wandb": WandbTracker, "swanlab": SwanlabTracker}
     name = run_name or output_dir.resolve().name
     trackers += [kinds[extra](output_dir, project, name, config) for extra in extras]

@@ -14,6 +14,7 @@ import torch
 from offline_trackers import swanlab_history, wandb_run
 from rollplex import metrics as M
 from rollplex.metrics import GpuMonitor, MetricsLogger, Timer, read_metrics
+from rollplex.trackers import TrackerMissing
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,22 +73,23 @@ def test_second_logger_appends_and_read_metrics_drops_superseded_steps(tmp_path)
         assert read_metrics(tmp_path / "metrics.jsonl") == records
 
 
-def test_nonzero_rank_writes_nothing(tmp_path, capsys):
+def test_nonzero_rank_writes_nothing(tmp_path, capsys, monkeypatch):
     run_dir = tmp_path / "run"
+    # TensorBoard "installed" (it is checked on every rank), a writer that rank 1 must never make.
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=None))
     with MetricsLogger(run_dir, rank=1, tensorboard=True, total_steps=5) as logger:
         logger.log(1, {"critic/score/mean": 1.0})
     assert not run_dir.exists()
     assert capsys.readouterr().out == ""
 
 
-def test_missing_tensorboard_warns_and_logging_goes_on(tmp_path, monkeypatch):
+def test_missing_tensorboard_stops_the_run_before_it_writes_naming_the_extra(tmp_path, monkeypatch):
     # None in sys.modules makes the import fail, whether or not tensorboard is installed.
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    with pytest.warns(UserWarning, match="pip install tensorboard"):
-        logger = MetricsLogger(tmp_path, console=False, tensorboard=True)
-    logger.log(1, {"actor/lr": 1.0})
-    logger.close()
-    assert lines(tmp_path) == [{"step": 1, "actor/lr": 1.0}]
+    with pytest.raises(TrackerMissing, match=r"logging.tensorboard is on but the tensorboard package is not "
+                                             r"installed: pip install 'rollplex\[tensorboard\]'"):
+        MetricsLogger(tmp_path, console=False, tensorboard=True)
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_a_resumed_runs_tensorboard_events_start_after_its_checkpoint(tmp_path, monkeypatch):

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, NoReturn
 
@@ -56,7 +57,7 @@ from rollplex.engine.decode_batch import Advanced, DecodeBatch
 from rollplex.engine.kv_cache import KVCache
 from rollplex.engine.nonfinite import NonFiniteLogitsError, first_nonfinite_stage
 from rollplex.device import free_memory, to_device, to_host
-from rollplex.engine.progress import Progress
+from rollplex.dist import rank
 from rollplex.engine.runner import ModelRunner
 from rollplex.engine.sampler import SamplingParams, mix_seed, sample
 from rollplex.engine.scheduler import Scheduler, Step
@@ -64,6 +65,7 @@ from rollplex.engine.sequence import PromptState, Request, Sequence
 from rollplex.models.inputs import Group
 from rollplex.models.protocol import VisionLanguageModel
 from rollplex.models.rope import mrope_positions
+from rollplex.progress import Progress
 
 if TYPE_CHECKING:
     from rollplex.config import RolloutConfig
@@ -78,7 +80,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 16384  # prefill tokens per step (a longer prompt runs alone)
     max_model_len: int = 8192  # prompt + generation, capped by the model's max_position_embeddings
     enforce_eager: bool = False  # no CUDA graphs
-    progress: bool = True  # progress line on stderr for long generations (rank 0)
+    progress: bool = True  # its own progress line on a terminal's stdout (rank 0), redrawn in place
     shared_prefix_decode: bool = False  # each group's shared prompt blocks read once per decode step (cascade)
     run_ahead: bool = True  # issue decode step N+1 before reading step N's tokens back (module docstring)
 
@@ -94,7 +96,7 @@ class EngineConfig:
         """The RL loop's engine: the rollout section's blocks, batch and graphs, a pool
         of `num_blocks` (the memory plan's), sequences of up to `max_model_len` tokens (the
         run's longest prompt plus rollout.max_tokens: every prompt the data admits fits,
-        with its whole response), no progress line (the loop logs its own)."""
+        with its whole response), no progress display of its own (the loop hands it the run's: Engine.progress)."""
         return cls(block_size=rollout.block_size, num_blocks=num_blocks, max_num_seqs=rollout.max_num_seqs,
                    max_model_len=max_model_len, enforce_eager=rollout.enforce_eager, progress=False,
                    shared_prefix_decode=rollout.shared_prefix_decode)
@@ -116,6 +118,9 @@ class Engine:
         eos = model.args.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.stats: dict[str, float] = {}
+        # Where generate reports samples finished and tokens made (rollplex.progress): its own display, or the RL
+        # loop's, which shows them beside the step and phase.
+        self.progress = Progress("live" if self.config.progress and rank() == 0 and sys.stdout.isatty() else "off")
 
     def _num_blocks(self, kv_heads: int) -> int:
         cfg, text = self.config, self.model.args.text
@@ -153,7 +158,17 @@ class Engine:
         params = params or SamplingParams()
         prompts = [self._prepare(i, r, params) for i, r in enumerate(requests)]
         scheduler = self._start(prompts, params)
-        progress = Progress(sum(r.n for r in requests), enabled=self.config.progress)
+        self.progress.generation(sum(r.n for r in requests))
+        try:
+            self._run_steps(scheduler, params, between_steps, on_finished)
+        finally:  # a generation that raises takes its progress line away too
+            self.progress.generation_done()
+        self._end(scheduler)
+        return [_group(p) for p in prompts]
+
+    def _run_steps(self, scheduler: Scheduler, params: SamplingParams, between_steps: Callable[[int], None] | None,
+                   on_finished: Callable[[int, Group], None] | None) -> None:
+        """generate's steps, until every sample is finished."""
         in_flight: _Issued | None = None  # a step issued, its tokens not yet read back
         while scheduler.has_work():
             # Every device write of a step (the decode batch's rows and block tables, the step's inputs, the
@@ -167,7 +182,7 @@ class Engine:
             in_flight = issued
             if finished is None:
                 continue
-            progress.update(len(finished), self.stats["decode_tokens"])
+            self.progress.samples(len(finished), self.stats["decode_tokens"])
             if on_finished is not None:
                 for p in {s.prompt.index: s.prompt for s in finished}.values():
                     if all(sample is not None for sample in p.samples):
@@ -177,9 +192,6 @@ class Engine:
         if in_flight is not None:  # run ahead of sequences that all stopped: its tokens are dropped
             with self.runner.on_decode_stream():
                 self._finish(in_flight, scheduler)
-        progress.close()
-        self._end(scheduler)
-        return [_group(p) for p in prompts]
 
     def _may_run_ahead(self, in_flight: _Issued, scheduler: Scheduler) -> bool:
         """Whether the next step may be issued before `in_flight`'s tokens are read back:
