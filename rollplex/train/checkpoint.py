@@ -424,13 +424,23 @@ def export_hf(model: VisionLanguageModel, out_dir: str | Path, source_dir: str |
         dcp.save(tensors, storage_writer=writer, process_group=group)  # consolidates on rank 0 before returning
     if rank() == 0:
         shutil.rmtree(shards)
-        config = {**family_of(model).hf_config_from_args(model.args), "torch_dtype": str(dtype).removeprefix("torch.")}
+        config = _naming_dtype(family_of(model).hf_config_from_args(model.args), str(dtype).removeprefix("torch."))
         (out_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         for name in HF_ASSET_FILES if source_dir is not None else ():
             if (Path(source_dir) / name).is_file():
                 shutil.copy2(Path(source_dir) / name, out_dir / name)
     _barrier(group)
     return out_dir
+
+
+def _naming_dtype(config: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """`config` naming `dtype` as its weights': as "dtype", which transformers 5 reads first (and from_pretrained's
+    dtype="auto" loads in; a Qwen3-VL config names one at its top and in its text config), and as "torch_dtype",
+    which earlier versions read."""
+    config = {**config, "dtype": dtype, "torch_dtype": dtype}
+    if "dtype" in config.get("text_config", {}):
+        config["text_config"] = {**config["text_config"], "dtype": dtype}
+    return config
 
 
 def _hf_tensors(model: VisionLanguageModel, dtype: torch.dtype) -> dict[str, torch.Tensor]:
