@@ -49,7 +49,7 @@ class Progress:
     def __init__(self, mode: str = "auto", every_s: float = 30.0, total_steps: int | None = None,
                  stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic,
                  tick_s: float | None = TICK_S):
-        self.stream = stream or sys.stdout
+        self._stream = stream
         self.mode = resolve_mode(mode, self.stream)
         self.every_s, self.total_steps, self.clock = every_s, total_steps, clock
         self.tick_s = None if tick_s is None else min(tick_s, every_s)
@@ -66,6 +66,11 @@ class Progress:
     @property
     def enabled(self) -> bool:
         return self.mode != "off"
+
+    @property
+    def stream(self) -> TextIO:
+        """Where it writes: the stream it was given, else sys.stdout as it is now (print's, which tests capture)."""
+        return self._stream or sys.stdout
 
     def _reset_counts(self) -> None:
         self.samples_done = self.samples_total = self.tokens = 0
