@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import shlex
 import sys
@@ -186,8 +187,12 @@ def write_elastic_error_file(line: str, error: BaseException) -> None:
     path = os.environ.get(ELASTIC_ERROR_FILE_ENV)
     if not path:
         return
+    # torchrun names the failure with the earliest time (whole seconds) the root cause, and times a rank that died
+    # without a file (killed) when it notices, up to its monitor interval after the death: rounded up, a rank that
+    # failed because a peer died (a collective's "connection reset") does not look earlier than that peer.
+    stamp = math.ceil(time.time())
     report = {"message": {"message": line, "extraInfo": {"py_callstack": f"{full_traceback(error)}\n{line}",
-                                                          "timestamp": str(int(time.time()))}}}
+                                                          "timestamp": str(stamp)}}}
     try:
         Path(path).write_text(json.dumps(report), encoding="utf-8")
     except OSError:  # a full disk: torchrun then says <N/A>, as it did before
