@@ -39,6 +39,7 @@ from typing import TextIO
 from torch.distributed.checkpoint.api import CheckpointException
 
 from rollplex.config import ConfigError
+from rollplex.data.datasets import PromptTemplateError
 from rollplex.data.rewards import RewardTypeError
 from rollplex.engine.nonfinite import NonFiniteLogitsError
 from rollplex.rl.memory.plan import MemoryPlanError
@@ -57,7 +58,7 @@ FAILED_STATUS = 1
 # Errors whose message already tells the user what is wrong and what to change (ValueError: bad input, with
 # ConfigError, MemoryPlanError, CheckpointError and the data errors): the message alone is the line.
 USER_ERRORS = (ValueError, RunFolderInUse, RewardsFailed, CheckpointSaveError, TrackerMissing, NonFiniteLogitsError,
-               RewardTypeError, TooManySkippedSteps)
+               RewardTypeError, TooManySkippedSteps, PromptTemplateError)
 # Errors that running the same command again meets again: the config or the folder must change first (the
 # message says how), so the line says nothing of resuming.
 COMMAND_ERRORS = (ConfigError, MemoryPlanError, RunFolderInUse)

@@ -34,7 +34,14 @@ def _in_library(filename: str) -> bool:
 
 
 def _user_part(tb: TracebackType | None) -> TracebackType | None:
-    """The traceback from its first frame outside Rollplex on (the user's function that Rollplex called)."""
+    """The traceback from the first frame after Rollplex's own on: the user's function that Rollplex called. The
+    frames of whatever called Rollplex (a script, a test) come first and are passed over; a traceback without any
+    of Rollplex's frames is the user's throughout; None when it ends in Rollplex's frames."""
+    first = tb
+    while tb is not None and not _in_rollplex(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    if tb is None:
+        return first
     while tb is not None and _in_rollplex(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
     return tb

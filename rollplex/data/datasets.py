@@ -34,6 +34,7 @@ import bisect
 import itertools
 import os
 import re
+import traceback
 import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -222,10 +223,16 @@ def _videos_of(value: Any) -> list[Any]:
     return value
 
 
+class PromptTemplateError(RuntimeError):
+    """data.format_prompt failed to render a prompt: the template's mistake, not the row's, so the run stops on it
+    (with the template's line) rather than skip every row."""
+
+
 class PromptTemplate:
     """EasyR1's format_prompt: a jinja template around each row's prompt, which it gets as `content`.
 
     `source` names a template file, or else is the template itself; as in EasyR1, its outer whitespace is dropped.
+    A render that fails raises PromptTemplateError, naming the template's line.
     """
 
     def __init__(self, source: str):
@@ -245,9 +252,18 @@ class PromptTemplate:
             raise ValueError(f"{where} {text.strip()[:80]!r} must use {{{{ content }}}} (the row's prompt) and no "
                              f"other variable; it uses {sorted(variables)} (a template file must exist)")
         self.template = env.from_string(text.strip())
+        self.where = where
+        self.lines_stripped = text[:len(text) - len(text.lstrip())].count("\n")  # to number lines as the source does
 
     def __call__(self, prompt: str) -> str:
-        return self.template.render(content=prompt)
+        try:
+            return self.template.render(content=prompt)
+        except Exception as e:  # noqa: BLE001 - the template's code may raise anything (TypeError, UndefinedError)
+            # jinja puts the template's own frame, named "<template>", into the traceback.
+            line = next((frame.lineno for frame in reversed(traceback.extract_tb(e.__traceback__))
+                         if frame.filename == "<template>"), None)
+            at = f" at line {line + self.lines_stripped}" if line is not None else ""
+            raise PromptTemplateError(f"{self.where} failed to render a prompt{at}: {type(e).__name__}: {e}") from e
 
 
 def _is_file(name: str) -> bool:
