@@ -1,12 +1,12 @@
 """Progress inside a run's steps, on rank 0: what a step is doing now, while it runs.
 
-The trainer names each phase of a step (gen, reward, old_log_prob, ref, update_actor: the names of its
-timing_s/ metrics), the engine reports the samples it finished and the tokens it generated, the actor the
+The trainer names each phase of a step (gen, prefix, reward, old_log_prob, ref, update_actor: the names of its
+timing_s/ metrics; then val and save), the engine reports the samples it finished and the tokens it generated, the actor the
 micro-batches it ran. `Progress` shows them in one of two ways (logging.progress):
 
     live   one line redrawn in place at the foot of the console (tqdm), the run's other lines printed above it:
            step 3/100 gen: ████████▏           412/1,024 samples, 2,310 tok/s (41 s)
-    lines  a plain line every logging.progress_every_s seconds while a step runs, for logs that are files:
+    lines  a plain line every logging.progress_every_s seconds while a phase runs, for logs that are files:
            step 3/100 gen: 412/1,024 samples, 2,310 tok/s (41 s)
 
 `auto` is live when stdout is a terminal, lines otherwise. The seconds are the phase's so far. Reports only set
@@ -40,7 +40,8 @@ def resolve_mode(mode: str, stream: TextIO) -> str:
 
 
 class Progress:
-    """Rank 0's view of the step in progress; on other ranks, and with mode off, every call does nothing.
+    """The step in progress, as reported, shown as `mode` says; off (the metrics logger's on ranks other than 0,
+    and without a console) shows nothing, and `write` prints plain lines.
 
     `every_s`: seconds between lines (lines mode). `total_steps`: the run's length, shown after the step.
     `tick_s`: seconds between the thread's draws (`tick`); None: no thread, the caller ticks (the tests, with
