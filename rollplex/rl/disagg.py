@@ -252,7 +252,8 @@ class DisaggTrainer(RLTrainer):
 
     def _rollout_phase(self, examples: list, timer: Timer) -> StepState:
         """A trainer's share of the samples, from the exchange (its timings: the rollout's metrics)."""
-        rollout, metrics = self.exchange.rollout(examples, self.step, self._sample)
+        with self.progress.phase("gen"):  # the rollout ranks generate: rank 0's console shows the wait as theirs
+            rollout, metrics = self.exchange.rollout(examples, self.step, self._sample)
         return StepState(self.step, rollout.examples, rollout=rollout, metrics=metrics)
 
     def _planned_memory(self) -> MemoryPlan | None:
