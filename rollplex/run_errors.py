@@ -45,7 +45,7 @@ from rollplex.engine.nonfinite import NonFiniteLogitsError
 from rollplex.rl.memory.plan import MemoryPlanError
 from rollplex.rl.step_metrics import RewardsFailed
 from rollplex.run_lock import RunFolderInUse
-from rollplex.stop_signals import TERM_STATUS, Terminated, handling_stop_signals, signal_that_stopped
+from rollplex.stop_signals import TERM_STATUS, Terminated, handling_stop_signals
 from rollplex.train.actor import TooManySkippedSteps
 from rollplex.train.checkpoint import STEP_DIR, CheckpointSaveError, latest_checkpoint
 from rollplex.trackers import TrackerMissing
@@ -80,14 +80,14 @@ def run_ends_in_one_line() -> Iterator[RunPlace]:
     """Run the body; when it stops on an error, Ctrl-C or SIGTERM, report it (see the module docstring) and exit."""
     place = RunPlace()
     try:
-        with handling_stop_signals():
+        with handling_stop_signals() as received:
             yield place
     except RUN_STOPS as error:
         rank = int(os.environ.get("RANK", "0"))  # torchrun's; one plain process is rank 0
         log = append_traceback(error, place.output_dir, rank)
         if os.environ.get(DEBUG_ENV) == "1":
             traceback.print_exception(error)
-        stop = signal_that_stopped(error)  # the line says Ctrl-C where a library reported it as its own error
+        stop = received.signal_that_stopped(error)  # Ctrl-C, where a library reported it as its own error
         line = run_end_line(stop, place.output_dir, rank, log)
         print(line, file=sys.stderr, flush=True)
         write_elastic_error_file(line, error)

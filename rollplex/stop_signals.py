@@ -1,17 +1,19 @@
 """How a run stops on a signal: Ctrl-C (SIGINT) at once; SIGTERM (SLURM, Kubernetes, `timeout`, torchrun passing
 its own on) once the step under way is done and saved (trainer.save_on_term), or at once.
 
-    with handling_stop_signals():               # the entry point, for the run's lifetime
+    with handling_stop_signals() as received:   # the entry point, for the run's lifetime
         ...
-        with finishing_steps(lambda: self.step, last_step, announce=rank == 0, save_on_term=True) as stops:
+        with finishing_steps(lambda: self.step, last_step, announce=rank == 0, save_on_term=True) as boundary:
             while ...:
                 ...one step...
-                if stops.requested():           # at each step boundary, on every rank
+                if boundary.requested():        # at each step boundary, on every rank
                     save the step; raise Terminated(step)
 
 Both handlers raise at once in the main thread (KeyboardInterrupt, Terminated) and record that they did: Python
 swallows an exception raised inside a finalizer or a weakref callback (it prints "Exception ignored in ..." and
-goes on), so a signal that lands there would be lost; `requested` raises it again at the next step boundary.
+goes on), so a signal that lands there would be lost; `requested` raises it again at the next step boundary. And
+a library may turn the exception into one of its own (DCP's save wraps whatever it raises): the run's end still
+names the signal (`ReceivedSignals.signal_that_stopped`).
 
 While the loop runs its steps with save_on_term, SIGTERM is a request instead: rank 0 says which step it
 finishes, the step runs to its end, and at the step boundary the ranks agree (one all_reduce MAX of a flag, when
@@ -49,15 +51,25 @@ class Terminated(BaseException):
 
 
 @dataclass
-class _Received:
-    """What the handlers got since `handling_stop_signals` (or `finishing_steps`) began."""
+class ReceivedSignals:
+    """What the handlers got while `handling_stop_signals` ran."""
 
     interrupt_raised: bool = False  # Ctrl-C: its KeyboardInterrupt was raised
     term_raised: bool = False  # SIGTERM, raised at once
     term_requested_at: float | None = None  # SIGTERM during the steps: finish the step under way, then stop
 
+    def signal_that_stopped(self, error: BaseException) -> BaseException:
+        """What stopped the run that ends on `error`: the Ctrl-C or SIGTERM whose exception was raised, when one
+        was, even where a library turned that exception into one of its own (DCP wraps whatever its save raises, a
+        KeyboardInterrupt too, into a CheckpointException, which a failed save then reports); else `error`."""
+        if isinstance(error, (KeyboardInterrupt, Terminated)):
+            return error
+        if self.interrupt_raised:
+            return KeyboardInterrupt()
+        return Terminated() if self.term_raised else error
 
-_received = _Received()
+
+_received = ReceivedSignals()  # the running `handling_stop_signals`' (a blank one outside it)
 # While the loop runs its steps with trainer.save_on_term: says what SIGTERM now does (None: stop at once).
 _on_term_request: Callable[[], None] | None = None
 
@@ -81,37 +93,28 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise Terminated()
 
 
-def signal_that_stopped(error: BaseException) -> BaseException:
-    """What stopped the run that ends on `error`: the Ctrl-C or SIGTERM whose exception was raised, when one was,
-    even where a library turned that exception into one of its own (DCP wraps whatever its save raises, a
-    KeyboardInterrupt too, into a CheckpointException, which a failed save then reports); else `error`."""
-    if isinstance(error, (KeyboardInterrupt, Terminated)):
-        return error
-    if _received.interrupt_raised:
-        return KeyboardInterrupt()
-    return Terminated() if _received.term_raised else error
-
-
 def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()  # the only thread that may set handlers
 
 
 @contextmanager
-def handling_stop_signals() -> Iterator[None]:
-    """Ctrl-C and SIGTERM stop the body at once (KeyboardInterrupt, Terminated), recorded; the handlers that
-    were there before come back after it."""
-    if not _in_main_thread():
-        yield
-        return
+def handling_stop_signals() -> Iterator[ReceivedSignals]:
+    """Ctrl-C and SIGTERM stop the body at once (KeyboardInterrupt, Terminated), recorded in what it yields, which
+    keeps the record after it; the handlers that were there before come back after it."""
     global _received
-    _received = _Received()
+    received = ReceivedSignals()
+    if not _in_main_thread():
+        yield received
+        return
+    _received = received
     previous = {number: signal.signal(number, handler)
                 for number, handler in ((signal.SIGINT, _on_sigint), (signal.SIGTERM, _on_sigterm))}
     try:
-        yield
+        yield received
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
+        _received = ReceivedSignals()  # a trainer fitted later without the entry point sees no old signal
 
 
 class StepBoundary:

@@ -72,6 +72,14 @@ def test_a_ctrl_c_swallowed_by_a_finalizer_is_raised_at_the_next_step_boundary(m
             boundary.requested()
 
 
+def test_the_record_outlives_the_run_for_its_end_line_but_not_into_a_later_run():
+    with pytest.raises(KeyboardInterrupt), handling_stop_signals() as received:
+        send(signal.SIGINT)
+    assert isinstance(received.signal_that_stopped(RuntimeError("a save that failed")), KeyboardInterrupt)
+    with finishing_steps(lambda: 1, 10, announce=False, save_on_term=True) as boundary:  # a trainer fitted later
+        assert not boundary.requested()
+
+
 def _agree_on_the_step(rank: int, world: int) -> None:
     with handling_stop_signals(), finishing_steps(lambda: 1, 10, announce=False, save_on_term=True) as boundary:
         assert not boundary.requested()  # nobody asked
