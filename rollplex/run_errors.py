@@ -49,7 +49,7 @@ from rollplex.stop_signals import TERM_STATUS, Terminated, handling_stop_signals
 from rollplex.train.actor import TooManySkippedSteps
 from rollplex.train.checkpoint import STEP_DIR, CheckpointSaveError, latest_checkpoint
 from rollplex.trackers import TrackerMissing
-from rollplex.user_code import ROLLPLEX_DIR, carried_user_traceback
+from rollplex.user_code import carried_user_traceback, in_rollplex
 
 DEBUG_ENV = "ROLLPLEX_DEBUG"
 ERROR_LOG = "error.log"  # in the output folder
@@ -211,7 +211,7 @@ def warnings_in_one_line() -> Iterator[None]:
 
     def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: TextIO | None = None,
              line: str | None = None) -> None:
-        if not str(filename).startswith(ROLLPLEX_DIR):
+        if not in_rollplex(str(filename)):
             show_others(message, category, filename, lineno, file, line)
             return
         with contextlib.suppress(OSError):  # as Python's own: a warning that cannot be shown is dropped

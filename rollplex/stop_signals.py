@@ -144,7 +144,7 @@ def finishing_steps(step: Callable[[], int], last_step: int, announce: bool,
     """The loop's steps: with `save_on_term`, a SIGTERM asks the loop to stop after the step under way (`step()`),
     which it learns at the step boundary (`StepBoundary.requested`); `announce`: this rank says so on receipt.
     Outside, SIGTERM stops at once again (the entry point's handler) or as it did before (without one)."""
-    global _on_term_request
+    global _on_term_request, _received
     if not save_on_term or not _in_main_thread():
         yield StepBoundary(save_on_term=False)
         return
@@ -166,3 +166,5 @@ def finishing_steps(step: Callable[[], int], last_step: int, announce: bool,
     finally:
         _on_term_request = None
         signal.signal(signal.SIGTERM, previous)
+        if previous is not _on_sigterm:  # no entry point keeps this record for its end line: the next fit starts blank
+            _received = ReceivedSignals()

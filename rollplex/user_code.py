@@ -14,19 +14,22 @@ lost its traceback by the time the run stops; such a run's error carries the use
 
 from __future__ import annotations
 
+import os
 import sysconfig
 import traceback
 from pathlib import Path
 from types import TracebackType
 
-ROLLPLEX_DIR = str(Path(__file__).resolve().parent)
+# As the frames name Rollplex's files: from the same path as __file__ (not resolved: a link in it stays).
+ROLLPLEX_DIR = os.path.dirname(os.path.abspath(__file__))
 # The standard library and the installed packages: a frame there is where a user's call went, not what it did.
 _LIBRARY_DIRS = tuple(sorted({str(Path(sysconfig.get_paths()[name]).resolve())
                               for name in ("stdlib", "platstdlib", "purelib", "platlib")}))
 
 
-def _in_rollplex(filename: str) -> bool:
-    return filename.startswith(ROLLPLEX_DIR)
+def in_rollplex(filename: str) -> bool:
+    """The file is one of Rollplex's own."""
+    return filename.startswith(ROLLPLEX_DIR + os.sep)
 
 
 def _in_library(filename: str) -> bool:
@@ -38,11 +41,11 @@ def _user_part(tb: TracebackType | None) -> TracebackType | None:
     frames of whatever called Rollplex (a script, a test) come first and are passed over; a traceback without any
     of Rollplex's frames is the user's throughout; None when it ends in Rollplex's frames."""
     first = tb
-    while tb is not None and not _in_rollplex(tb.tb_frame.f_code.co_filename):
+    while tb is not None and not in_rollplex(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
     if tb is None:
         return first
-    while tb is not None and _in_rollplex(tb.tb_frame.f_code.co_filename):
+    while tb is not None and in_rollplex(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
     return tb
 
@@ -60,9 +63,9 @@ def last_user_frame(error: BaseException) -> str:
     (the error is Rollplex's own)."""
     for e in _chain(error):
         if isinstance(e, SyntaxError) and e.filename and not _in_library(e.filename) \
-                and not _in_rollplex(e.filename):
+                and not in_rollplex(e.filename):
             return f"{Path(e.filename).name}:{e.lineno}"  # a file that does not parse has no frame of its own
-        frames = [f for f in traceback.extract_tb(_user_part(e.__traceback__)) if not _in_rollplex(f.filename)]
+        frames = [f for f in traceback.extract_tb(_user_part(e.__traceback__)) if not in_rollplex(f.filename)]
         own = [f for f in frames if not _in_library(f.filename)] or frames
         if own:
             return f"{Path(own[-1].filename).name}:{own[-1].lineno} in {own[-1].name}"
