@@ -180,6 +180,7 @@ class Progress:
         """Print `text` as a line of its own (above the live line, which is drawn again under it)."""
         with self._write_lock:
             if self._bar is not None:
+                self._draw(self.clock())  # tqdm draws the live line again under `text`: as it is now, not as it was
                 tqdm.write(text, file=self.stream)
             else:
                 self.stream.write(text + "\n")

@@ -80,6 +80,10 @@ def test_the_live_line_is_redrawn_in_place_with_a_bar_and_other_lines_go_above_i
     assert "\n" not in drawn.split("step 6/100 | a metrics line")[0]  # the live line is redrawn, not printed
     assert "\rstep 6/100 | a metrics line\n" in drawn  # a line of its own, the live line cleared before it
     assert drawn.endswith("\rstep 7/100 update_actor: #################### 8/8 micro-batches (2 s)")
+    shown.start_step(8)
+    shown.write("step 7/100 | its metrics line")
+    redrawn = terminal.getvalue().split("step 7/100 | its metrics line\n")[1]
+    assert redrawn.startswith("\rstep 8/100 (0 s)")  # under the line: the step now, not step 7's last phase
     shown.close()
     assert terminal.getvalue().endswith("\r")  # the live line wiped
 
