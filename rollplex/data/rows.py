@@ -9,7 +9,19 @@ from pathlib import Path
 from typing import Any
 
 
-class JsonlRows:
+class _ParsedRows:
+    """Rows parsed up front into a list; `where` names a row in its file."""
+
+    rows: list[dict[str, Any]]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.rows[i]
+
+
+class JsonlRows(_ParsedRows):
     """All rows of a JSONL file, parsed up front so a malformed line fails at load."""
 
     def __init__(self, path: Path):
@@ -28,17 +40,11 @@ class JsonlRows:
                 self.rows.append(row)
                 self.lines.append(lineno)
 
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return self.rows[i]
-
     def where(self, i: int) -> str:
         return f"line {self.lines[i]}"
 
 
-class JsonArrayRows:
+class JsonArrayRows(_ParsedRows):
     """The rows of a .json file that holds one JSON array of objects."""
 
     def __init__(self, path: Path):
@@ -49,13 +55,7 @@ class JsonArrayRows:
         if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
             raise ValueError(f"{path}: a .json data file holds one array of objects, [{{...}}, {{...}}], or an "
                              f"object per line (JSON Lines)")
-        self.rows: list[dict[str, Any]] = rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return self.rows[i]
+        self.rows = rows
 
     def where(self, i: int) -> str:
         return f"item {i}"
