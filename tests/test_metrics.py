@@ -117,6 +117,19 @@ def test_a_resumed_runs_tensorboard_events_start_after_its_checkpoint(tmp_path, 
     assert writers[0].scalars == [(61, "actor/lr", 1.0)]
 
 
+def test_tensorboard_events_read_back_with_tensorboards_own_reader(tmp_path):
+    """The [tensorboard] extra for real: the events a run writes are the steps' numbers, in <output_dir>/tb."""
+    pytest.importorskip("tensorboard")  # the dev extra installs it
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsLogger(tmp_path, console=False, tensorboard=True) as logger:
+        for step in (1, 2):
+            logger.log(step, {"critic/score/mean": 0.25 * step, "actor/lr": 1e-6})
+    events = EventAccumulator(str(tmp_path / "tb")).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("critic/score/mean")] == [(1, 0.25), (2, 0.5)]
+    assert "actor/lr" in events.Tags()["scalars"]
+
+
 def test_samples_of_a_step_go_to_its_file_and_a_resumed_run_replaces_it(tmp_path):
     train = {"split": "train", "prompt": "What colour?", "response": "rouge ✓", "answer": "red", "score": 0.0}
     val = {**train, "split": "val", "score": 1.0}
