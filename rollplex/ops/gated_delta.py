@@ -1,0 +1,236 @@
+"""Gated DeltaNet ops (Qwen3.5's linear-attention layers): the gated delta rule and the causal conv1d.
+
+Plain PyTorch over packed (varlen) sequences: the CPU path and the reference for later CUDA kernels.
+A Gated DeltaNet layer keeps no KV cache; per sequence it keeps two states, the recurrent state
+S [Hv, Dk, Dv] of the gated delta rule and the last K-1 inputs of its causal depthwise conv.
+
+The gated delta rule (Yang, Kautz, Hatamizadeh 2024, "Gated Delta Networks: Improving Mamba2 with
+Delta Rule", arXiv:2412.06464), per value head, token t, in the form transformers' Qwen3.5 computes it
+(torch_recurrent_gated_delta_rule):
+
+    S'   = exp(g_t) * S_{t-1}                        decay (g_t <= 0 is the log decay)
+    S_t  = S' + k_t (beta_t * (v_t - S'^T k_t))^T    delta-rule write: only what S' mispredicts for k_t
+    o_t  = S_t^T (q_t / sqrt(Dk))
+
+Semantics fixed by transformers (5.17 to 5.24, modeling_qwen3_5):
+- q and k arrive L2-normalised (transformers normalises them inside its kernel, in fp32, with
+  `l2norm` below); the op always scales q by Dk**-0.5 after that.
+- grouped heads: key head h serves value heads h*r .. h*r+r-1 (r = Hv // Hk), i.e. transformers'
+  `repeat_interleave` over the head dim, not `repeat`.
+- all state arithmetic is fp32; the output takes v's dtype (transformers returns q's dtype, the same
+  tensor dtype in its layer; v's dtype is the layer's activation dtype even when the caller hands in
+  fp32-normalised q and k).
+- the conv runs in its weight's dtype with SiLU after, the output in the input's dtype (causal_conv1d_fn).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+Activation = Callable[[torch.Tensor], torch.Tensor] | None
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim, computed and returned in fp32.
+
+    Transformers' (and FLA's) q/k normalisation for the gated delta rule, applied in fp32 inside
+    its kernel: a caller that matches transformers in bf16 normalises with this and passes the fp32 result.
+    """
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _expand_key_heads(x: torch.Tensor, value_heads: int) -> torch.Tensor:
+    """[..., Hk, D] -> [..., Hv, D]: each key head serves Hv/Hk consecutive value heads (repeat_interleave)."""
+    key_heads = x.shape[-2]
+    if value_heads % key_heads:
+        raise ValueError(f"value heads ({value_heads}) must be a multiple of key heads ({key_heads})")
+    return x if key_heads == value_heads else x.repeat_interleave(value_heads // key_heads, dim=-2)
+
+
+def _chunk_layout(cu_seqlens: torch.Tensor, chunk_size: int) -> tuple[list[int], list[int], torch.Tensor]:
+    """Where each sequence's chunks lie once each sequence is right-padded to a multiple of chunk_size.
+
+    Returns the chunk count and first chunk of each sequence (host lists: the scan loops over them)
+    and, for every packed token, its row in the padded [chunks * chunk_size] layout.
+    """
+    starts = cu_seqlens.tolist()
+    lengths = [end - start for start, end in zip(starts[:-1], starts[1:])]
+    chunk_counts = [-(-length // chunk_size) for length in lengths]
+    first_chunks = [sum(chunk_counts[:i]) for i in range(len(lengths))]
+    device = cu_seqlens.device
+    lengths_t = torch.tensor(lengths, device=device)
+    seq_of_token = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths_t)
+    token = torch.arange(starts[-1], device=device)
+    padded_row = token + (torch.tensor(first_chunks, device=device) * chunk_size - cu_seqlens[:-1])[seq_of_token]
+    return chunk_counts, first_chunks, padded_row
+
+
+def _to_chunks(x: torch.Tensor, padded_row: torch.Tensor, num_chunks: int, chunk_size: int) -> torch.Tensor:
+    """Packed [T, H, ...] fp32 -> [chunks, H, chunk_size, ...], zero rows where sequences are padded.
+
+    Zero padding is inert: k = beta = 0 writes nothing into the state and g = 0 decays nothing,
+    so the state after a sequence's last chunk is its state after its last real token.
+    """
+    padded = x.new_zeros((num_chunks * chunk_size, *x.shape[1:])).index_copy(0, padded_row, x)
+    padded = padded.reshape(num_chunks, chunk_size, *x.shape[1:])
+    return padded.transpose(1, 2)
+
+
+def _intra_chunk(q, k, v, g, beta, chunk_size: int):
+    """Everything that does not depend on the state entering a chunk, for all chunks at once.
+
+    Per chunk, with G_i the cumulative log decay up to position i and Gamma_ij = exp(G_i - G_j) (j <= i),
+    the chunk's delta-rule writes form a unit lower-triangular system (the UT transform of
+    DeltaNet, Yang et al. 2024): (I + strictly_lower(diag(beta) K K^T * Gamma)) [U | W] = [diag(beta) V |
+    diag(beta) exp(G) K]. Then for the state S entering the chunk:
+        V_new = U - W S,   O = (Q exp(G)) S + (Q K^T * Gamma) V_new,
+        S_out = exp(G_last) S + (K exp(G_last - G))^T V_new.
+    Returns U, W, the decayed queries and keys, the intra-chunk scores and exp(G_last).
+    """
+    cumulative = g.cumsum(dim=-1)  # [chunks, H, C]
+    future = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    # Mask before exp: above the diagonal G_i - G_j > 0 and could overflow.
+    decay_between = (cumulative.unsqueeze(-1) - cumulative.unsqueeze(-2)).masked_fill(future, float("-inf")).exp()
+    k_beta = k * beta.unsqueeze(-1)
+    system = (k_beta @ k.transpose(-1, -2)) * decay_between  # diagonal ignored: unitriangular solve
+    decay_from_start = cumulative.exp().unsqueeze(-1)
+    rhs = torch.cat([v * beta.unsqueeze(-1), k_beta * decay_from_start], dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    new_values, state_keys = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
+    scores = (q @ k.transpose(-1, -2)) * decay_between
+    q_decayed = q * decay_from_start
+    k_decayed = k * (cumulative[..., -1:] - cumulative).exp().unsqueeze(-1)
+    chunk_decay = cumulative[..., -1].exp()[..., None, None]
+    return new_values, state_keys, q_decayed, k_decayed, scores, chunk_decay
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over packed sequences, chunked: matrix ops within a chunk, a loop across chunks.
+
+    q, k: [T, Hk, Dk], L2-normalised; v: [T, Hv, Dv]; g (log decay), beta: [T, Hv]; cu_seqlens: [N+1]
+    sequence starts in the packed dim (0 first, T last); initial_state: [N, Hv, Dk, Dv] or None (zeros).
+    Returns out [T, Hv, Dv] in v's dtype and the final states [N, Hv, Dk, Dv] fp32. Each sequence
+    starts from its own initial state; the scan batches all sequences that still have a chunk
+    at each step. Differentiable (autograd), initial_state included.
+    """
+    num_seqs, value_heads = cu_seqlens.numel() - 1, v.shape[1]
+    cu_seqlens = cu_seqlens.to(v.device)
+    chunk_counts, first_chunks, padded_row = _chunk_layout(cu_seqlens, chunk_size)
+    num_chunks = sum(chunk_counts)
+    scale = k.shape[-1] ** -0.5
+    q = _expand_key_heads(q.float() * scale, value_heads)
+    k = _expand_key_heads(k.float(), value_heads)
+    chunked = [_to_chunks(x, padded_row, num_chunks, chunk_size) for x in (q, k, v.float(), g.float(), beta.float())]
+    new_values, state_keys, q_decayed, k_decayed, scores, chunk_decay = _intra_chunk(*chunked, chunk_size)
+
+    if initial_state is None:
+        state = v.new_zeros((num_seqs, value_heads, k.shape[-1], v.shape[-1]), dtype=torch.float32)
+    else:
+        state = initial_state.float()
+    out_chunks, out_chunk_ids = [], []
+    for step in range(max(chunk_counts, default=0)):
+        active = [i for i, count in enumerate(chunk_counts) if count > step]
+        chunk_ids = torch.tensor([first_chunks[i] + step for i in active], device=v.device)
+        everyone = len(active) == num_seqs
+        entering = state if everyone else state[active]
+        corrected = new_values[chunk_ids] - state_keys[chunk_ids] @ entering
+        out_chunks.append(q_decayed[chunk_ids] @ entering + scores[chunk_ids] @ corrected)
+        out_chunk_ids.append(chunk_ids)
+        leaving = entering * chunk_decay[chunk_ids] + k_decayed[chunk_ids].transpose(-1, -2) @ corrected
+        state = leaving if everyone else state.index_copy(0, torch.tensor(active, device=v.device), leaving)
+
+    if not out_chunks:
+        return v.new_zeros(v.shape), state
+    chunk_order = torch.cat(out_chunk_ids).argsort()
+    out = torch.cat(out_chunks)[chunk_order]  # [chunks, Hv, C, Dv]
+    out = out.transpose(1, 2).reshape(num_chunks * chunk_size, value_heads, v.shape[-1])[padded_row]
+    return out.to(v.dtype), state
+
+
+@torch.no_grad()
+def recurrent_gated_delta_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> torch.Tensor:
+    """One decode token per row: S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q / sqrt(Dk).
+
+    q, k: [B, Hk, Dk] L2-normalised; v: [B, Hv, Dv]; g, beta: [B, Hv]; state: [B, Hv, Dk, Dv] fp32,
+    updated in place. Returns [B, Hv, Dv] in v's dtype.
+    """
+    value_heads = v.shape[1]
+    q = _expand_key_heads(q.float() * k.shape[-1] ** -0.5, value_heads)
+    k = _expand_key_heads(k.float(), value_heads)
+    state.mul_(g.float().exp()[..., None, None])
+    predicted = torch.einsum("bhkv,bhk->bhv", state, k)
+    correction = (v.float() - predicted) * beta.float().unsqueeze(-1)
+    state.add_(k.unsqueeze(-1) * correction.unsqueeze(-2))
+    return torch.einsum("bhkv,bhk->bhv", state, q).to(v.dtype)
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    activation: Activation = F.silu,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv over packed sequences: out[t, c] = act(sum_j weight[c, j] x[t - K + 1 + j, c]).
+
+    x: [T, C]; cu_seqlens: [N+1] (0 first, T last); weight: [C, K], no bias; inputs before a sequence's start come from its initial_state
+    [N, C, K-1] (the previous K-1 inputs, oldest first; None: zeros), never from the previous sequence.
+    Returns out [T, C] in x's dtype (computed in weight's dtype, as transformers' causal_conv1d_fn) and
+    final_state [N, C, K-1] in x's dtype: each sequence's last K-1 inputs, its initial ones included
+    when it is shorter than K-1.
+    """
+    channels, kernel = weight.shape
+    history = kernel - 1
+    num_seqs = cu_seqlens.numel() - 1
+    device = x.device
+    cu_seqlens = cu_seqlens.to(device)
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    # One stream of [history | x_i] per sequence, back to back: a single conv1d call covers all of
+    # them, and the windows that straddle two sequences are computed but never read.
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), lengths)
+    token = torch.arange(x.shape[0], device=device)
+    stream_row = token + (seq_of_token + 1) * history
+    seq_stream_start = cu_seqlens[:-1] + torch.arange(num_seqs, device=device) * history
+    history_rows = (seq_stream_start.unsqueeze(1) + torch.arange(history, device=device)).reshape(-1)
+    if initial_state is None:
+        initial_state = x.new_zeros((num_seqs, channels, history))
+    stream = x.new_zeros((x.shape[0] + num_seqs * history, channels))
+    stream = stream.index_copy(0, history_rows, initial_state.to(x.dtype).transpose(1, 2).reshape(-1, channels))
+    stream = stream.index_copy(0, stream_row, x)
+
+    conv = F.conv1d(stream.to(weight.dtype).t().unsqueeze(0), weight.unsqueeze(1), groups=channels)[0]
+    out = conv.t()[stream_row - history]  # conv row r is the window ending at stream row r + history
+    if activation is not None:
+        out = activation(out)
+    final_rows = (seq_stream_start + lengths).unsqueeze(1) + torch.arange(history, device=device)
+    final_state = stream[final_rows].permute(0, 2, 1)
+    return out.to(x.dtype), final_state
+
+
+@torch.no_grad()
+def causal_conv1d_step(
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, activation: Activation = F.silu
+) -> torch.Tensor:
+    """One decode token per row of causal_conv1d: x [B, C], state [B, C, K-1] (the previous inputs,
+    oldest first) shifted in place with x appended. Returns [B, C] in x's dtype."""
+    window = torch.cat([state, x.to(state.dtype).unsqueeze(-1)], dim=-1)
+    state.copy_(window[..., 1:])
+    out = (window.to(weight.dtype) * weight).sum(dim=-1)
+    if activation is not None:
+        out = activation(out)
+    return out.to(x.dtype)
