@@ -72,6 +72,7 @@ class _ChunkLayout:
 
 
 def _chunk_layout(cu_seqlens: torch.Tensor, chunk_size: int) -> _ChunkLayout:
+    """The step-major chunk layout of the sequences that cu_seqlens delimits (see _ChunkLayout)."""
     device = cu_seqlens.device
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     chunk_counts = (lengths + chunk_size - 1) // chunk_size
@@ -87,7 +88,7 @@ def _chunk_layout(cu_seqlens: torch.Tensor, chunk_size: int) -> _ChunkLayout:
 
 
 def _to_chunks(x: torch.Tensor, padded_row: torch.Tensor, num_chunks: int, chunk_size: int) -> torch.Tensor:
-    """Packed [T, H, ...] fp32 -> [chunks, H, chunk_size, ...], zero rows where sequences are padded.
+    """Packed [T, H, ...] -> fp32 [chunks, H, chunk_size, ...], zero rows where sequences are padded.
 
     Zero padding is inert: k = beta = 0 writes nothing into the state and g = 0 decays nothing,
     so the state after a sequence's last chunk is its state after its last real token.
@@ -98,7 +99,9 @@ def _to_chunks(x: torch.Tensor, padded_row: torch.Tensor, num_chunks: int, chunk
     return padded.transpose(1, 2).contiguous()  # batched matmuls would each copy a strided operand
 
 
-def _intra_chunk(q, k, v, g, beta, chunk_size: int):
+def _intra_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunk_size: int
+) -> tuple[torch.Tensor, ...]:
     """Everything that does not depend on the state entering a chunk, for all chunks at once.
 
     Per chunk, with G_i the cumulative log decay up to position i and Gamma_ij = exp(G_i - G_j) (j <= i),
