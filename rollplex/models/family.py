@@ -102,6 +102,8 @@ class ModelFamily:
     tiny_hf_config: Callable[[Any, int, dict[str, int], str, str], dict]
     tiny_processor_files: Callable[[Any], dict[str, dict]]  # TinySpec -> {file name: JSON} of its processor
     load_processor: Callable[..., Any]  # (folder, **budgets) -> the processor (rollplex.data.processor)
+    # Checkpoint key prefixes no parameter takes -> why: the loader skips their tensors and says so once.
+    dropped_keys: dict[str, str] = field(default_factory=dict)
     relatives_not_supported: dict[str, str] = field(default_factory=dict)  # model_type -> what loading it needs
     sizes_not_supported: dict[str, str] = field(default_factory=dict)  # named sizes of those relatives -> the same
 

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from rollplex.dist import full_tensor, rank
-from rollplex.models.family import FamilyArgs
+from rollplex.models.family import FamilyArgs, ModelFamily
 from rollplex.models.protocol import CheckpointError, VisionLanguageModel
 from rollplex.models.registry import family_of, family_of_config
 
@@ -116,17 +117,27 @@ def _weight_files(path: Path) -> dict[str, Path]:
 
 
 def load_weights(model: VisionLanguageModel, path: str | os.PathLike, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, family: ModelFamily | None = None) -> None:
     """Read every tensor of the checkpoint into `model` (on meta or materialised),
-    converted to `dtype` on `device` one tensor at a time."""
+    converted to `dtype` on `device` one tensor at a time. `family`: the model's
+    (by default the registered family of its args). Tensors under the family's
+    `dropped_keys` are skipped, with one warning per prefix."""
     path = Path(path)
-    family = family_of(model)
+    family = family or family_of(model)
     hf_key_to_params, param_to_hf_key = family.hf_key_to_params, family.param_to_hf_key
     files = _weight_files(path)
+    dropped = {prefix: [key for key in files if key.startswith(prefix)] for prefix in family.dropped_keys}
+    for prefix, keys in dropped.items():
+        if keys:
+            warnings.warn(f"{path}: {len(keys)} tensor(s) under {prefix}* not loaded: {family.dropped_keys[prefix]}",
+                          stacklevel=2)
+    skipped = {key for keys in dropped.values() for key in keys}
     expected = dict(model.named_parameters())
     by_file: dict[Path, list[tuple[str, list[str]]]] = {}
     unexpected = []
     for key, file in files.items():
+        if key in skipped:
+            continue
         names = hf_key_to_params(key)
         if not names:
             continue
@@ -201,22 +212,26 @@ def build_model(args: FamilyArgs, dtype: torch.dtype = torch.float32, device: to
     return model
 
 
-def read_model_args(path: str | os.PathLike) -> FamilyArgs:
-    """The model args of a checkpoint directory's config.json, read by its family."""
+def read_model_args(path: str | os.PathLike, family: ModelFamily | None = None) -> FamilyArgs:
+    """The model args of a checkpoint directory's config.json, read by its family (by default
+    the registered one of its model_type)."""
     cfg, source = read_hf_config(path), str(Path(path) / CONFIG_NAME)
-    return family_of_config(cfg, source).args_from_hf_config(cfg, source)
+    return (family or family_of_config(cfg, source)).args_from_hf_config(cfg, source)
 
 
 def from_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
-                    device: torch.device | str = "cpu", attn_backend: str = "auto") -> VisionLanguageModel:
+                    device: torch.device | str = "cpu", attn_backend: str = "auto",
+                    family: ModelFamily | None = None) -> VisionLanguageModel:
     """Load a Hugging Face checkpoint directory of any supported family (config.json's
     model_type picks it) into a Rollplex model (a path that is not one: a CheckpointError
-    saying what it lacks, see `check_model_folder`)."""
+    saying what it lacks, see `check_model_folder`). `family` names one instead: a family
+    built but not registered yet (rollplex.models.qwen3_5) loads only this way."""
     check_model_folder(path, WEIGHT_FILES)
-    args = read_model_args(path)
+    args = read_model_args(path, family)
+    family = family or family_of(args)
     with torch.device("meta"):
-        model = family_of(args).model_class(args)
-    load_weights(model, path, dtype, device)
+        model = family.model_class(args)
+    load_weights(model, path, dtype, device, family)
     model.set_attn_backend(attn_backend)
     return model.eval()
 

@@ -16,8 +16,10 @@ FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (QWEN2_5_V
 # "Adding a model family"): the families' relatives, and Qwen3.5.
 NOT_SUPPORTED_YET: dict[str, str] = {
     **{k: why for family in FAMILIES.values() for k, why in family.relatives_not_supported.items()},
-    "qwen3_5": "Qwen3.5's Gated DeltaNet layers carry a recurrent state instead of a KV cache, which the engine's "
-               "paged cache and the kept-prefix passes do not hold yet",
+    "qwen3_5": "the model is built (rollplex.models.qwen3_5: from_pretrained(path, family=FAMILY) loads it for "
+               "a packed forward), but its Gated DeltaNet layers carry a recurrent state instead of a KV cache, "
+               "and the engine has no state slots for it yet, nor do the shared- and kept-prefix passes carry a "
+               "prompt's state into its responses",
     "qwen3_5_moe": "Qwen3.5's MoE variants need both sparse expert layers and a recurrent-state cache",
 }
 

@@ -91,6 +91,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
 
 
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, heads, D), cos/sin (T, R) with R <= D: the first R dims of each head rotate,
+    the rest pass through (Qwen3.5's partial_rotary_factor)."""
+    rotary_dim = cos.shape[-1]
+    return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
+
+
 def vision_positions(grid_thw: torch.Tensor, spatial_merge_size: int) -> torch.Tensor:
     """(patches, 2) (row, column) of the vision tower's patches, in the processor's
     patch order (spatial-merge blocks of m x m patches, row-major); every frame of

@@ -134,29 +134,37 @@ def _merger_params(v: VisionArgs, norm_width: int) -> int:
     return 2 * norm_width + (merged + 1) * merged + (merged + 1) * v.out_hidden_size
 
 
+def vision_counts(v: VisionArgs) -> tuple[int, int]:
+    """The tower's elements: one block's, and those of its parts in FSDP's root unit (patch
+    embedding, learned position grid, main merger, DeepStack mergers)."""
+    w, inter = v.hidden_size, v.intermediate_size
+    # two LayerNorms (weight and bias), q/k/v and proj, linear_fc1 and linear_fc2, all with biases
+    block = 4 * w + 3 * (w + 1) * w + (w + 1) * w + (w + 1) * inter + (inter + 1) * w
+    # patch embedding (with bias), position grid, main merger (norm over a patch), DeepStack mergers (norm over a
+    # merged token)
+    merged = w * v.spatial_merge_size**2
+    root = (w * v.in_channels * v.temporal_patch_size * v.patch_size**2 + w) + v.num_position_embeddings * w \
+        + _merger_params(v, w) + len(v.deepstack_visual_indexes) * _merger_params(v, merged)
+    return block, root
+
+
 def count_params(args: ModelArgs) -> ParamCounts:
     """Parameter counts from the layer shapes of `model` (the tests check them against a
     built model). Counted, not built: a meta-device build pulls in torch._dynamo (~5 s)."""
-    v = args.vision
-    w, inter = v.hidden_size, v.intermediate_size
-    # two LayerNorms (weight and bias), q/k/v and proj, linear_fc1 and linear_fc2, all with biases
-    vision_block = 4 * w + 3 * (w + 1) * w + (w + 1) * w + (w + 1) * inter + (inter + 1) * w
-    # patch embedding (with bias), learned position grid, main merger (norm over a patch), DeepStack mergers
-    # (norm over a merged token): in the root unit
-    merged = w * v.spatial_merge_size**2
-    vision_root = (w * v.in_channels * v.temporal_patch_size * v.patch_size**2 + w) + v.num_position_embeddings * w \
-        + _merger_params(v, w) + len(v.deepstack_visual_indexes) * _merger_params(v, merged)
     # the decoder: q/k/v without biases, q_norm and k_norm
-    return param_counts(args, vision_block, vision_root, qkv_bias=False, qk_norm=True)
+    return param_counts(args, *vision_counts(args.vision), qkv_bias=False, qk_norm=True)
 
 
-def linear_params(args: ModelArgs) -> LinearParams:
-    """The matmul weights a text token and a patch go through (biases, norms and the
-    position-grid lookup left out). A merger runs once per merged token, on merge^2
-    patches: per patch it counts merged * (merged + out) / merge^2 = width * (merged + out)."""
-    v = args.vision
+def vision_linear_params(v: VisionArgs) -> int:
+    """The matmul weights a patch goes through (biases, norms and the position-grid lookup
+    left out). A merger runs once per merged token, on merge^2 patches: per patch it counts
+    merged * (merged + out) / merge^2 = width * (merged + out)."""
     block = 4 * v.hidden_size**2 + 2 * v.hidden_size * v.intermediate_size
     merged = v.hidden_size * v.spatial_merge_size**2
     mergers = (1 + len(v.deepstack_visual_indexes)) * v.hidden_size * (merged + v.out_hidden_size)
-    vision = v.depth * block + mergers + v.in_channels * v.temporal_patch_size * v.patch_size**2 * v.hidden_size
-    return LinearParams(decoder_linear_params(args.text), vision)
+    return v.depth * block + mergers + v.in_channels * v.temporal_patch_size * v.patch_size**2 * v.hidden_size
+
+
+def linear_params(args: ModelArgs) -> LinearParams:
+    """The matmul weights a text token and a patch go through (`vision_linear_params`)."""
+    return LinearParams(decoder_linear_params(args.text), vision_linear_params(args.vision))

@@ -20,7 +20,7 @@ from rollplex.models.qwen3_vl.args import ModelArgs, TextArgs, VisionArgs
 from rollplex.models.qwen_vl.hf import hf_key_to_params, param_to_nested_key, pick_fields, token_ids
 
 __all__ = ["ARCHITECTURE", "MODEL_TYPE", "UNSUPPORTED", "args_from_hf_config", "check_args", "hf_config_from_args",
-           "hf_key_to_params", "param_to_hf_key"]
+           "hf_key_to_params", "param_to_hf_key", "vision_args_from_config", "vision_config"]
 
 MODEL_TYPE = "qwen3_vl"
 ARCHITECTURE = "Qwen3VLForConditionalGeneration"
@@ -45,7 +45,7 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArgs:
             raise CheckpointError(f"{source}: no {part}; a Qwen3-VL config.json nests its text and vision configs")
     text, vision = cfg["text_config"], cfg["vision_config"]
     try:
-        args = ModelArgs(vision=_vision_args(vision), text=_text_args(text, source),
+        args = ModelArgs(vision=vision_args_from_config(vision), text=_text_args(text, source),
                          tie_word_embeddings=bool(cfg.get("tie_word_embeddings",
                                                           text.get("tie_word_embeddings", False))),
                          **token_ids(cfg, text))
@@ -74,11 +74,13 @@ def _text_args(text: dict, source: str) -> TextArgs:
                        head_dim=int(text.get("head_dim") or TextArgs.head_dim))
 
 
-def _vision_args(vision: dict) -> VisionArgs:
+def vision_args_from_config(vision: dict, deepstack: bool = True) -> VisionArgs:
+    """VisionArgs of a config.json's vision_config; without `deepstack` (Qwen3.5's tower,
+    whose config has no deepstack_visual_indexes), no DeepStack blocks."""
     rope = vision.get("rope_parameters") or {}
+    indexes = vision.get("deepstack_visual_indexes", [8, 16, 24]) if deepstack else []
     extra: dict[str, Any] = {"rope_theta": float(rope.get("rope_theta", vision.get("rope_theta", 10000.0))),
-                             "deepstack_visual_indexes": [int(i) for i in
-                                                          vision.get("deepstack_visual_indexes", [8, 16, 24])]}
+                             "deepstack_visual_indexes": [int(i) for i in indexes]}
     for name in ("patch_size", "temporal_patch_size"):  # transformers' type allows a pair; Qwen3-VL's are squares
         value = vision.get(name, getattr(VisionArgs, name))
         if isinstance(value, (list, tuple)):
@@ -152,23 +154,31 @@ def hf_config_from_args(args: ModelArgs) -> dict:
             "bos_token_id": args.bos_token_id,
             "dtype": "bfloat16",
         },
-        "vision_config": {
-            "model_type": "qwen3_vl_vision",
-            "depth": v.depth,
-            "hidden_size": v.hidden_size,
-            "intermediate_size": v.intermediate_size,
-            "num_heads": v.num_heads,
-            "in_channels": v.in_channels,
-            "patch_size": v.patch_size,
-            "spatial_merge_size": v.spatial_merge_size,
-            "temporal_patch_size": v.temporal_patch_size,
-            "out_hidden_size": v.out_hidden_size,
-            "num_position_embeddings": v.num_position_embeddings,
-            "deepstack_visual_indexes": list(v.deepstack_visual_indexes),
-            "hidden_act": v.hidden_act,
-            "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
-        },
+        "vision_config": vision_config(v),
     }
+
+
+def vision_config(v: VisionArgs, deepstack: bool = True) -> dict[str, Any]:
+    """The vision_config of a config.json; without `deepstack` (Qwen3.5's tower), no deepstack_visual_indexes."""
+    config = {
+        "model_type": "qwen3_vl_vision",
+        "depth": v.depth,
+        "hidden_size": v.hidden_size,
+        "intermediate_size": v.intermediate_size,
+        "num_heads": v.num_heads,
+        "in_channels": v.in_channels,
+        "patch_size": v.patch_size,
+        "spatial_merge_size": v.spatial_merge_size,
+        "temporal_patch_size": v.temporal_patch_size,
+        "out_hidden_size": v.out_hidden_size,
+        "num_position_embeddings": v.num_position_embeddings,
+        "deepstack_visual_indexes": list(v.deepstack_visual_indexes),
+        "hidden_act": v.hidden_act,
+        "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
+    }
+    if not deepstack:
+        del config["deepstack_visual_indexes"]
+    return config
 
 
 # ----------------------------------------------------------------------------- weight keys

@@ -8,7 +8,8 @@ builds on it, module by module:
   and matmul counts;
 - `layers`: the building blocks: RMSNorm, SwiGLU, the patch embedding, the
   vision attention with split q/k/v and the pre-norm vision block, and the
-  Qwen2 / Qwen3 decoder (`LanguageModel`);
+  Qwen2 / Qwen3 decoder (`LanguageModel`, on the `Decoder` base Qwen3.5's
+  hybrid decoder shares);
 - `model`: `QwenVL`, the whole model's base class (every protocol call that
   reads the same in both), `VisionInputs` and `check_pixels`;
 - `hf`: the checkpoint key mapping (the fused-qkv split, both key styles) and

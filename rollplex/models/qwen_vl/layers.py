@@ -8,6 +8,8 @@ MLP). Text: the Qwen2 / Qwen3 decoder, `LanguageModel`, which takes the two
 families' differences as arguments: Qwen2's biased q/k/v (`qkv_bias`), Qwen3's
 per-head q and k RMSNorm (`qk_norm`), interleaved M-RoPE, and what a family adds
 to the hidden states inside the decoder (Qwen3-VL's DeepStack: `after_layer`).
+`Decoder`, its base, is what every Qwen decoder shares (embedding, the forward
+layer by layer, the final norm, M-RoPE); Qwen3.5's hybrid decoder is another.
 The vision towers themselves, their mergers and plans, are each family's own.
 
 Attention goes through the backend the caller passes in (rollplex.ops.attention),
@@ -18,7 +20,7 @@ TP-sharded module runs unchanged. Module names are the checkpoints'.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -210,17 +212,17 @@ class DecoderLayer(nn.Module):
         return ops.add_linear(x, ops.silu_mul(mlp.gate_proj(h), mlp.up_proj(h)), mlp.down_proj)
 
 
-class LanguageModel(nn.Module):
-    """The decoder: token embedding, `DecoderLayer`s (their attention as `Attention`
-    takes `qkv_bias` and `qk_norm`), the final norm and M-RoPE (interleaved or not)."""
+class Decoder(nn.Module):
+    """A Qwen text decoder: token embedding, `layers` (each called as layer(h, cos, sin, attn)),
+    the final `norm` and the M-RoPE tables `rotary`; its forward, whole or layer by layer.
+    What the layers and norms are is the subclass's (`LanguageModel`; Qwen3.5's hybrid decoder)."""
 
-    def __init__(self, args: Any, qkv_bias: bool, qk_norm: bool, interleaved_mrope: bool = False):
+    def __init__(self, args: Any, layers: Iterable[nn.Module], norm: nn.Module, rotary: MRotaryEmbedding):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, qkv_bias, qk_norm) for i in range(args.num_hidden_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.rotary = MRotaryEmbedding(args.head_dim, args.rope_theta, args.mrope_section,
-                                       interleaved=interleaved_mrope)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.rotary = rotary
 
     def forward(self, h: torch.Tensor, position_ids: Positions, attn: AttentionBackend,
                 after_layer: AfterLayer | None = None) -> torch.Tensor:
@@ -242,3 +244,14 @@ class LanguageModel(nn.Module):
                 h = after_layer(i, h)
             yield h
         yield self.norm(h)
+
+
+class LanguageModel(Decoder):
+    """The Qwen2 / Qwen3 decoder: `DecoderLayer`s (their attention as `Attention` takes
+    `qkv_bias` and `qk_norm`), RMSNorm and M-RoPE (interleaved or not)."""
+
+    def __init__(self, args: Any, qkv_bias: bool, qk_norm: bool, interleaved_mrope: bool = False):
+        super().__init__(args, (DecoderLayer(args, i, qkv_bias, qk_norm) for i in range(args.num_hidden_layers)),
+                         RMSNorm(args.hidden_size, args.rms_norm_eps),
+                         MRotaryEmbedding(args.head_dim, args.rope_theta, args.mrope_section,
+                                          interleaved=interleaved_mrope))

@@ -1,6 +1,6 @@
 """The whole model both Qwen VL families build (rollplex.models.qwen_vl): `QwenVL`,
 a vision tower (`visual`), the decoder (`language_model`, a
-rollplex.models.qwen_vl.layers.LanguageModel) and an LM head unless the
+rollplex.models.qwen_vl.layers.Decoder) and an LM head unless the
 embeddings are tied, with every call of the `VisionLanguageModel` protocol that
 reads the same in both families: embedding with the vision features at their
 pad tokens, the prompt, layer-by-layer and decode forwards, logits, the packed
@@ -32,7 +32,7 @@ from rollplex.models.inputs import VisionEmbeds, VisionSlots
 from rollplex.models.packing import PackedBatch, pack_padded
 from rollplex.models.protocol import Positions, fsdp_entry
 from rollplex.models.qwen_vl.args import QwenVLArgs
-from rollplex.models.qwen_vl.layers import AfterLayer, LanguageModel
+from rollplex.models.qwen_vl.layers import AfterLayer, Decoder
 from rollplex.ops.attention import AttentionBackend, SharedPrefixAttention, VarlenAttention, resolve_backend
 
 
@@ -55,7 +55,7 @@ class QwenVL(nn.Module):
     (tokens, vocab) tensor at once.
     """
 
-    def __init__(self, args: QwenVLArgs, visual: nn.Module, language_model: LanguageModel):
+    def __init__(self, args: QwenVLArgs, visual: nn.Module, language_model: Decoder):
         super().__init__()
         self.args = args
         self.visual = visual

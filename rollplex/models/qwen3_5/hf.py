@@ -1,0 +1,134 @@
+"""Qwen3.5's Hugging Face side: config.json <-> `ModelArgs`, and checkpoint keys <->
+parameter names.
+
+config.json is the nested style of Qwen3-VL (`text_config` / `vision_config`),
+with the text rotary in `rope_parameters` (rope_theta, partial_rotary_factor,
+mrope_section) and the layer kinds in `layer_types` (or, absent, one full-attention
+layer every `full_attention_interval`). The vision config is Qwen3-VL's without
+DeepStack. Keys: rollplex.models.qwen_vl.hf's mapping (`model.visual.*` with the
+fused vision qkv, `model.language_model.*`, `lm_head.*`; written in the nested
+style). The hub's checkpoints also hold `mtp.*`, a multi-token-prediction head
+that transformers drops on load: the loader skips it and says so once
+(`DROPPED_KEYS`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollplex.models.protocol import CheckpointError
+from rollplex.models.qwen3_5.args import FULL_ATTENTION, LINEAR_ATTENTION, ModelArgs, TextArgs, hybrid_layer_types
+from rollplex.models.qwen3_vl.hf import vision_args_from_config, vision_config
+from rollplex.models.qwen_vl.hf import hf_key_to_params, param_to_nested_key, pick_fields, token_ids
+
+__all__ = ["ARCHITECTURE", "DROPPED_KEYS", "MODEL_TYPE", "args_from_hf_config", "check_args", "hf_config_from_args",
+           "hf_key_to_params", "param_to_hf_key"]
+
+MODEL_TYPE = "qwen3_5"
+ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
+# Checkpoint key prefixes that no parameter takes, with why (rollplex.models.family.ModelFamily.dropped_keys).
+DROPPED_KEYS = {"mtp.": "Qwen3.5's multi-token-prediction head, which only speculative decoding reads "
+                        "(transformers drops it too)"}
+
+# Written in the nested style transformers 5 writes; hf_key_to_params reads the flat one too.
+param_to_hf_key = param_to_nested_key
+
+
+def args_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArgs:
+    """ModelArgs from a Qwen3.5 config.json dict (a CheckpointError naming `source` otherwise)."""
+    if cfg.get("model_type") != MODEL_TYPE:
+        raise CheckpointError(f"{source}: model_type is {cfg.get('model_type')!r}, expected {MODEL_TYPE!r}")
+    for part in ("text_config", "vision_config"):
+        if not isinstance(cfg.get(part), dict):
+            raise CheckpointError(f"{source}: no {part}; a Qwen3.5 config.json nests its text and vision configs")
+    text, vision = cfg["text_config"], cfg["vision_config"]
+    try:
+        args = ModelArgs(vision=vision_args_from_config(vision, deepstack=False),
+                         text=_text_args(text, source),
+                         tie_word_embeddings=bool(cfg.get("tie_word_embeddings",
+                                                          text.get("tie_word_embeddings", False))),
+                         **token_ids(cfg, text))
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError) as e:  # a field of the wrong type or an unknown value
+        raise CheckpointError(f"{source}: {e}") from e
+    check_args(args, source)
+    return args
+
+
+def _text_args(text: dict, source: str) -> TextArgs:
+    rope = text.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", "default")
+    if rope_type != "default":
+        raise CheckpointError(f"{source}: text rope_type {rope_type!r} is not supported (Qwen3.5's is 'default')")
+    if text.get("attention_bias"):
+        raise CheckpointError(f"{source}: attention_bias true is not supported (Qwen3.5's attention has no biases)")
+    layers = int(text.get("num_hidden_layers", TextArgs.num_hidden_layers))
+    layer_types = text.get("layer_types") or hybrid_layer_types(layers, int(text.get("full_attention_interval", 4)))
+    return pick_fields(text, TextArgs,
+                       rope_theta=float(rope.get("rope_theta", text.get("rope_theta", TextArgs.rope_theta))),
+                       partial_rotary_factor=float(rope.get("partial_rotary_factor",
+                                                            text.get("partial_rotary_factor", 0.25))),
+                       mrope_section=list(rope.get("mrope_section", [11, 11, 10])),
+                       layer_types=list(layer_types))
+
+
+def check_args(args: ModelArgs, source: str = "config.json") -> None:
+    """What the model needs of its args beyond their types (a CheckpointError naming `source`)."""
+    t, v = args.text, args.vision
+    problems = []
+    if 2 * sum(t.mrope_section) != t.rotary_dim:
+        problems.append(f"mrope_section {t.mrope_section} must sum to half the rotary width, head_dim "
+                        f"{t.head_dim} * partial_rotary_factor {t.partial_rotary_factor} / 2 = {t.rotary_dim // 2}")
+    if len(t.layer_types) != t.num_hidden_layers:
+        problems.append(f"layer_types has {len(t.layer_types)} entries for {t.num_hidden_layers} layers")
+    if unknown := sorted(set(t.layer_types) - {LINEAR_ATTENTION, FULL_ATTENTION}):
+        problems.append(f"layer_types {unknown} are neither {LINEAR_ATTENTION!r} nor {FULL_ATTENTION!r}")
+    if t.linear_num_value_heads % t.linear_num_key_heads:
+        problems.append(f"linear_num_value_heads {t.linear_num_value_heads} is not a multiple of "
+                        f"linear_num_key_heads {t.linear_num_key_heads}")
+    if v.out_hidden_size != t.hidden_size:
+        problems.append(f"vision out_hidden_size {v.out_hidden_size} != text hidden_size {t.hidden_size}")
+    if v.position_grid_side**2 != v.num_position_embeddings:
+        problems.append(f"vision num_position_embeddings {v.num_position_embeddings} is not a square grid")
+    if t.hidden_act != "silu":
+        problems.append(f"text hidden_act {t.hidden_act!r} is not supported (Qwen3.5's is 'silu')")
+    if v.hidden_act != "gelu_pytorch_tanh":
+        problems.append(f"vision hidden_act {v.hidden_act!r} is not supported (Qwen3.5's is 'gelu_pytorch_tanh')")
+    if problems:
+        raise CheckpointError(f"{source}: " + "; ".join(problems))
+
+
+def hf_config_from_args(args: ModelArgs) -> dict[str, Any]:
+    """config.json in the nested style of the hub's Qwen3.5 checkpoints, which transformers'
+    Qwen3_5ForConditionalGeneration loads."""
+    t = args.text
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": MODEL_TYPE,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "image_token_id": args.image_token_id,
+        "video_token_id": args.video_token_id,
+        "vision_start_token_id": args.vision_start_token_id,
+        "vision_end_token_id": args.vision_end_token_id,
+        "dtype": "bfloat16",
+        "text_config": {
+            "model_type": "qwen3_5_text",
+            **{name: getattr(t, name) for name in (
+                "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings",
+                "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                "linear_num_value_heads")},
+            "layer_types": list(t.layer_types),
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": t.rope_theta,
+                                "partial_rotary_factor": t.partial_rotary_factor,
+                                "mrope_section": list(t.mrope_section), "mrope_interleaved": True},
+            "tie_word_embeddings": args.tie_word_embeddings,
+            "eos_token_id": args.eos_token_id,
+            "bos_token_id": args.bos_token_id,
+            "dtype": "bfloat16",
+        },
+        "vision_config": {**vision_config(args.vision, deepstack=False), "model_type": "qwen3_5_vision"},
+    }

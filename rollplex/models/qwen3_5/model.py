@@ -1,0 +1,63 @@
+"""Qwen3.5 (dense) in plain PyTorch: Qwen3-VL's vision tower without DeepStack, the
+hybrid Gated DeltaNet / gated attention decoder (rollplex.models.qwen3_5.decoder),
+interleaved M-RoPE over part of each head.
+
+The whole model is rollplex.models.qwen_vl's `QwenVL` (vision features written
+at their pad tokens, logits, the transformers-style forward); what differs here:
+- the tower is rollplex.models.qwen3_vl's `VisionTransformer` with no DeepStack
+  blocks, so the decoder adds nothing after its layers;
+- the packed forward passes the decoder a `PackedHybridAttention`, which gives
+  the DeltaNet layers each sequence's boundaries as well as attention.
+
+Not built yet: the engine's decode (`forward_generated` needs per-sequence state
+slots for the DeltaNet layers) and the shared- and kept-prefix passes (a
+response's recurrence must start from its prompt's final state).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rollplex.dist import local_tensor
+from rollplex.models.inputs import VisionEmbeds
+from rollplex.models.packing import PackedBatch
+from rollplex.models.qwen3_5.args import ModelArgs
+from rollplex.models.qwen3_5.decoder import HybridDecoder
+from rollplex.models.qwen3_5.mixing import PackedHybridAttention
+from rollplex.models.qwen3_vl.model import VisionTransformer, check_acts
+from rollplex.models.qwen_vl.model import QwenVL
+
+
+class Qwen3_5(QwenVL):
+    """Qwen3.5 (dense) for causal LM (see the module docstring)."""
+
+    def __init__(self, args: ModelArgs):
+        check_acts(args)
+        if args.vision.deepstack_visual_indexes:
+            raise ValueError("Qwen3.5's vision tower has no DeepStack blocks, got deepstack_visual_indexes "
+                             f"{args.vision.deepstack_visual_indexes}")
+        super().__init__(args, VisionTransformer(args.vision), HybridDecoder(args.text))
+
+    def vision_embeds(self, image: Any, video: Any) -> VisionEmbeds:
+        """The tower gives (merged features, None) per kind: no DeepStack levels."""
+        return VisionEmbeds(*(None if out is None else out[0] for out in (image, video)))
+
+    def kv_heads_per_rank(self) -> int:
+        """The KV heads of this rank's full-attention layers, read off k_proj's rows."""
+        weight = self.language_model.first_attention_layer().k_proj.weight
+        return local_tensor(weight).shape[0] // self.args.text.head_dim
+
+    def forward_packed(self, batch: PackedBatch, vision: VisionEmbeds | None = None) -> torch.Tensor:
+        """Hidden states of a packed batch of whole sequences, each from a zero recurrent state;
+        encodes its images/videos unless `vision` is given."""
+        if batch.groups is not None:
+            raise NotImplementedError("Qwen3.5 has no shared-prefix pass yet: a response's DeltaNet state must "
+                                      "start from its prompt's final state; pack each response with its prompt "
+                                      "(pack_groups(..., share_prefix=False))")
+        if vision is None:
+            vision = self.encode_vision(batch.pixel_values, batch.image_grid_thw, batch.pixel_values_videos,
+                                        batch.video_grid_thw)
+        mixing = PackedHybridAttention(batch.cu_seqlens.tolist(), batch.input_ids.device, backend=self.attn_backend)
+        return self(batch.input_ids, batch.position_ids, mixing, vision, batch.prompt_mask)
