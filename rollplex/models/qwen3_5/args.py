@@ -99,10 +99,6 @@ class ModelArgs(QwenVLArgs):
         return RopeIndexSpec(self.image_token_id, self.video_token_id, self.vision.spatial_merge_size,
                              tokens_per_second=1.0, split_video_frames=True)
 
-    @property
-    def deepstack_levels(self) -> int:
-        return 0
-
 
 def tiny_args(tie: bool = False, layer_types: tuple[str, ...] = (LINEAR_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION),
               depth: int = 2) -> ModelArgs:
