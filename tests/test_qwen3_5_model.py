@@ -25,9 +25,12 @@ from rollplex.models.protocol import CheckpointError, VisionLanguageModel
 from rollplex.models.qwen3_5 import (FAMILY, FULL_ATTENTION, LINEAR_ATTENTION, PRESETS, Qwen3_5, args_from_hf_config,
                                      count_params, hf_config_from_args, hf_key_to_params, linear_params,
                                      param_to_hf_key, tiny_args)
+from rollplex.models.qwen3_5.mixing import SharedPrefixHybridAttention
 from rollplex.models.registry import FAMILIES, family_of_config
-from test_qwen3_vl_model import (assert_close, hf_logits, image_and_video_prompt, image_tokens, pixels, randomize,
-                                 video_tokens)
+from rollplex.ops.attention import GroupLayout
+from rollplex.train.actor import response_logprobs
+from test_qwen3_vl_model import (assert_close, hf_logits, image_and_video_prompt, image_tokens, mm_types, pixels,
+                                 randomize, video_tokens)
 
 IMG, VID, VSTART, VEND = 90, 91, 92, 93  # tiny_args's image pad, video pad, vision start and end
 LIN, FULL = LINEAR_ATTENTION, FULL_ATTENTION
@@ -221,11 +224,101 @@ def test_gradients_reach_every_parameter(pair):
         ours.zero_grad(set_to_none=True)
 
 
-def test_shared_prefix_pass_is_refused_until_built(pair):
+def shared_prefix_groups() -> list[Group]:
+    """Two GRPO groups: an image prompt over two chunks of the gated delta rule with responses of
+    one token, a few and more than a chunk; a text prompt shorter than the convolution's window
+    (its responses' windows reach back through the prompt into the zero state)."""
+    a, ga = pixels(1, 6, 6, seed=40)
+    image_prompt = Prompt(torch.tensor([1] + long_text(30, seed=8) + image_tokens(ga) + long_text(60, seed=9)),
+                          pixel_values=a, image_grid_thw=ga)
+    sample = lambda tokens: Sample(tokens, [0.0] * len(tokens), "stop")  # noqa: E731
+    return [Group(image_prompt, [sample(long_text(5, seed=10)), sample([7]), sample(long_text(70, seed=11)),
+                                 sample(long_text(3, seed=12))]),
+            Group(Prompt(torch.tensor([4, 5])), [sample(long_text(4, seed=13)), sample([8, 9])])]
+
+
+def test_shared_prefix_logits_equal_full_sequences_and_transformers(pair):
+    """pack_groups(share_prefix=True): each prompt once, each response's DeltaNet state starting
+    from its prompt's final state. Every response token's logits equal those of the full sequence
+    prompt + response, packed alone and in transformers (a response from a zero state is off by ~1)."""
+    _, hf, ours = pair
+    data = shared_prefix_groups()
+    assert len(data[0].prompt.input_ids) > 64
+    shared, full = (pack_groups(ours.args, data, share_prefix=share) for share in (True, False))
+    with torch.no_grad():
+        got = ours.logits(ours.forward_packed(shared.packed)[shared.target_index])
+        want = ours.logits(ours.forward_packed(full.packed)[full.target_index])
+    assert_close(got, want)
+    from_transformers = []
+    for g in data:
+        n = len(g.prompt.input_ids)
+        for r in g.responses:
+            ids = torch.cat([g.prompt.input_ids, torch.tensor(r)])[None]
+            from_transformers.append(hf_logits(hf, ids, **vision_kw(g.prompt))[0, n - 1:n - 1 + len(r)])
+    assert_close(got, torch.cat(from_transformers))
+
+
+def shared_prefix_loss_and_grads(model: Qwen3_5, share_prefix: bool) -> tuple[torch.Tensor, dict]:
+    """A GRPO-like loss (weighted response logprobs plus entropy) and every parameter's gradient."""
+    model.zero_grad(set_to_none=True)
+    batch = pack_groups(model.args, shared_prefix_groups(), share_prefix=share_prefix)
+    logprobs, entropy = response_logprobs(model, batch, with_entropy=True)
+    weights = torch.linspace(-1.0, 1.0, logprobs.numel())  # stands in for advantages
+    ((logprobs * weights).sum() + 0.1 * entropy.sum()).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return logprobs.detach(), grads
+
+
+def test_shared_prefix_gradients_equal_per_response_full_sequences(pair):
+    """Each response's gradient reaches its prompt (and the vision tower) through the DeltaNet
+    states and the prompt's K/V: every parameter's gradient is that of the per-response full
+    sequences, in which the prompt is computed once per response."""
     _, _, ours = pair
-    group = Group(Prompt(torch.tensor([1, 2, 3])), [Sample([4, 5], [0.0, 0.0], "stop")])
-    with pytest.raises(NotImplementedError, match="no shared-prefix pass yet"):
-        ours.forward_packed(pack_groups(ours.args, [group], share_prefix=True).packed)
+    lp_shared, grads_shared = shared_prefix_loss_and_grads(ours, share_prefix=True)
+    lp_full, grads_full = shared_prefix_loss_and_grads(ours, share_prefix=False)
+    assert (lp_shared - lp_full).abs().max() <= 1e-5
+    for name, want in grads_full.items():
+        assert want.norm() > 0, name
+        err = ((grads_shared[name] - want).norm() / want.norm()).item()
+        assert err <= 1e-5, f"{name}: relative gradient error {err:.2e}"
+
+
+def test_shared_prefix_gradients_equal_transformers(pair):
+    """The same loss backpropagated through transformers, one full sequence per response: every
+    parameter's gradient, the DeltaNet's and the vision tower's included."""
+    _, hf, ours = pair
+    _, grads_shared = shared_prefix_loss_and_grads(ours, share_prefix=True)
+    hf.zero_grad(set_to_none=True)
+    data = shared_prefix_groups()
+    weights = torch.linspace(-1.0, 1.0, sum(len(r) for g in data for r in g.responses))
+    offset = 0
+    for g in data:
+        n = len(g.prompt.input_ids)
+        for r in g.responses:
+            ids = torch.cat([g.prompt.input_ids, torch.tensor(r)])[None]
+            logits = hf(input_ids=ids, mm_token_type_ids=mm_types(ids), **vision_kw(g.prompt)).logits[0]
+            logprobs = logits[n - 1:n - 1 + len(r)].log_softmax(-1)
+            entropy = -(logprobs.exp() * logprobs).sum(-1)
+            token_logprobs = logprobs.gather(1, torch.tensor(r)[:, None])[:, 0]
+            ((token_logprobs * weights[offset:offset + len(r)]).sum() + 0.1 * entropy.sum()).backward()
+            offset += len(r)
+    reference = dict(hf.named_parameters())
+    try:
+        for key in dict.fromkeys(param_to_hf_key(name) for name in grads_shared):
+            got = torch.cat([grads_shared[name] for name in hf_key_to_params(key)])
+            want = reference[key].grad
+            assert want is not None and want.norm() > 0, key
+            err = ((got - want).norm() / want.norm()).item()
+            assert err <= 1e-4, f"{key}: relative gradient error {err:.2e}"
+    finally:
+        hf.zero_grad(set_to_none=True)
+
+
+def test_shared_prefix_needs_groups_laid_out_packed(pair):
+    _, _, ours = pair
+    with pytest.raises(ValueError, match="not laid out packed"):
+        SharedPrefixHybridAttention([GroupLayout(0, 3, 5, (2,))], "cpu")
 
 
 # ----------------------------------------------------------------------------- checkpoints and config

@@ -7,11 +7,13 @@ at their pad tokens, logits, the transformers-style forward); what differs here:
 - the tower is rollplex.models.qwen3_vl's `VisionTransformer` with no DeepStack
   blocks, so the decoder adds nothing after its layers;
 - the packed forward passes the decoder a `PackedHybridAttention`, which gives
-  the DeltaNet layers each sequence's boundaries as well as attention.
+  the DeltaNet layers each sequence's boundaries as well as attention, or, for GRPO
+  groups sharing their prompt, a `SharedPrefixHybridAttention`, which starts each
+  response's convolution and recurrence from its prompt's final states.
 
 Not built yet: the engine's decode (`forward_generated` needs per-sequence state
-slots for the DeltaNet layers) and the shared- and kept-prefix passes (a
-response's recurrence must start from its prompt's final state).
+slots for the DeltaNet layers) and the kept-prefix passes (a response's recurrence
+must start from a prompt state computed in an earlier pass).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from rollplex.models.inputs import VisionEmbeds
 from rollplex.models.packing import PackedBatch
 from rollplex.models.qwen3_5.args import ModelArgs
 from rollplex.models.qwen3_5.decoder import HybridDecoder
-from rollplex.models.qwen3_5.mixing import PackedHybridAttention
+from rollplex.models.qwen3_5.mixing import PackedHybridAttention, SharedPrefixHybridAttention
 from rollplex.models.qwen3_vl.model import VisionTransformer, check_acts
 from rollplex.models.qwen_vl.model import QwenVL
 
@@ -50,14 +52,15 @@ class Qwen3_5(QwenVL):
         return local_tensor(weight).shape[0] // self.args.text.head_dim
 
     def forward_packed(self, batch: PackedBatch, vision: VisionEmbeds | None = None) -> torch.Tensor:
-        """Hidden states of a packed batch of whole sequences, each from a zero recurrent state;
-        encodes its images/videos unless `vision` is given."""
-        if batch.groups is not None:
-            raise NotImplementedError("Qwen3.5 has no shared-prefix pass yet: a response's DeltaNet state must "
-                                      "start from its prompt's final state; pack each response with its prompt "
-                                      "(pack_groups(..., share_prefix=False))")
+        """Hidden states of a packed batch: whole sequences, each from a zero recurrent state, or
+        GRPO groups sharing their prompt (`batch.groups`), each response's recurrence starting from
+        its prompt's final state; encodes its images/videos unless `vision` is given."""
         if vision is None:
             vision = self.encode_vision(batch.pixel_values, batch.image_grid_thw, batch.pixel_values_videos,
                                         batch.video_grid_thw)
-        mixing = PackedHybridAttention(batch.cu_seqlens.tolist(), batch.input_ids.device, backend=self.attn_backend)
+        device = batch.input_ids.device
+        if batch.groups is not None:
+            mixing = SharedPrefixHybridAttention(batch.groups, device, backend=self.attn_backend)
+        else:
+            mixing = PackedHybridAttention(batch.cu_seqlens.tolist(), device, backend=self.attn_backend)
         return self(batch.input_ids, batch.position_ids, mixing, vision, batch.prompt_mask)
