@@ -17,10 +17,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollplex.models.family import ModelFamily
 from rollplex.models.registry import family_named
 from rollplex.tiny_tokenizer import (CHAT_TEMPLATE, ENDOFTEXT, IM_END, IMAGE_PAD, SPECIAL_TOKENS, TAG_TOKENS, UNK,
                                      VIDEO_PAD, VISION_END, VISION_PAD, VISION_START, bytes_tokenizer,
@@ -31,6 +32,9 @@ class TinySpec:
     """Shape of a tiny model of a family. Defaults give a ~0.2M-parameter Qwen2.5-VL."""
 
     family: str = "qwen2_5_vl"  # a model_type of rollplex.models.registry.FAMILIES
+    # The family itself, for one built but not registered yet (rollplex.models.qwen3_5: `TinySpec.of(FAMILY)`),
+    # whose name is `family`; None: the registered family named `family`.
+    unregistered_family: ModelFamily | None = field(default=None, repr=False, compare=False)
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 4
@@ -47,7 +51,9 @@ class TinySpec:
     temporal_patch_size: int = 2
     spatial_merge_size: int = 2
     tokens_per_second: int = 2
-    mrope_section: tuple[int, ...] | None = None  # None: the family's split of head_dim / 2 (t, h, w)
+    mrope_section: tuple[int, ...] | None = None  # None: the family's split of rotary_dim / 2 (t, h, w)
+    # The part of head_dim that rotates (Qwen3.5's a quarter; the VL families' all of it).
+    partial_rotary_factor: float = 1.0
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
@@ -65,6 +71,14 @@ class TinySpec:
     # Video processor pixel budget (per frame).
     video_min_pixels: int = 56 * 56
     video_max_pixels: int = 28 * 28 * 16
+    # Hybrid decoders (Qwen3.5), which the other families ignore: each layer's kind, () for the family's tiny
+    # pattern over num_layers; and the Gated DeltaNet layers' sizes (a key head serves a group of value heads).
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 16
+    linear_value_head_dim: int = 24
+    linear_conv_kernel_dim: int = 4
 
     @classmethod
     def from_config(cls, section) -> TinySpec:
@@ -78,22 +92,37 @@ class TinySpec:
                       "vocab_size": section.vocab_size or None})
 
     @classmethod
-    def of(cls, family: str = "qwen2_5_vl", **fields: Any) -> TinySpec:
-        """A spec of `family` (a model_type): its own tiny shape (`ModelFamily.tiny_spec`,
-        e.g. Qwen3-VL's 16 px patches) under the given `fields`."""
+    def of(cls, family: str | ModelFamily = "qwen2_5_vl", **fields: Any) -> TinySpec:
+        """A spec of `family` (a registered family's model_type, or a family not registered yet):
+        its own tiny shape (`ModelFamily.tiny_spec`, e.g. Qwen3-VL's 16 px patches) under the
+        given `fields`."""
+        if isinstance(family, ModelFamily):
+            return cls(family=family.name, unregistered_family=family, **{**family.tiny_spec, **fields})
         return cls(family=family, **{**family_named(family).tiny_spec, **fields})
 
     def __post_init__(self) -> None:
+        if self.unregistered_family is not None and self.unregistered_family.name != self.family:
+            raise ValueError(f"TinySpec.family {self.family!r} is not its unregistered_family's name "
+                             f"{self.unregistered_family.name!r}")
         self.fullatt_block_indexes = tuple(self.fullatt_block_indexes)
+        self.layer_types = tuple(self.layer_types)
         if self.mrope_section is None:
-            self.mrope_section = family_named(self.family).tiny_mrope_section(self.head_dim)
+            self.mrope_section = self.model_family.tiny_mrope_section(self.rotary_dim)
         self.mrope_section = tuple(self.mrope_section)
         self.extra_words = tuple(self.extra_words)
         self.validate()
 
     @property
+    def model_family(self) -> ModelFamily:
+        return self.unregistered_family or family_named(self.family)
+
+    @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def vision_head_dim(self) -> int:
@@ -105,7 +134,8 @@ class TinySpec:
             "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
             "vision_hidden_size", "vision_depth", "vision_num_heads", "vision_intermediate_size",
             "vision_window_size", "patch_size", "temporal_patch_size", "spatial_merge_size",
-            "tokens_per_second", "max_position_embeddings", "pad_vocab_multiple",
+            "tokens_per_second", "max_position_embeddings", "pad_vocab_multiple", "linear_num_key_heads",
+            "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
         )  # fmt: skip
         for name in positive:
             if getattr(self, name) <= 0:
@@ -118,12 +148,16 @@ class TinySpec:
             raise ValueError(
                 f"TinySpec.num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})"
             )
-        if self.head_dim % 2:
-            raise ValueError(f"TinySpec head_dim (hidden_size/num_heads = {self.head_dim}) must be even for RoPE")
-        if sum(self.mrope_section) * 2 != self.head_dim:
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(f"TinySpec.partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+        if self.rotary_dim % 2 or not self.rotary_dim:
+            raise ValueError(f"TinySpec rotary width (head_dim * partial_rotary_factor = {self.head_dim} * "
+                             f"{self.partial_rotary_factor}) must be even and positive for RoPE")
+        if sum(self.mrope_section) * 2 != self.rotary_dim:
             raise ValueError(
-                f"TinySpec.mrope_section {list(self.mrope_section)} must sum to head_dim/2 = {self.head_dim // 2} "
-                f"(head_dim = hidden_size/num_heads = {self.hidden_size}/{self.num_heads})"
+                f"TinySpec.mrope_section {list(self.mrope_section)} must sum to rotary_dim/2 = {self.rotary_dim // 2} "
+                f"(head_dim = hidden_size/num_heads = {self.hidden_size}/{self.num_heads}, of which "
+                f"{self.partial_rotary_factor} rotates)"
             )
         if len(self.mrope_section) != 3:
             raise ValueError(f"TinySpec.mrope_section must have 3 entries (t, h, w), got {list(self.mrope_section)}")
@@ -154,6 +188,11 @@ class TinySpec:
                 raise ValueError(f"TinySpec.{pixels} must be >= {merged_patch}^2 (one merged token)")
         if self.min_pixels > self.max_pixels or self.video_min_pixels > self.video_max_pixels:
             raise ValueError("TinySpec min_pixels must not exceed max_pixels")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"TinySpec.layer_types has {len(self.layer_types)} entries for num_layers {self.num_layers}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"TinySpec.linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                             f"linear_num_key_heads ({self.linear_num_key_heads})")
         for word in self.extra_words:
             if not word or any(c.isspace() for c in word):
                 raise ValueError(f"TinySpec.extra_words entries must be non-empty and contain no whitespace: {word!r}")
@@ -222,7 +261,7 @@ def write_tokenizer_and_processor(out_dir: str | os.PathLike, spec: TinySpec) ->
         # The generic fast tokenizer loads tokenizer.json as is. Naming Qwen2Tokenizer
         # here would make transformers 5 rebuild a BPE model from vocab/merges.
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "processor_class": family_named(spec.family).hf_processor,
+        "processor_class": spec.model_family.hf_processor,
         "model_max_length": spec.max_position_embeddings,
         "bos_token": None,
         "eos_token": IM_END,
@@ -244,7 +283,7 @@ def write_tokenizer_and_processor(out_dir: str | os.PathLike, spec: TinySpec) ->
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     _write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
 
-    for name, content in family_named(spec.family).tiny_processor_files(spec).items():
+    for name, content in spec.model_family.tiny_processor_files(spec).items():
         _write_json(out / name, content)
     return {
         "vocab_size": vocab_len,
@@ -277,9 +316,8 @@ def hf_config_dict(spec: TinySpec, vocab_size: int, special_token_ids: dict[str,
     `vocab_size` is the tokenizer length; the config gets `model_vocab_size(spec, vocab_size)`
     rows (padded to spec.pad_vocab_multiple, or spec.vocab_size).
     """
-    family = family_named(spec.family)
-    return family.tiny_hf_config(spec, model_vocab_size(spec, vocab_size), _resolve_ids(special_token_ids),
-                                 style, dtype)
+    return spec.model_family.tiny_hf_config(spec, model_vocab_size(spec, vocab_size), _resolve_ids(special_token_ids),
+                                            style, dtype)
 
 
 def generation_config_dict(special_token_ids: dict[str, Any]) -> dict[str, Any]:
@@ -326,16 +364,17 @@ def _write_json(path: Path, obj: Any) -> None:
 
 def make_tiny_checkpoint(out_dir: str | os.PathLike, spec: TinySpec | None = None, seed: int = 0,
                          style: str = "nested") -> Path:
-    """A complete tiny random Qwen2.5-VL directory, fully offline: config, random
-    fp32 weights (built by Rollplex's own model), tokenizer with the Qwen special
-    tokens and chat template, and the image/video preprocessor configs."""
+    """A complete tiny random directory of the spec's family (by default Qwen2.5-VL), fully
+    offline: config, random fp32 weights (built by Rollplex's own model), tokenizer with
+    the Qwen special tokens and chat template, and the image/video preprocessor configs."""
     from rollplex.models.loader import build_model, save_pretrained
 
     spec = spec or TinySpec()
+    family = spec.model_family
     info = write_tiny_files(out_dir, spec, style=style)
     # Fan-in init: with transformers' N(0, 0.02) the first policy is so uniform that the
     # tiny RL demo saw no reward in 185 steps; with fan-in it learns the answer format.
-    model = build_model(family_named(spec.family).args_from_hf_config(info["config"], str(out_dir)), seed=seed,
-                        init_std=None)
-    save_pretrained(model, out_dir, hf_config=info["config"])
+    model = build_model(family.args_from_hf_config(info["config"], str(out_dir)), seed=seed, init_std=None,
+                        family=family)
+    save_pretrained(model, out_dir, hf_config=info["config"], family=family)
     return Path(out_dir)

@@ -61,6 +61,16 @@ class LinearParams:
     vision: int  # the patch embedding, every vision block and the merger(s), per patch
 
 
+# Checkpoint key endings of the Qwen VL models' norm scales (RMSNorm and LayerNorm weights, which multiply x).
+_SCALE_NORM_KEYS = ("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight", "layernorm.weight")
+
+
+def unit_norm_scales(key: str) -> float | None:
+    """ModelFamily.init_constant of models whose norms all scale by their weight (x * w): 1, the
+    identity scale, for each norm's weight; None (drawn at random) for every other tensor."""
+    return 1.0 if key.endswith(_SCALE_NORM_KEYS) else None
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     """One model family, as the rest of Rollplex sees it (see the module docstring).
@@ -97,13 +107,17 @@ class ModelFamily:
     presets: dict[str, Any]  # named sizes (memory_plan --model NAME): the hub's config.json values
     tiny_args: Callable[..., Any]  # a model of a few hundred thousand parameters for tests
     tiny_spec: dict[str, Any]  # the rollplex.tiny.TinySpec fields whose default this family's tiny model changes
-    tiny_mrope_section: Callable[[int], tuple[int, int, int]]  # a tiny model's M-RoPE split of head_dim / 2
+    # A tiny model's M-RoPE split of half its rotary width (head_dim, or the part of it that rotates).
+    tiny_mrope_section: Callable[[int], tuple[int, int, int]]
     # (TinySpec, vocab size, {config key: token id}, style, dtype) -> the tiny model's config.json
     tiny_hf_config: Callable[[Any, int, dict[str, int], str, str], dict]
     tiny_processor_files: Callable[[Any], dict[str, dict]]  # TinySpec -> {file name: JSON} of its processor
     load_processor: Callable[..., Any]  # (folder, **budgets) -> the processor (rollplex.data.processor)
     # Checkpoint key prefixes no parameter takes -> why: the loader skips their tensors and says so once.
     dropped_keys: dict[str, str] = field(default_factory=dict)
+    # Checkpoint key -> the constant build_model fills that tensor with (a norm's identity scale), None: drawn at
+    # random. Not every family's norms are x * w: a zero-centred one, x * (1 + w), is the identity at w = 0.
+    init_constant: Callable[[str], float | None] = unit_norm_scales
     relatives_not_supported: dict[str, str] = field(default_factory=dict)  # model_type -> what loading it needs
     sizes_not_supported: dict[str, str] = field(default_factory=dict)  # named sizes of those relatives -> the same
 

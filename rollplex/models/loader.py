@@ -173,20 +173,23 @@ def load_weights(model: VisionLanguageModel, path: str | os.PathLike, dtype: tor
 
 
 def build_model(args: FamilyArgs, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                seed: int | None = None, init_std: float | None = 0.02) -> VisionLanguageModel:
+                seed: int | None = None, init_std: float | None = 0.02,
+                family: ModelFamily | None = None) -> VisionLanguageModel:
     """A randomly initialised model (for tests, tiny checkpoints and benchmarks),
     built on the meta device and materialised once in `dtype` on `device`.
 
     Default: as transformers initialises the Qwen VL models, weights ~ N(0, init_std),
-    biases 0, norm scales 1 (small weights give a near-uniform first policy,
-    which a model trained from scratch by RL needs in order to explore).
+    biases 0, norm scales at the identity (the family's `init_constant`: 1 for
+    x * w, 0 for a zero-centred x * (1 + w)); small weights give a near-uniform
+    first policy, which a model trained from scratch by RL needs in order to explore.
     init_std=None: weights ~ N(0, 1/fan_in) and random biases, so every layer
     moves the output: what parity tests need to catch a wrong layer.
 
     The values are drawn on `device` (a 3B model's weights take minutes with CPU
     randn), so a seed gives the same weights on every device of one type, not
-    across types."""
-    family = family_of(args)
+    across types. `family`: the args' (by default their registered family), as
+    from_pretrained's."""
+    family = family or family_of(args)
     with torch.device("meta"):
         model = family.model_class(args)
     model = model.to(dtype=dtype).to_empty(device=device)
@@ -199,8 +202,8 @@ def build_model(args: FamilyArgs, dtype: torch.dtype = torch.float32, device: to
         for key in dict.fromkeys(family.param_to_hf_key(name) for name in params):
             parts = [params[name] for name in family.hf_key_to_params(key)]
             shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
-            if key.endswith(("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight", "layernorm.weight")):
-                value = torch.ones(shape, device=device)
+            if (constant := family.init_constant(key)) is not None:
+                value = torch.full(shape, constant, device=device)
             elif key.endswith("bias"):
                 value = torch.randn(shape, generator=gen, device=device) * 0.02 if init_std is None else \
                     torch.zeros(shape, device=device)
@@ -237,14 +240,15 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16
 
 
 def save_pretrained(model: VisionLanguageModel, path: str | os.PathLike, max_shard_bytes: int = 4 << 30,
-                    hf_config: dict | None = None) -> None:
+                    hf_config: dict | None = None, family: ModelFamily | None = None) -> None:
     """Write config.json and safetensors (sharded with an index past `max_shard_bytes`)
     in the hub layout. `hf_config` replaces the config.json generated from the
-    model's args (to keep a source checkpoint's own file). DTensor parameters are
+    model's args (to keep a source checkpoint's own file); `family`: the model's (by
+    default its registered family), as from_pretrained's. DTensor parameters are
     gathered first, so every rank must call this; only rank 0 (or a
     non-distributed process) writes."""
     path = Path(path)
-    family = family_of(model)
+    family = family or family_of(model)
     ours = {}
     for name, p in model.state_dict().items():
         ours[name] = full_tensor(p).detach().to("cpu").contiguous()  # collective for a DTensor

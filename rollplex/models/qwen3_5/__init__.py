@@ -1,31 +1,26 @@
 """Qwen3.5 (dense): its args, named sizes and parameter counts (`args`), the model
 (`model`, with its hybrid decoder in `decoder`, the Gated DeltaNet in `deltanet`
 and the backend its layers mix tokens through in `mixing`), the Hugging Face
-config and key mapping (`hf`) and its tensor-parallel stance (`tp_plan`),
-gathered in `FAMILY` (rollplex.models.family).
+config and key mapping (`hf`), its tensor-parallel stance (`tp_plan`) and its
+tiny checkpoint's shape and config (`tiny`), gathered in `FAMILY`
+(rollplex.models.family).
 
 Not registered yet (rollplex.models.registry.NOT_SUPPORTED_YET says why): the
 engine cannot hold a DeltaNet layer's state. Until then a checkpoint loads by
-naming the family: `from_pretrained(path, family=FAMILY)`. The vision tower and
-processor are Qwen3-VL's.
+naming the family: `from_pretrained(path, family=FAMILY)`, and a tiny folder is
+written by naming it too: `make_tiny_checkpoint(path, TinySpec.of(FAMILY))`. The
+vision tower and processor are Qwen3-VL's.
 """
 
-from typing import Any
-
 from rollplex.models.family import ModelFamily
+from rollplex.models.qwen3_5 import tiny
 from rollplex.models.qwen3_5.args import (FULL_ATTENTION, LINEAR_ATTENTION, PRESETS, VISION_MLP_WIDTHS, ModelArgs,
                                           TextArgs, count_params, linear_params, tiny_args)
 from rollplex.models.qwen3_5.hf import (ARCHITECTURE, DROPPED_KEYS, MODEL_TYPE, args_from_hf_config,
-                                        hf_config_from_args, hf_key_to_params, param_to_hf_key)
+                                        hf_config_from_args, hf_key_to_params, init_constant, param_to_hf_key)
 from rollplex.models.qwen3_5.model import Qwen3_5
 from rollplex.models.qwen3_5.tp_plan import apply_tp, check_tp, repeated_blocks, vision_tower
 from rollplex.models.qwen3_vl import processor
-
-
-def _no_tiny_folder(*_: Any) -> Any:
-    raise NotImplementedError("a tiny Qwen3.5 folder (rollplex.tiny) is not built yet: TinySpec has no DeltaNet "
-                              "sizes and takes the whole head_dim as rotary; tiny_args() gives the tiny model")
-
 
 FAMILY = ModelFamily(
     name=MODEL_TYPE,
@@ -48,16 +43,17 @@ FAMILY = ModelFamily(
     vision_mlp_widths=VISION_MLP_WIDTHS,
     presets=PRESETS,
     tiny_args=tiny_args,
-    tiny_spec={},
-    tiny_mrope_section=_no_tiny_folder,
-    tiny_hf_config=_no_tiny_folder,
-    tiny_processor_files=_no_tiny_folder,
+    tiny_spec=tiny.TINY_SPEC,
+    tiny_mrope_section=tiny.mrope_section,
+    tiny_hf_config=tiny.tiny_hf_config,
+    tiny_processor_files=processor.tiny_processor_files,
     load_processor=processor.load_processor,
     dropped_keys=DROPPED_KEYS,
+    init_constant=init_constant,
 )
 
 __all__ = [
     "ARCHITECTURE", "FAMILY", "FULL_ATTENTION", "LINEAR_ATTENTION", "MODEL_TYPE", "PRESETS", "ModelArgs", "Qwen3_5",
     "TextArgs", "apply_tp", "args_from_hf_config", "check_tp", "count_params", "hf_config_from_args",
-    "hf_key_to_params", "linear_params", "param_to_hf_key", "tiny_args",
+    "hf_key_to_params", "init_constant", "linear_params", "param_to_hf_key", "tiny_args",
 ]

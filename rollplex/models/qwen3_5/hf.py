@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from rollplex.models.family import unit_norm_scales
 from rollplex.models.protocol import CheckpointError
 from rollplex.models.qwen3_5.args import FULL_ATTENTION, LINEAR_ATTENTION, ModelArgs, TextArgs, hybrid_layer_types
 from rollplex.models.qwen3_vl.hf import vision_args_from_config, vision_config
 from rollplex.models.qwen_vl.hf import hf_key_to_params, param_to_nested_key, pick_fields, token_ids
 
 __all__ = ["ARCHITECTURE", "DROPPED_KEYS", "MODEL_TYPE", "args_from_hf_config", "check_args", "hf_config_from_args",
-           "hf_key_to_params", "param_to_hf_key"]
+           "hf_key_to_params", "init_constant", "param_to_hf_key"]
 
 MODEL_TYPE = "qwen3_5"
 ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
@@ -32,6 +33,16 @@ DROPPED_KEYS = {"mtp.": "Qwen3.5's multi-token-prediction head, which only specu
 
 # Written in the nested style transformers 5 writes; hf_key_to_params reads the flat one too.
 param_to_hf_key = param_to_nested_key
+
+
+def init_constant(key: str) -> float | None:
+    """What build_model fills the checkpoint tensor `key` with (ModelFamily.init_constant): 0 for
+    the decoder's zero-centred norms, x * (1 + w), whose identity scale is w = 0 (the layers' two,
+    q_norm, k_norm, the final norm); 1 for the DeltaNet's gated norm and the tower's LayerNorms,
+    which scale by w; None (drawn) for every other tensor."""
+    zero_centred = key.startswith("model.language_model.") and key.endswith("norm.weight") \
+        and ".linear_attn." not in key
+    return 0.0 if zero_centred else unit_norm_scales(key)
 
 
 def args_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArgs:
