@@ -17,7 +17,7 @@ from typing import Any
 
 from rollplex.models.protocol import CheckpointError
 from rollplex.models.qwen3_vl.args import ModelArgs, TextArgs, VisionArgs
-from rollplex.models.qwen_vl.hf import hf_key_to_params, param_to_nested_key, pick_fields, token_ids
+from rollplex.models.qwen_vl.hf import hf_key_to_params, nested_model_args, param_to_nested_key, pick_fields
 
 __all__ = ["ARCHITECTURE", "MODEL_TYPE", "UNSUPPORTED", "args_from_hf_config", "check_args", "hf_config_from_args",
            "hf_key_to_params", "param_to_hf_key", "vision_args_from_config", "vision_config"]
@@ -40,19 +40,8 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArgs:
         raise CheckpointError(f"{source}: model_type {model_type!r}: {UNSUPPORTED[model_type]}")
     if model_type != MODEL_TYPE:
         raise CheckpointError(f"{source}: model_type is {model_type!r}, expected {MODEL_TYPE!r}")
-    for part in ("text_config", "vision_config"):
-        if not isinstance(cfg.get(part), dict):
-            raise CheckpointError(f"{source}: no {part}; a Qwen3-VL config.json nests its text and vision configs")
-    text, vision = cfg["text_config"], cfg["vision_config"]
-    try:
-        args = ModelArgs(vision=vision_args_from_config(vision), text=_text_args(text, source),
-                         tie_word_embeddings=bool(cfg.get("tie_word_embeddings",
-                                                          text.get("tie_word_embeddings", False))),
-                         **token_ids(cfg, text))
-    except CheckpointError:
-        raise
-    except (TypeError, ValueError) as e:  # a field of the wrong type or an unknown value
-        raise CheckpointError(f"{source}: {e}") from e
+    args = nested_model_args(cfg, source, "Qwen3-VL", lambda text, vision, **shared: ModelArgs(
+        vision=vision_args_from_config(vision), text=_text_args(text, source), **shared))
     check_args(args, source)
     return args
 

@@ -18,7 +18,10 @@ concatenates the three back (rollplex.models.loader).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+from rollplex.models.protocol import CheckpointError
 
 FUSED_QKV = ".attn.qkv."
 SPLIT_QKV = (".attn.q.", ".attn.k.", ".attn.v.")
@@ -89,3 +92,21 @@ def token_ids(cfg: dict, text: dict, keep_null: bool = False) -> dict:
             ids[k] = text[k]
     return ids
 
+
+
+def nested_model_args(cfg: dict, source: str, label: str, build: Callable[..., Any]) -> Any:
+    """The model args of a config.json in the nested style (`text_config` / `vision_config`: Qwen3-VL's and
+    Qwen3.5's): `build(text, vision, **shared)` makes them from the two parts, `shared` being what the top level
+    and the text part give alike (tie_word_embeddings, the token ids). A missing part, or a field of the wrong
+    type or value, is a CheckpointError naming `source`; `label` names the family in it."""
+    for part in ("text_config", "vision_config"):
+        if not isinstance(cfg.get(part), dict):
+            raise CheckpointError(f"{source}: no {part}; a {label} config.json nests its text and vision configs")
+    text, vision = cfg["text_config"], cfg["vision_config"]
+    tied = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+    try:
+        return build(text, vision, tie_word_embeddings=tied, **token_ids(cfg, text))
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError) as e:  # a field of the wrong type or an unknown value
+        raise CheckpointError(f"{source}: {e}") from e
