@@ -118,6 +118,11 @@ class ModelFamily:
     # Checkpoint key -> the constant build_model fills that tensor with (a norm's identity scale), None: drawn at
     # random. Not every family's norms are x * w: a zero-centred one, x * (1 + w), is the identity at w = 0.
     init_constant: Callable[[str], float | None] = unit_norm_scales
+    # Decoder layers that keep K/V in the engine's paged pool and in the kept-prefix passes (args -> count).
+    kv_layers: Callable[[Any], int] = lambda args: args.text.num_hidden_layers
+    # (args, tp) -> bytes of one sequence's recurrent state on one TP rank, every layer that keeps one (a
+    # Gated DeltaNet's convolution tail and fp32 recurrent state): the engine's state pool holds one per row.
+    recurrent_state_bytes: Callable[[Any, int], int] = lambda args, tp: 0
     relatives_not_supported: dict[str, str] = field(default_factory=dict)  # model_type -> what loading it needs
     sizes_not_supported: dict[str, str] = field(default_factory=dict)  # named sizes of those relatives -> the same
 

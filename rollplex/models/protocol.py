@@ -10,6 +10,7 @@ model runs unchanged.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol, TypeVar, runtime_checkable
 
 import torch
@@ -43,6 +44,17 @@ def fsdp_entry(method: _Method) -> _Method:
 def fsdp_entry_methods(model_class: type) -> list[str]:
     """The names of the methods `fsdp_entry` marked on a model class (its bases included)."""
     return sorted(name for name in dir(model_class) if getattr(getattr(model_class, name), _FSDP_ENTRY, False))
+
+
+@dataclass(frozen=True)
+class RecurrentStateShapes:
+    """The state one sequence keeps, on this rank, in each decoder layer that carries a
+    recurrent state instead of K/V (Qwen3.5's Gated DeltaNet): the engine's state pool and
+    the kept-prefix passes hold one per sequence."""
+
+    layers: tuple[int, ...]  # the decoder layers that keep one, ascending
+    conv: tuple[int, int]  # (channels, kernel - 1): the short convolution's last inputs, in the weights' dtype
+    recurrent: tuple[int, int, int]  # (value heads, key dim, value dim), float32
 
 
 class RopeArgs(Protocol):
@@ -104,6 +116,12 @@ class VisionLanguageModel(Protocol):
 
     def kv_heads_per_rank(self) -> int:
         """The KV heads this rank's attention layers hold (a share of them under tensor parallelism)."""
+
+    def kv_layers(self) -> list[int]:
+        """The decoder layers whose attention keeps K/V, ascending (every layer of an attention-only decoder)."""
+
+    def recurrent_state_shapes(self) -> RecurrentStateShapes | None:
+        """What each sequence keeps in the layers that carry a recurrent state; None where no layer does."""
 
     def text_rotary_table(self, num_positions: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """cos | sin of text positions 0 .. num_positions - 1, which decode steps read rows of."""

@@ -15,7 +15,8 @@ vision tower and processor are Qwen3-VL's.
 from rollplex.models.family import ModelFamily
 from rollplex.models.qwen3_5 import tiny
 from rollplex.models.qwen3_5.args import (FULL_ATTENTION, LINEAR_ATTENTION, PRESETS, VISION_MLP_WIDTHS, ModelArgs,
-                                          TextArgs, count_params, linear_params, tiny_args)
+                                          TextArgs, count_params, kv_layers, linear_params,
+                                          recurrent_state_bytes, tiny_args)
 from rollplex.models.qwen3_5.hf import (ARCHITECTURE, DROPPED_KEYS, MODEL_TYPE, args_from_hf_config,
                                         hf_config_from_args, hf_key_to_params, init_constant, param_to_hf_key)
 from rollplex.models.qwen3_5.model import Qwen3_5
@@ -50,6 +51,8 @@ FAMILY = ModelFamily(
     load_processor=processor.load_processor,
     dropped_keys=DROPPED_KEYS,
     init_constant=init_constant,
+    kv_layers=kv_layers,
+    recurrent_state_bytes=recurrent_state_bytes,
 )
 
 __all__ = [

@@ -18,7 +18,7 @@ from rollplex.models.qwen_vl.args import TINY_TOKEN_IDS, QwenVLArgs
 from rollplex.models.rope import RopeIndexSpec
 
 __all__ = ["FULL_ATTENTION", "LINEAR_ATTENTION", "PRESETS", "VISION_MLP_WIDTHS", "ModelArgs", "TextArgs",
-           "VisionArgs", "count_params", "hybrid_layer_types", "linear_params", "tiny_args", "vision_args"]
+           "VisionArgs", "count_params", "hybrid_layer_types", "kv_layers", "linear_params", "recurrent_state_bytes", "tiny_args", "vision_args"]
 
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 
@@ -176,6 +176,21 @@ def count_params(args: ModelArgs) -> ParamCounts:
     total = v.depth * vision_block + sum(per_kind[kind] for kind in t.layer_types) + root
     return ParamCounts(total=total, tp_split=0, vision=vision, root=root, root_tp_split=0, layer_tp_split=0,
                        layer_replicated=max(per_kind[kind] for kind in set(t.layer_types)))
+
+
+def kv_layers(args: ModelArgs) -> int:
+    """The decoder layers that keep K/V: the full-attention ones."""
+    return args.text.layer_types.count(FULL_ATTENTION)
+
+
+def recurrent_state_bytes(args: ModelArgs, tp: int, dtype_bytes: int = 2) -> int:
+    """One sequence's state over every DeltaNet layer on one of `tp` ranks: the convolution's last
+    kernel - 1 inputs (in the weights' dtype, `dtype_bytes`) and the recurrent state, [value heads,
+    key dim, value dim] in float32 (bf16 drifts over a long response)."""
+    t = args.text
+    conv = t.linear_conv_dim // tp * (t.linear_conv_kernel_dim - 1) * dtype_bytes
+    recurrent = t.linear_num_value_heads // tp * t.linear_key_head_dim * t.linear_value_head_dim * 4
+    return t.layer_types.count(LINEAR_ATTENTION) * (conv + recurrent)
 
 
 def linear_params(args: ModelArgs) -> LinearParams:

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from rollplex.dist import local_tensor
 from rollplex.models.qwen_vl.layers import RMSNorm
 from rollplex.ops.gated_delta import l2norm
 
@@ -55,6 +56,14 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(heads))
         self.norm = GatedRMSNorm(self.value_head_dim, args.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, args.hidden_size, bias=False)
+
+    def state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """One sequence's state on this rank, read off the local weights (a share of the heads
+        under tensor parallelism): the convolution's (channels, kernel - 1) and the
+        recurrence's (value heads, key head dim, value head dim)."""
+        channels, _, kernel = local_tensor(self.conv1d.weight).shape
+        value_heads = local_tensor(self.A_log).shape[0]
+        return (channels, kernel - 1), (value_heads, self.key_head_dim, self.value_head_dim)
 
     def forward(self, x: torch.Tensor, mixing: Any) -> torch.Tensor:
         """x (T, hidden) of packed tokens; `mixing` runs the convolution and the recurrence

@@ -25,7 +25,8 @@ import torch
 from rollplex.dist import local_tensor
 from rollplex.models.inputs import VisionEmbeds
 from rollplex.models.packing import PackedBatch
-from rollplex.models.qwen3_5.args import ModelArgs
+from rollplex.models.protocol import RecurrentStateShapes
+from rollplex.models.qwen3_5.args import FULL_ATTENTION, LINEAR_ATTENTION, ModelArgs
 from rollplex.models.qwen3_5.decoder import HybridDecoder
 from rollplex.models.qwen3_5.mixing import PackedHybridAttention, SharedPrefixHybridAttention
 from rollplex.models.qwen3_vl.model import VisionTransformer, check_acts
@@ -50,6 +51,20 @@ class Qwen3_5(QwenVL):
         """The KV heads of this rank's full-attention layers, read off k_proj's rows."""
         weight = self.language_model.first_attention_layer().k_proj.weight
         return local_tensor(weight).shape[0] // self.args.text.head_dim
+
+    def kv_layers(self) -> list[int]:
+        """The full-attention layers: only they keep K/V."""
+        return [i for i, layer in enumerate(self.language_model.layers) if layer.kind == FULL_ATTENTION]
+
+    def recurrent_state_shapes(self) -> RecurrentStateShapes | None:
+        """Each Gated DeltaNet layer's convolution tail and recurrent state (every layer's shapes are the
+        same); None for a layer pattern without one."""
+        deltanets = [(i, layer.linear_attn) for i, layer in enumerate(self.language_model.layers)
+                     if layer.kind == LINEAR_ATTENTION]
+        if not deltanets:
+            return None
+        conv, recurrent = deltanets[0][1].state_shapes()
+        return RecurrentStateShapes(tuple(i for i, _ in deltanets), conv, recurrent)
 
     def forward_packed(self, batch: PackedBatch, vision: VisionEmbeds | None = None) -> torch.Tensor:
         """Hidden states of a packed batch: whole sequences, each from a zero recurrent state, or

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from rollplex.dist import local_tensor
 from rollplex.models.inputs import VisionEmbeds, VisionSlots
 from rollplex.models.packing import PackedBatch, pack_padded
-from rollplex.models.protocol import Positions, fsdp_entry
+from rollplex.models.protocol import Positions, RecurrentStateShapes, fsdp_entry
 from rollplex.models.qwen_vl.args import QwenVLArgs
 from rollplex.models.qwen_vl.layers import AfterLayer, Decoder
 from rollplex.ops.attention import AttentionBackend, SharedPrefixAttention, VarlenAttention, resolve_backend
@@ -186,6 +186,14 @@ class QwenVL(nn.Module):
         tensor parallelism it holds this rank's heads only."""
         weight = self.language_model.layers[0].self_attn.k_proj.weight
         return local_tensor(weight).shape[0] // self.args.text.head_dim
+
+    def kv_layers(self) -> list[int]:
+        """Every decoder layer keeps K/V."""
+        return list(range(self.args.text.num_hidden_layers))
+
+    def recurrent_state_shapes(self) -> RecurrentStateShapes | None:
+        """No layer carries a recurrent state."""
+        return None
 
     @fsdp_entry
     def forward_generated(self, input_ids: torch.Tensor, position_ids: Positions,
