@@ -56,6 +56,7 @@ from rollplex.engine.block_manager import BlockManager
 from rollplex.engine.decode_batch import Advanced, DecodeBatch
 from rollplex.engine.kv_cache import KVCache
 from rollplex.engine.nonfinite import NonFiniteLogitsError, first_nonfinite_stage
+from rollplex.engine.recurrent_state import RecurrentStatePool
 from rollplex.device import free_memory, to_device, to_host
 from rollplex.dist import rank
 from rollplex.engine.runner import ModelRunner
@@ -109,12 +110,17 @@ class Engine:
         self.max_model_len = min(cfg.max_model_len, text.max_position_embeddings)
         self.device = model.device
         self.dtype = model.dtype
-        kv_heads = model.kv_heads_per_rank()
-        self.cache = KVCache(text.num_hidden_layers, self._num_blocks(kv_heads), cfg.block_size, kv_heads,
-                             text.head_dim, self.dtype, self.device)
+        kv_heads, kv_layers = model.kv_heads_per_rank(), model.kv_layers()
+        # Layers with a recurrent state (Qwen3.5's DeltaNet) keep one slot per decode row, allocated first: the KV
+        # pool's budget is what is left.
+        shapes = model.recurrent_state_shapes()
+        self.states = None if shapes is None else RecurrentStatePool(shapes, cfg.max_num_seqs, self.dtype,
+                                                                     self.device)
+        self.cache = KVCache(len(kv_layers), self._num_blocks(kv_heads, len(kv_layers)), cfg.block_size, kv_heads,
+                             text.head_dim, self.dtype, self.device, layers=kv_layers)
         self.runner = ModelRunner(model, self.cache, self.max_model_len, cfg.max_num_seqs,
                                   use_cuda_graphs=not cfg.enforce_eager,
-                                  shared_prefix_decode=cfg.shared_prefix_decode)
+                                  shared_prefix_decode=cfg.shared_prefix_decode, states=self.states)
         eos = model.args.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.stats: dict[str, float] = {}
@@ -122,14 +128,19 @@ class Engine:
         # loop's, which shows them beside the step and phase.
         self.progress = Progress("live" if self.config.progress and rank() == 0 and sys.stdout.isatty() else "off")
 
-    def _num_blocks(self, kv_heads: int) -> int:
+    def _num_blocks(self, kv_heads: int, kv_layers: int) -> int:
+        """The KV pool's blocks: as set, or what its budget holds (a fraction of the free memory,
+        measured after the state pool is allocated, or bytes, of which the state pool takes its
+        share first), never more than max_num_seqs sequences of max_model_len could use."""
         cfg, text = self.config, self.model.args.text
-        per_block = KVCache.bytes_per_block(text.num_hidden_layers, cfg.block_size, kv_heads, text.head_dim,
-                                            self.dtype)
+        per_block = KVCache.bytes_per_block(kv_layers, cfg.block_size, kv_heads, text.head_dim, self.dtype)
         useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)  # more could never be used
         if cfg.num_blocks is not None:
             return cfg.num_blocks
-        budget = cfg.kv_cache_memory if cfg.kv_cache_memory > 1 else cfg.kv_cache_memory * free_memory(self.device)
+        if cfg.kv_cache_memory > 1:
+            budget = cfg.kv_cache_memory - (0 if self.states is None else self.states.nbytes)
+        else:
+            budget = cfg.kv_cache_memory * free_memory(self.device)
         return max(1, min(useful, int(budget) // per_block))
 
     @property
@@ -140,9 +151,11 @@ class Engine:
     # ------------------------------------------------------------------ memory between phases
 
     def release_kv(self) -> None:
-        """Free the KV pool; `generate` allocates it again, at the same size (and, on a new
-        address, with new graphs)."""
+        """Free the KV pool and the recurrent state pool; `generate` allocates them again, at
+        the same size (and, on a new address, with new graphs)."""
         self.cache.release()
+        if self.states is not None:
+            self.states.release()
 
     # ------------------------------------------------------------------ generate
 
@@ -203,11 +216,14 @@ class Engine:
         told, and a scheduler over a new block manager and decode batch, with every
         prompt waiting."""
         self.cache.allocate()
+        # A group larger than max_num_seqs still runs, alone.
+        rows = max([self.config.max_num_seqs] + [p.request.n for p in prompts])
+        if self.states is not None:
+            self.states.allocate()
+            self.states.hold_rows(rows)
         self.runner.start_generation()
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         blocks = BlockManager(self.cache.num_blocks, self.cache.block_size)
-        # A group larger than max_num_seqs still runs, alone.
-        rows = max([self.config.max_num_seqs] + [p.request.n for p in prompts])
         batch = DecodeBatch(prompts, rows, self.runner.max_blocks, self.cache.sink_block, stop_ids, self.device)
         scheduler = Scheduler(blocks, batch, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         for p in prompts:
@@ -259,7 +275,8 @@ class Engine:
         self.stats["steps"] += 1
         if step.is_prefill:
             self.stats["prefill_tokens"] += sum(len(s) for s in step.seqs)
-            return self.runner.prefill(step.seqs, step.slots)
+            # The sequences that decode from the prefill start from its states: a group's samples fork its prompt's.
+            return self.runner.prefill(step.seqs, step.slots, [s.decode_row for s in step.sampling], step.logit_rows)
         return self.runner.decode(batch, step.copies)
 
     def _prepare(self, index: int, r: Request, params: SamplingParams) -> PromptState:

@@ -12,6 +12,11 @@ so a pool that moved would need new graphs. It can be released (after
 non-finite logits, or to hand its memory back) and is then allocated again, at
 the same size, by the next `generate`.
 
+A hybrid decoder (Qwen3.5) keeps K/V in its attention layers only: the pool
+holds those (`layers`, the decoder layer indices), and `layer(i)` takes a
+decoder layer's index. Its other layers carry a recurrent state instead, in
+rollplex.engine.recurrent_state's pool, which `PagedAttention.states` reads.
+
 One extra block at the end is a sink: the padded rows of a CUDA-graph decode
 batch write their (discarded) keys there, so the graph never needs a branch.
 """
@@ -26,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from rollplex.device import to_device
+from rollplex.engine.recurrent_state import DecodeStates, PrefillStates
 from rollplex.models.rope import apply_rotary
 from rollplex.ops.attention import PackedSegments, paged_decode_attention
 from rollplex.ops.fused_decode_triton import FusedLayerOps, rotary_store
@@ -34,9 +40,14 @@ from rollplex.ops.paged_decode_triton import paged_decode_attention_triton
 
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, layers: list[int] | None = None):
+        """A pool for `num_layers` layers: decoder layers 0 .. num_layers - 1, or those `layers` name."""
         if num_blocks < 1:
             raise ValueError(f"a KV pool needs at least one block, got {num_blocks}")
+        layers = list(range(num_layers)) if layers is None else layers
+        if len(layers) != num_layers:
+            raise ValueError(f"a KV pool of {num_layers} layers cannot hold decoder layers {layers}")
+        self.layer_index = {layer: i for i, layer in enumerate(layers)}
         self.num_layers, self.block_size = num_layers, block_size
         self.num_blocks = self.sink_block = num_blocks
         self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, torch.device(device)
@@ -69,9 +80,10 @@ class KVCache:
         return (self.num_blocks + 1) * self.bytes_per_block(self.num_layers, self.block_size, self.kv_heads,
                                                             self.head_dim, self.dtype)
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k, v) of layer i, each (blocks + 1, block_size, kv_heads, head_dim)."""
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) of decoder layer `layer`, each (blocks + 1, block_size, kv_heads, head_dim)."""
         assert self.data is not None, "the KV pool was released"
+        i = self.layer_index[layer]
         return self.data[i, 0], self.data[i, 1]
 
     def with_data(self, data: torch.Tensor) -> KVCache:
@@ -124,6 +136,8 @@ class PagedAttention:
     # Decode: the step's group-shared attention, (q, k_cache, v_cache) -> out (rollplex.engine.cascade).
     shared_prefix: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     layer_ops: FusedLayerOps | None = None  # the decoder layers' fused ops, or None: torch's
+    # The step's recurrent layers (rollplex.engine.recurrent_state), where the model has any.
+    states: PrefillStates | DecodeStates | None = None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of rotated q, k: k and v are stored first."""
@@ -143,6 +157,15 @@ class PagedAttention:
         k_cache, v_cache = self.cache.layer(layer)
         rotary_store(q, k, v, cos, sin, self.slot_mapping, k_cache, v_cache, qk_norm)
         return self._attend(q, k, v, k_cache, v_cache)
+
+    def short_convolution(self, layer: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """A recurrent layer's causal convolution, from and into its state slots (`states`)."""
+        return self.states.short_convolution(layer, x, weight)
+
+    def gated_delta(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor) -> torch.Tensor:
+        """A recurrent layer's gated delta rule, from and into its state slots (`states`)."""
+        return self.states.gated_delta(layer, q, k, v, g, beta)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:

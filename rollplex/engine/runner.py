@@ -15,8 +15,14 @@ blocks once for all its rows, eagerly or in a graph. All of that is behind one h
 `cascade` (rollplex.engine.cascade.SharedPrefixDecode; None when off), which gives
 an eager step its groups, and a graph's capture and replay their static group buffers.
 
+A model whose layers carry a recurrent state (Qwen3.5's Gated DeltaNet) has a
+state pool beside the KV pool (rollplex.engine.recurrent_state): a prefill writes
+each sequence's final state into the slots of the rows that decode from it, a
+decode step reads and updates each running row's slot, addressed in a graph
+through a static buffer of slot indices as block tables are.
+
 A graph bakes in the addresses it read at capture: each layer's K/V view of the
-pool, every weight and the rotary table. The pool stays at one address for the
+pool, the state pool, every weight and the rotary table. The pool stays at one address for the
 engine's life (rollplex.engine.kv_cache), so graphs are captured once per run,
 each batch-size bucket on its first use; the addresses are checked at each
 generate()'s first decode step, and the graphs are dropped (and captured again
@@ -56,6 +62,7 @@ from rollplex.dist import local_tensor
 from rollplex.engine.cascade import SharedPrefixDecode, StepGroups
 from rollplex.engine.decode_batch import DecodeBatch
 from rollplex.engine.kv_cache import KVCache, PagedAttention
+from rollplex.engine.recurrent_state import DecodeStates, PrefillStates, RecurrentStatePool
 from rollplex.engine.sequence import Sequence
 from rollplex.models.inputs import VisionEmbeds
 from rollplex.models.protocol import VisionLanguageModel
@@ -96,12 +103,14 @@ class GraphAddresses:
     pool: PoolGeometry
     weights: tuple[int, ...]
     rotary_table: int
+    states: tuple[PoolGeometry, PoolGeometry] | None = None  # the recurrent state pool's conv and recurrent slots
 
 
 class ModelRunner:
     def __init__(self, model: VisionLanguageModel, cache: KVCache, max_model_len: int, max_num_seqs: int,
-                 use_cuda_graphs: bool, shared_prefix_decode: bool = False, fused_decode: bool | None = None):
-        self.model, self.cache = model, cache
+                 use_cuda_graphs: bool, shared_prefix_decode: bool = False, fused_decode: bool | None = None,
+                 states: RecurrentStatePool | None = None):
+        self.model, self.cache, self.states = model, cache, states
         self.device = model.device
         # The layers' fused ops, or None: the torch ops. Set before the first decode: graphs capture it.
         use_fused = fused_decode_enabled(self.device) if fused_decode is None else fused_decode
@@ -167,21 +176,25 @@ class ModelRunner:
     # ------------------------------------------------------------------ prefill
 
     @torch.no_grad()
-    def prefill(self, seqs: list[Sequence], slots: list[list[int]]) -> torch.Tensor:
-        """Compute every token of each sequence, store its KV at `slots`, and
-        return float32 logits (len(seqs), vocab) of each sequence's last token.
-        On the caller's stream: its activations are the caller's memory."""
+    def prefill(self, seqs: list[Sequence], slots: list[list[int]], state_rows: list[int] = (),
+                state_sources: list[int] = ()) -> torch.Tensor:
+        """Compute every token of each sequence, store its KV at `slots` and, where the model
+        has recurrent layers, the final state of sequence `state_sources[j]` in the state slot of
+        decode row `state_rows[j]`; return float32 logits (len(seqs), vocab) of each sequence's
+        last token. On the caller's stream: its activations are the caller's memory."""
         with self.on_caller_stream():
-            return self._prefill(seqs, slots)
+            return self._prefill(seqs, slots, list(state_rows), list(state_sources))
 
-    def _prefill(self, seqs: list[Sequence], slots: list[list[int]]) -> torch.Tensor:
+    def _prefill(self, seqs: list[Sequence], slots: list[list[int]], state_rows: list[int],
+                 state_sources: list[int]) -> torch.Tensor:
         dev = self.device
         ids = torch.tensor([t for s in seqs for t in s.token_ids], device=dev)
         positions = torch.cat([s.positions(0, len(s)) for s in seqs], dim=1)
         bounds = [0, *itertools.accumulate(len(s) for s in seqs)]
+        states = None if self.states is None else PrefillStates(self.states, bounds, state_rows, state_sources)
         attn = PagedAttention(self.cache, torch.tensor([x for sl in slots for x in sl], device=dev),
                               prefill=PackedSegments(bounds, True, self.model.attn_backend, dev),
-                              backend=self.model.attn_backend, layer_ops=self.layer_ops)
+                              backend=self.model.attn_backend, layer_ops=self.layer_ops, states=states)
         prompt_mask = torch.cat([torch.arange(len(s)) < s.num_prompt for s in seqs]).to(dev)
         hidden = self.model(ids, positions, attn, self._vision_of(seqs), prompt_mask)
         return self.model.logits(hidden[to_device([b - 1 for b in bounds[1:]], dev)]).float()
@@ -213,7 +226,7 @@ class ModelRunner:
             return self._decode_eager(*inputs, groups=groups).float()
         static = self.static
         self._pad_rows(batch, bucket)
-        for name, value in zip(("ids", "positions", "slots", "tables", "lens"), inputs):
+        for name, value in zip(("ids", "positions", "slots", "tables", "lens", "state_rows"), inputs):
             buf = static[name]
             if name == "tables":
                 buf[:batch, :value.shape[1]].copy_(value)
@@ -251,23 +264,25 @@ class ModelRunner:
 
     def _decode_inputs(self, running: DecodeBatch) -> tuple[torch.Tensor, ...]:
         """The decode inputs, in running order: token ids, rope positions (one per token:
-        generated tokens are text), KV slots of the fed tokens, block tables and context
-        lengths. Block tables are as wide as the longest table of the batch (the torch
+        generated tokens are text), KV slots of the fed tokens, block tables, context
+        lengths and the rows' recurrent state slots (their decode rows). Block tables are as wide as the longest table of the batch (the torch
         path gathers that many blocks); a CUDA graph copies them into its full-width
         static buffer."""
         rows, step = running.device_rows, running.step_inputs(self.block_size)
         width = -(-step.longest // self.block_size)
         return (running.last_tokens[rows], step.positions, step.slots, running.block_tables[rows, :width],
-                step.lengths.int())
+                step.lengths.int(), rows)
 
-    def _decode_eager(self, ids, positions, slots, tables, lens, cache: KVCache | None = None,
-                      groups: StepGroups | None = None) -> torch.Tensor:
-        """The decode forward, on the engine's pool or on `cache` (a graph's captured view of it);
-        with `groups` (the rows sharing prompt blocks), group-shared attention."""
+    def _decode_eager(self, ids, positions, slots, tables, lens, state_rows, cache: KVCache | None = None,
+                      states: RecurrentStatePool | None = None, groups: StepGroups | None = None) -> torch.Tensor:
+        """The decode forward, on the engine's pools or on `cache` and `states` (a graph's captured
+        views of them); with `groups` (the rows sharing prompt blocks), group-shared attention."""
         shared_prefix = None if groups is None else groups.attention(tables, lens, self.block_size)
+        states = states or self.states
         attn = PagedAttention(cache or self.cache, slots, block_tables=tables, context_lens=lens,
                               backend=self.model.attn_backend, shared_prefix=shared_prefix,
-                              layer_ops=self.layer_ops)
+                              layer_ops=self.layer_ops,
+                              states=None if states is None else DecodeStates(states, state_rows))
         rotary = tuple(self.rotary_table[positions].chunk(2, dim=-1))
         return self.model.logits(self.model.forward_generated(ids, rotary, attn))
 
@@ -281,6 +296,7 @@ class ModelRunner:
         s["slots"][start:end] = self.cache.sink_block * self.block_size
         s["tables"][start:end] = self.cache.sink_block
         s["lens"][start:end] = 1
+        s["state_rows"][start:end] = self.states.sink_row if self.states is not None else 0
 
     def _drop_graphs(self) -> None:
         """Forget every graph (what they read has moved); each bucket is captured again at its next use,
@@ -298,6 +314,7 @@ class ModelRunner:
             "slots": torch.zeros(n, dtype=torch.long, device=dev),
             "tables": torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev),
             "lens": torch.ones(n, dtype=torch.int32, device=dev),
+            "state_rows": torch.zeros(n, dtype=torch.long, device=dev),
         }
 
     def _capture(self, bucket: int, batch: int) -> None:
@@ -313,8 +330,7 @@ class ModelRunner:
             self._make_static_buffers()
         self._pad_rows(0, self.max_num_seqs)
         s = self.static
-        args = (s["ids"][:bucket], s["positions"][:bucket], s["slots"][:bucket], s["tables"][:bucket],
-                s["lens"][:bucket])
+        args = tuple(s[name][:bucket] for name in ("ids", "positions", "slots", "tables", "lens", "state_rows"))
         groups = None if self.cascade is None else self.cascade.graph_groups(bucket)
         out_of_memory = None
         try:
@@ -368,10 +384,14 @@ class ModelRunner:
                       "now decodes eagerly (slower) until the graphs are captured again")
 
     def addresses(self) -> GraphAddresses:
-        """What a graph captured now would read by address: the KV pool (elsewhere once
-        released and allocated again), every weight (the trainer's gathered weights may
-        land elsewhere after each update) and the rotary table. Checked once per generate()."""
-        return GraphAddresses(PoolGeometry.of(self.cache.data), self.weight_addresses(), self.rotary_table.data_ptr())
+        """What a graph captured now would read by address: the KV pool and the state pool
+        (elsewhere once released and allocated again, or grown), every weight (the trainer's
+        gathered weights may land elsewhere after each update) and the rotary table. Checked
+        once per generate()."""
+        states = (None if self.states is None else
+                  (PoolGeometry.of(self.states.conv), PoolGeometry.of(self.states.recurrent)))
+        return GraphAddresses(PoolGeometry.of(self.cache.data), self.weight_addresses(), self.rotary_table.data_ptr(),
+                              states)
 
     def weight_addresses(self) -> tuple[int, ...]:
         tensors = itertools.chain(self.model.parameters(), self.model.buffers())
@@ -431,4 +451,10 @@ class _EagerGraph:
             raise RuntimeError("stale CUDA graph: the rotary table moved since capture; "
                                "on a GPU it would read the old (freed) table")
         pool = self.captured.pool.laid_on(runner.cache.data)
-        return runner._decode_eager(*self.inputs, cache=runner.cache.with_data(pool), groups=self.groups)
+        states = None
+        if runner.states is not None:
+            conv, recurrent = self.captured.states
+            states = runner.states.with_data(conv.laid_on(runner.states.conv),
+                                             recurrent.laid_on(runner.states.recurrent))
+        return runner._decode_eager(*self.inputs, cache=runner.cache.with_data(pool), states=states,
+                                    groups=self.groups)
