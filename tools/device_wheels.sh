@@ -12,8 +12,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DEVICE_TRANSFORMERS=5.17.0
 # math-verify and its parser: the math reward (pure Python; the image's sympy serves them).
+# fla-core: Qwen3.5's gated delta rule kernels (pure Python and Triton, ~1 MB; the image's einops serves it).
+# On that machine transformers' Qwen3.5 then runs fla's kernels too, on CUDA and on CPU tensors alike.
 wheels=(tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1
-        math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2)
+        math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
+        fla-core==0.6.0)
 minimum=$(sed -n 's/^ *"transformers>=\([0-9.]*\)".*/\1/p' pyproject.toml)
 [ -n "$minimum" ] || { echo "no transformers>= bound in pyproject.toml" >&2; exit 1; }
 if [ "$(printf '%s\n' "$DEVICE_TRANSFORMERS" "$minimum" | sort -V | tail -n 1)" != "$DEVICE_TRANSFORMERS" ]; then

@@ -1,6 +1,9 @@
 """Gated DeltaNet ops (Qwen3.5's linear-attention layers): the gated delta rule and the causal conv1d.
 
-Plain PyTorch over packed (varlen) sequences: the CPU path and the reference for later CUDA kernels.
+Plain PyTorch over packed (varlen) sequences: the CPU path and the reference. On CUDA the gated
+delta rule runs flash-linear-attention's kernels (the `fla-core` package, `pip install 'rollplex[gpu]'`)
+where it is installed: `resolve_delta_backend` chooses, as rollplex.ops.attention.resolve_backend does
+for attention. The convolutions stay torch everywhere (a depthwise conv1d, cheap beside the rule).
 A Gated DeltaNet layer keeps no KV cache; per sequence it keeps two states, the recurrent state
 S [Hv, Dk, Dv] of the gated delta rule and the last K-1 inputs of its causal depthwise conv.
 
@@ -25,7 +28,10 @@ Semantics fixed by transformers (5.17 to 5.24, modeling_qwen3_5):
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import itertools
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -33,6 +39,42 @@ import torch
 import torch.nn.functional as F
 
 Activation = Callable[[torch.Tensor], torch.Tensor] | None
+
+_HAS_FLA = importlib.util.find_spec("fla") is not None
+DELTA_BACKENDS = ("auto", "torch", "fla")
+INSTALL_FLA = "pip install 'rollplex[gpu]', or pip install fla-core"
+
+
+def fla_available(device: torch.device) -> bool:
+    """Whether flash-linear-attention's kernels can run on `device`: fla installed, and a CUDA device."""
+    return _HAS_FLA and device.type == "cuda"
+
+
+def resolve_delta_backend(name: str, device: torch.device) -> str:
+    """Turn a gated-delta-rule backend name (auto / torch / fla) into the one that runs on `device`.
+
+    As rollplex.ops.attention.resolve_backend treats flash-attn: "auto" is fla where it is installed
+    on CUDA, else torch, and asking for "fla" where it cannot run is an error. Unlike a missing
+    flash-attn, a CUDA device without fla is warned of (once): the torch path scans chunks in a
+    Python loop with a host sync per call, far slower than fla's kernels at training lengths.
+    """
+    if name not in DELTA_BACKENDS:
+        raise ValueError(f"unknown gated delta rule backend {name!r}: expected one of {', '.join(DELTA_BACKENDS)}")
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return "torch"
+    if fla_available(device):
+        return "fla"
+    if name == "fla":
+        raise RuntimeError("the gated delta rule's 'fla' backend needs flash-linear-attention and a CUDA device "
+                           f"({INSTALL_FLA}); use 'auto' or 'torch' otherwise")
+    _warn_fla_missing()
+    return "torch"
+
+
+@functools.cache
+def _warn_fla_missing() -> None:
+    warnings.warn("Gated DeltaNet layers run their plain-torch gated delta rule on CUDA, much slower than "
+                  f"flash-linear-attention's kernels, which are not installed ({INSTALL_FLA})", stacklevel=3)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -141,15 +183,48 @@ def chunk_gated_delta_rule(
     cu_seqlens: torch.Tensor,
     initial_state: torch.Tensor | None = None,
     chunk_size: int = 64,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over packed sequences, chunked: matrix ops within a chunk, a loop across chunks.
 
     q, k: [T, Hk, Dk], L2-normalised; v: [T, Hv, Dv]; g (log decay), beta: [T, Hv]; cu_seqlens: [N+1]
     sequence starts in the packed dim (0 first, T last); initial_state: [N, Hv, Dk, Dv] or None (zeros).
     Returns out [T, Hv, Dv] in v's dtype and the final states [N, Hv, Dk, Dv] fp32. Each sequence
-    starts from its own initial state; the scan batches all sequences that still have a chunk
-    at each step. Differentiable (autograd), initial_state included.
+    starts from its own initial state. Differentiable (autograd), initial_state included.
+    `backend` (`resolve_delta_backend`): fla's kernel (chunk_size 16, 32 or 64 there) or the torch scan.
     """
+    if resolve_delta_backend(backend, v.device) == "fla":
+        return _fla_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state, chunk_size)
+    return _torch_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state, chunk_size)
+
+
+def _fla_chunk_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None, chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """chunk_gated_delta_rule through fla's kernel (fla.ops.gated_delta_rule, fla-core 0.6).
+
+    fla takes packed sequences as a batch of one, [1, T, H, D], with int64 cu_seqlens. It takes the
+    key heads as they are: it reads key head h // (Hv / Hk) for value head h, our repeat_interleave.
+    Its states are ours, [N, Hv, Dk, Dv], returned in fp32, and it differentiates initial_state.
+    Its kernels multiply q and k tiles with v's, so q and k go in v's dtype (transformers' Qwen3.5
+    hands fla its activations' dtype too); they arrive L2-normalised, so fla's own norm stays off.
+    """
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
+    out, final_state = fla_chunk(
+        q.to(v.dtype).unsqueeze(0), k.to(v.dtype).unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0),
+        beta.unsqueeze(0), scale=k.shape[-1] ** -0.5,
+        initial_state=None if initial_state is None else initial_state.float(), output_final_state=True,
+        cu_seqlens=cu_seqlens.to(v.device, torch.long), chunk_size=chunk_size)
+    return out[0], final_state
+
+
+def _torch_chunk_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None, chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """chunk_gated_delta_rule in plain PyTorch: the scan batches all sequences that still have a chunk at each step."""
     num_seqs, value_heads = cu_seqlens.numel() - 1, v.shape[1]
     layout = _chunk_layout(cu_seqlens.to(v.device), chunk_size)
     q = _expand_key_heads(q.float() * k.shape[-1] ** -0.5, value_heads)
@@ -179,13 +254,42 @@ def chunk_gated_delta_rule(
 
 @torch.no_grad()
 def recurrent_gated_delta_step(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """One decode token per row: S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q / sqrt(Dk).
 
     q, k: [B, Hk, Dk] L2-normalised; v: [B, Hv, Dv]; g, beta: [B, Hv]; state: [B, Hv, Dk, Dv] fp32,
-    updated in place. Returns [B, Hv, Dv] in v's dtype.
+    updated in place. Returns [B, Hv, Dv] in v's dtype. `backend` (`resolve_delta_backend`): fla's
+    fused recurrent kernel or torch ops. Neither reads from the device, so CUDA graphs can capture them.
     """
+    if resolve_delta_backend(backend, v.device) == "fla":
+        return _fla_gated_delta_step(q, k, v, g, beta, state)
+    return _torch_gated_delta_step(q, k, v, g, beta, state)
+
+
+def _fla_gated_delta_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> torch.Tensor:
+    """recurrent_gated_delta_step through fla's fused_recurrent_gated_delta_rule: each row a sequence of
+    one token ([B, 1, H, D]), grouped key heads and state layout as in `_fla_chunk_gated_delta_rule`.
+    The kernel reads q and k in fp32 whatever v's dtype. fla 0.6's kernel neither updates a state in
+    place nor takes per-row slot indices (vLLM's copy of it does), so its new state is copied back:
+    one more read and write of the state than an in-place kernel, and still fewer than the torch
+    step's. It autotunes nothing: compiled on its first call, it can be captured (not yet run on a GPU)."""
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    out, new_state = fused_recurrent_gated_delta_rule(
+        q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), g.float().unsqueeze(1), beta=beta.unsqueeze(1),
+        scale=k.shape[-1] ** -0.5, initial_state=state, output_final_state=True)
+    state.copy_(new_state)
+    return out[:, 0]
+
+
+def _torch_gated_delta_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> torch.Tensor:
+    """recurrent_gated_delta_step in torch ops, in fp32."""
     value_heads = v.shape[1]
     q = _expand_key_heads(q.float() * k.shape[-1] ** -0.5, value_heads)
     k = _expand_key_heads(k.float(), value_heads)
