@@ -14,6 +14,7 @@ from rollplex.models import FAMILIES, Prompt, build_model, family_of, from_pretr
 from rollplex.models.protocol import CheckpointError, VisionLanguageModel, fsdp_entry_methods
 from rollplex.models.registry import NOT_SUPPORTED_YET
 from rollplex.ops.attention import PackedSegments
+from rollplex.ops.gated_delta import causal_conv1d, chunk_gated_delta_rule
 from rollplex.models.inputs import VisionSlots
 
 ROOT = Path(__file__).resolve().parents[1] / "rollplex"
@@ -87,16 +88,33 @@ def test_linear_params_are_the_matmuls_torch_counts(name):
     prompt = _image_prompt(model.args)
     inputs = model.prepare_vision(prompt.pixel_values, prompt.image_grid_thw)
     ids = torch.tensor([1, 5, 7, 9, 11])
-    attn = PackedSegments([0, len(ids)], True, "torch", torch.device("cpu"))
+    mixing = _OneSequence(len(ids))
     for run, units, expected in ((lambda: model.encode_prepared(inputs), len(prompt.pixel_values), linear.vision),
-                                 (lambda: model.forward_generated(ids, torch.arange(5).expand(3, -1),
-                                                                  lambda layer, q, k, v: attn(q, k, v)),
+                                 (lambda: model.forward_generated(ids, torch.arange(5).expand(3, -1), mixing),
                                   len(ids), linear.decoder)):
         with FlopCounterMode(display=False) as counter:
             run()
         counts = counter.get_flop_counts()["Global"]
         matmuls = sum(n for op, n in counts.items() if str(op) in ("aten.mm", "aten.addmm"))
         assert matmuls == 2 * expected * units
+
+
+class _OneSequence:
+    """What a decoder's layers mix one whole sequence through: causal attention, and (for
+    layers with a recurrent state) the convolution and the gated delta rule from zero."""
+
+    def __init__(self, length: int):
+        self.attention = PackedSegments([0, length], True, "torch", torch.device("cpu"))
+        self.cu_seqlens = torch.tensor([0, length])
+
+    def __call__(self, layer, q, k, v):
+        return self.attention(q, k, v)
+
+    def short_convolution(self, layer, x, weight):
+        return causal_conv1d(x, weight, self.cu_seqlens)[0]
+
+    def gated_delta(self, layer, q, k, v, g, beta):
+        return chunk_gated_delta_rule(q, k, v, g, beta, self.cu_seqlens)[0]
 
 
 def _image_prompt(args) -> Prompt:
@@ -142,18 +160,15 @@ def test_every_entry_gathers_the_root(name):
         ids = prompt.input_ids
         slots = VisionSlots.find(model.args, ids)
         h = fresh().embed_prompts(ids, vision, slots)
-        attn = PackedSegments([0, len(ids)], True, "torch", torch.device("cpu"))
         positions = pack_sequences(model.args, [prompt]).position_ids
-        for h in model.layer_by_layer(h, positions, lambda layer, q, k, v: attn(q, k, v), vision, slots):
+        for h in model.layer_by_layer(h, positions, _OneSequence(len(ids)), vision, slots):
             pass
         out.append(fresh().logits(h))
         generated = torch.tensor([4, 8])
-        out.append(fresh().forward_generated(generated, torch.arange(2).expand(3, -1),
-                                             lambda layer, q, k, v: attn2(q, k, v)))
+        out.append(fresh().forward_generated(generated, torch.arange(2).expand(3, -1), _OneSequence(2)))
         out.append(fresh().logits(fresh().forward_packed(batch)))
         return out
 
-    attn2 = PackedSegments([0, 2], True, "torch", torch.device("cpu"))
     with torch.no_grad():
         for ours, reference in zip(calls(sharded), calls(plain), strict=True):
             torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)

@@ -384,11 +384,11 @@ def test_bad_config_is_a_clear_error(change, message):
         args_from_hf_config(cfg)
 
 
-def test_not_registered_yet():
-    """Registered, the engine-parametrised tests would run it; the engine cannot hold its state yet."""
-    assert "qwen3_5" not in FAMILIES
-    with pytest.raises(CheckpointError, match="model is built .* state slots"):
-        family_of_config(hf_config_from_args(tiny_args()))
+def test_registered_by_model_type_and_moe_refused():
+    """A config.json of model_type qwen3_5 picks the family; its MoE variants say what they need."""
+    assert family_of_config(hf_config_from_args(tiny_args())) is FAMILIES["qwen3_5"] is FAMILY
+    with pytest.raises(CheckpointError, match="qwen3_5_moe.*sparse expert layers"):
+        family_of_config({"model_type": "qwen3_5_moe"})
 
 
 # ----------------------------------------------------------------------------- shape, protocol, counts

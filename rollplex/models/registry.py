@@ -8,18 +8,15 @@ from typing import Any
 from rollplex.models.family import ModelFamily
 from rollplex.models.protocol import CheckpointError
 from rollplex.models.qwen2_5_vl import FAMILY as QWEN2_5_VL
+from rollplex.models.qwen3_5 import FAMILY as QWEN3_5
 from rollplex.models.qwen3_vl import FAMILY as QWEN3_VL
 
-FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (QWEN2_5_VL, QWEN3_VL)}
+FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (QWEN2_5_VL, QWEN3_VL, QWEN3_5)}
 
 # Model types a config.json may name that are not built yet, with what they would need (docs/ARCHITECTURE.md,
-# "Adding a model family"): the families' relatives, and Qwen3.5.
+# "Adding a model family"): the families' relatives, and Qwen3.5's MoE variants.
 NOT_SUPPORTED_YET: dict[str, str] = {
     **{k: why for family in FAMILIES.values() for k, why in family.relatives_not_supported.items()},
-    "qwen3_5": "the model is built (rollplex.models.qwen3_5: from_pretrained(path, family=FAMILY) loads it for "
-               "a packed forward), but its Gated DeltaNet layers carry a recurrent state instead of a KV cache, "
-               "and the engine has no state slots for it yet, nor do the shared- and kept-prefix passes carry a "
-               "prompt's state into its responses",
     "qwen3_5_moe": "Qwen3.5's MoE variants need both sparse expert layers and a recurrent-state cache",
 }
 

@@ -49,9 +49,10 @@ def suffix_flops(args: FamilyArgs, groups: list[tuple[int, list[int]]]) -> float
 
 def _flops(args: FamilyArgs, tokens: int, targets: int, pairs: int, grids) -> float:
     t, v = args.text, args.vision
-    linear = family_of(args).linear_params(args)
+    family = family_of(args)
+    linear = family.linear_params(args)
     flops = 2 * linear.decoder * tokens + 2 * t.hidden_size * t.vocab_size * targets
-    flops += 4 * t.head_dim * t.num_attention_heads * t.num_hidden_layers * pairs
+    flops += 4 * t.head_dim * t.num_attention_heads * family.kv_layers(args) * pairs
     for grid in grids:
         if grid is None:
             continue
