@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import itertools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -31,6 +32,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from rollplex.device import to_device
 from rollplex.ops.flex_attention import FlexPacked, FlexPrefixed
+from rollplex.ops.gated_delta import causal_conv1d, chunk_gated_delta_rule
 from rollplex.ops.paged_decode_triton import paged_decode_attention_triton, triton_available
 
 _HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
@@ -294,15 +296,29 @@ def shared_prefix_segments(groups: list[GroupLayout]) -> list[QuerySegment]:
 
 class KeptPrefixAttention:
     """Suffix-only passes: the batch holds response tokens only; their prompts
-    were computed earlier and left their per-layer K/V (`keys[layer]`,
-    `values[layer]`, rotary applied). Same kernels and segments as
-    SharedPrefixAttention's responses, so the two paths agree; gradients flow
-    into the kept K/V. A plain class for the reason SharedPrefixAttention is."""
+    were computed earlier and left, per layer (by decoder layer index), their
+    K/V (`keys[layer]`, `values[layer]`, rotary applied). Same kernels and
+    segments as SharedPrefixAttention's responses, so the two paths agree;
+    gradients flow into the kept K/V.
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], groups: list[GroupLayout],
-                 backend: str = "torch"):
+    In a hybrid decoder (Qwen3.5) the layers that carry a recurrent state call
+    `short_convolution` and `gated_delta` instead: each response runs as a
+    sequence of its own from its prompt's kept final states (`conv_states[layer]`,
+    `recurrent_states[layer]`, one row per kept prompt; group i follows kept
+    prompt `group_prompts[i]`; the groups' responses lie back to back from row
+    0), as the shared-prefix pass runs its responses (`ResponsesFromPromptStates`);
+    gradients flow into the kept states. A plain class for the reason
+    SharedPrefixAttention is."""
+
+    def __init__(self, keys: Mapping[int, torch.Tensor] | Sequence[torch.Tensor],
+                 values: Mapping[int, torch.Tensor] | Sequence[torch.Tensor], groups: list[GroupLayout],
+                 backend: str = "torch", conv_states: Mapping[int, torch.Tensor] | None = None,
+                 recurrent_states: Mapping[int, torch.Tensor] | None = None, group_prompts: Sequence[int] = ()):
         self.keys, self.values, self.groups, self.backend = keys, values, groups, backend
+        self.conv_states, self.recurrent_states = conv_states or {}, recurrent_states or {}
+        self.group_prompts = group_prompts
         self.segments: PrefixedSegments | None = None
+        self.responses: ResponsesFromPromptStates | None = None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kept_k, kept_v = self.keys[layer], self.values[layer]
@@ -311,6 +327,59 @@ class KeptPrefixAttention:
             self.segments = PrefixedSegments(segments, self.backend, q.device)
         # Keys are read from [kept prompt rows | this batch's rows]; the segments index that concatenation.
         return self.segments(q, torch.cat([kept_k, k]), torch.cat([kept_v, v]))
+
+    def short_convolution(self, layer: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x (T, channels) through the depthwise causal convolution `weight` (channels, kernel), then SiLU,
+        each response's window reaching back into its prompt's kept last inputs."""
+        return self._responses(x.device).short_convolution(x, weight, self.conv_states[layer])
+
+    def gated_delta(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor) -> torch.Tensor:
+        """The gated delta rule over each response from its prompt's kept recurrent state
+        (rollplex.ops.gated_delta.chunk_gated_delta_rule's shapes)."""
+        return self._responses(v.device).gated_delta(q, k, v, g, beta, self.recurrent_states[layer])
+
+    def _responses(self, device: torch.device) -> ResponsesFromPromptStates:
+        if self.responses is None:  # built once per forward: every recurrent layer runs the same responses
+            if len(self.group_prompts) != len(self.groups):
+                raise ValueError(f"{len(self.groups)} groups but {len(self.group_prompts)} group_prompts: a recurrent "
+                                 "layer needs the kept prompt each group follows")
+            expected_start = 0
+            for g in self.groups:
+                if g.responses_start != expected_start:
+                    raise ValueError(f"group {g}: the responses must lie back to back from row 0")
+                expected_start = g.end
+            self.responses = ResponsesFromPromptStates(
+                [n for g in self.groups for n in g.response_lens],
+                [p for g, p in zip(self.groups, self.group_prompts) for _ in g.response_lens], device)
+        return self.responses
+
+
+class ResponsesFromPromptStates:
+    """Responses packed back to back, each a sequence of its own whose short convolution and
+    gated delta rule (Qwen3.5's Gated DeltaNet layers, rollplex.ops.gated_delta) start from its
+    prompt's final states: what the response sees after its prompt in one full sequence. The
+    prompt's states are repeated per response, so each response's gradient reaches them and the
+    prompt's is summed over its responses. The shared-prefix pass (prompt states computed in the
+    same layer) and the kept-prefix suffix passes (states kept from an earlier prompt pass) both
+    run their responses through it. Index tensors are built once, from host lists, on `device`."""
+
+    def __init__(self, response_lens: Sequence[int], prompt_of_response: Sequence[int],
+                 device: torch.device | str):
+        self.cu_seqlens = torch.tensor([0, *itertools.accumulate(response_lens)], dtype=torch.long, device=device)
+        self.prompt_of_response = torch.tensor(prompt_of_response, dtype=torch.long, device=device)
+
+    def short_convolution(self, x: torch.Tensor, weight: torch.Tensor, prompt_tails: torch.Tensor) -> torch.Tensor:
+        """x (response tokens, channels) through the depthwise causal convolution `weight` (channels,
+        kernel), then SiLU; `prompt_tails` (prompts, channels, kernel - 1): each prompt's last inputs."""
+        return causal_conv1d(x, weight, self.cu_seqlens, initial_state=prompt_tails[self.prompt_of_response])[0]
+
+    def gated_delta(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    prompt_states: torch.Tensor) -> torch.Tensor:
+        """The gated delta rule over each response (chunk_gated_delta_rule's shapes) from
+        `prompt_states` (prompts, value heads, key dim, value dim), each prompt's final state."""
+        return chunk_gated_delta_rule(q, k, v, g, beta, self.cu_seqlens,
+                                      initial_state=prompt_states[self.prompt_of_response])[0]
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,16 @@
 A GRPO group's prompt (its image or video tokens and the question) does not
 depend on the sampled responses, so its forward can run before the responses
 exist, once per prompt. `prompt_forward` runs a chunk of prompts through the
-model one decoder layer at a time and keeps, per layer, the K/V of every prompt
-token (rotary applied) plus the final hidden state of each prompt's last token
-(which predicts the first response token). `suffix_hidden` later runs only
-the response tokens: each response attends to its prompt's kept K/V and,
-causally, to its own tokens (`KeptPrefixAttention`), the same math as the
-packed shared-prefix forward, so both paths give the same logprobs.
+model one decoder layer at a time and keeps, per attention layer, the K/V of
+every prompt token (rotary applied), per layer that carries a recurrent state
+instead (a hybrid decoder's Gated DeltaNet: short convolution and gated delta
+rule, rollplex.ops.gated_delta) each prompt's final convolution tail and
+recurrent state, plus the final hidden state of each prompt's last token (which
+predicts the first response token). `suffix_hidden` later runs only the
+response tokens: each response attends to its prompt's kept K/V and, causally,
+to its own tokens, and continues its prompt's kept recurrent states
+(`KeptPrefixAttention`), the same math as the packed shared-prefix forward, so
+both paths give the same logprobs.
 
 For the actor the prompt forward keeps its autograd graph. The suffix passes
 read detached copies of the kept tensors (`KeptPrefix.boundary`), leaves
@@ -20,7 +24,9 @@ the vision tower.
 positions, attention and vision indices) up front, and `prompt_forward` then
 reads nothing back from the device and copies nothing to it: the RL loop
 prepares before rollout and runs the forward in slices between decode steps,
-which must never wait on the GPU (rollplex.rl.prompt_work).
+which must never wait on the GPU (rollplex.rl.prompt_work). Not yet so for a
+hybrid decoder: the recurrent layers' torch ops (rollplex.ops.gated_delta) read
+their sequence boundaries back from the device.
 """
 
 from __future__ import annotations
@@ -36,20 +42,26 @@ from rollplex.models.packing import pack_sequences
 from rollplex.models.protocol import VisionLanguageModel
 from rollplex.models.rope import generated_positions
 from rollplex.ops.attention import GroupLayout, KeptPrefixAttention, PackedSegments
+from rollplex.ops.gated_delta import causal_conv1d, chunk_gated_delta_rule
 from rollplex.train.flops import prompt_flops
 
 
 @dataclass
 class KeptPrefix:
-    """Per-layer K/V of a chunk of prompts packed end to end, and each prompt's
-    last hidden state."""
+    """What a chunk of prompts packed end to end leaves for the passes that continue
+    them, per decoder layer by its index: an attention layer's K/V, a recurrent
+    layer's final states per prompt; and each prompt's last hidden state."""
 
-    keys: list[torch.Tensor]  # per layer: (prompt tokens, kv_heads, head_dim)
-    values: list[torch.Tensor]
+    keys: dict[int, torch.Tensor]  # per attention layer: (prompt tokens, kv_heads, head_dim)
+    values: dict[int, torch.Tensor]
     last_hidden: torch.Tensor  # (prompts, hidden)
     prompt_lens: list[int]
     rope_deltas: list[int]
     flops: float = 0.0  # forward FLOPs of the prompt pass (its backward costs twice that)
+    # Per recurrent layer: the short convolution's last inputs (prompts, channels, kernel - 1), and the
+    # gated delta rule's state (prompts, value heads, key dim, value dim) in float32.
+    conv_states: dict[int, torch.Tensor] = field(default_factory=dict)
+    recurrent_states: dict[int, torch.Tensor] = field(default_factory=dict)
     graph_outputs: list[torch.Tensor] = field(default_factory=list)  # set by boundary(): tensors with the graph
 
     @property
@@ -65,45 +77,71 @@ class KeptPrefix:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def tensors(self) -> list[torch.Tensor]:
-        return [*self.keys, *self.values, self.last_hidden]
+        return [*self.keys.values(), *self.values.values(), *self.conv_states.values(),
+                *self.recurrent_states.values(), self.last_hidden]
 
     def boundary(self) -> "KeptPrefix":
         """Detached leaf copies (same storage) that collect the suffix passes'
         gradients; this prefix's graph stays reachable through graph_outputs."""
-        leaves = [t.detach().requires_grad_(True) for t in self.tensors()]
-        layers = len(self.keys)
-        return replace(self, keys=leaves[:layers], values=leaves[layers:2 * layers], last_hidden=leaves[-1],
-                       graph_outputs=self.tensors())
+        leaves = iter([t.detach().requires_grad_(True) for t in self.tensors()])
+
+        def leaves_of(kept: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+            return {layer: next(leaves) for layer in kept}
+
+        # Keyword arguments are evaluated in order: the order of tensors().
+        return replace(self, keys=leaves_of(self.keys), values=leaves_of(self.values),
+                       conv_states=leaves_of(self.conv_states), recurrent_states=leaves_of(self.recurrent_states),
+                       last_hidden=next(leaves), graph_outputs=self.tensors())
 
     def backward_into_prompt(self) -> None:
         """Backpropagate the gradients gathered at the boundary through the prompt
-        forward (once for all the micro-batches that read it), then drop them."""
-        pairs = [(out, leaf.grad) for out, leaf in zip(self.graph_outputs, self.tensors()) if leaf.grad is not None]
+        forward (once for all the micro-batches that read it), then drop them. A kept
+        tensor that no trained parameter produced (a frozen first layer's) has no graph
+        to run back through."""
+        pairs = [(out, leaf.grad) for out, leaf in zip(self.graph_outputs, self.tensors())
+                 if leaf.grad is not None and out.requires_grad]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         for leaf in self.tensors():
             leaf.grad = None
 
 
-class _CaptureKV:
-    """Causal attention within each prompt that also keeps every layer's K/V.
+class _CapturePrompt:
+    """What a prompt forward's layers mix tokens through, keeping what the suffix
+    passes read: an attention layer attends causally within each prompt and keeps
+    its K/V; a recurrent layer runs its short convolution and gated delta rule over
+    each prompt from a zero state and keeps each prompt's final states.
 
-    A plain class, not a dataclass: FSDP2 rebuilds dataclass arguments of a
-    module call (to cast their tensors), which would give each layer a fresh
-    copy of the lists being filled."""
+    Under activation checkpointing the prompt's backward runs each layer again:
+    each layer keeps the forward's tensors (the ones the suffix passes read), not
+    a second copy. A plain class, not a dataclass: FSDP2 rebuilds dataclass
+    arguments of a module call (to cast their tensors), which would give each
+    layer a fresh copy of the dicts being filled."""
 
-    def __init__(self, attention: PackedSegments):
-        self.attention = attention
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
+    def __init__(self, attention: PackedSegments, cu_seqlens: torch.Tensor):
+        self.attention, self.cu_seqlens = attention, cu_seqlens
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.conv_states: dict[int, torch.Tensor] = {}
+        self.recurrent_states: dict[int, torch.Tensor] = {}
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # Under activation checkpointing the prompt's backward runs each layer again: keep the
-        # forward's K/V (the ones the suffix passes read), not a second copy of every layer's.
-        if layer == len(self.keys):
-            self.keys.append(k)
-            self.values.append(v)
+        self.keys.setdefault(layer, k)
+        self.values.setdefault(layer, v)
         return self.attention(q, k, v)
+
+    def short_convolution(self, layer: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x (T, channels) through the depthwise causal convolution `weight` (channels, kernel), then SiLU."""
+        out, tails = causal_conv1d(x, weight, self.cu_seqlens)
+        self.conv_states.setdefault(layer, tails)
+        return out
+
+    def gated_delta(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor) -> torch.Tensor:
+        """The gated delta rule over each prompt (rollplex.ops.gated_delta.chunk_gated_delta_rule's shapes)."""
+        out, states = chunk_gated_delta_rule(q, k, v, g, beta, self.cu_seqlens)
+        self.recurrent_states.setdefault(layer, states)
+        return out
 
 
 @dataclass
@@ -116,6 +154,7 @@ class PromptChunk:
     position_ids: torch.Tensor  # (3, T)
     slots: VisionSlots
     attention: PackedSegments  # causal within each prompt
+    cu_seqlens: torch.Tensor  # (prompts + 1,) the prompts' boundaries, for the recurrent layers' ops
     last: torch.Tensor  # (prompts,) each prompt's last token
     cached_vision: VisionEmbeds | None  # the prompts' cached features, or None: the forward runs the tower
     tower_inputs: Any  # the tower's inputs when it runs (the family's `prepare_vision`), or None
@@ -137,6 +176,7 @@ def prepare_prompts(model: VisionLanguageModel, prompts: list[Prompt],
         batch.lengths, batch.rope_deltas, input_ids, batch.position_ids.to(device),
         slots=VisionSlots.find(model.args, input_ids),
         attention=PackedSegments(cu_seqlens, True, model.attn_backend, device),
+        cu_seqlens=batch.cu_seqlens.to(device, torch.long),
         last=torch.tensor(cu_seqlens[1:], device=device) - 1, cached_vision=vision, tower_inputs=tower,
         flops=prompt_flops(model.args, batch, with_vision=vision is None))
 
@@ -151,10 +191,11 @@ def prompt_forward(model: VisionLanguageModel, chunk: PromptChunk) -> Iterator[K
         yield None
     h = model.embed_prompts(chunk.input_ids, vision, chunk.slots)
     yield None
-    capture = _CaptureKV(chunk.attention)
+    capture = _CapturePrompt(chunk.attention, chunk.cu_seqlens)
     for h in model.layer_by_layer(h, chunk.position_ids, capture, vision, chunk.slots):
         yield None
-    yield KeptPrefix(capture.keys, capture.values, h[chunk.last], chunk.lengths, chunk.rope_deltas, chunk.flops)
+    yield KeptPrefix(capture.keys, capture.values, h[chunk.last], chunk.lengths, chunk.rope_deltas, chunk.flops,
+                     conv_states=capture.conv_states, recurrent_states=capture.recurrent_states)
 
 
 @dataclass
@@ -180,8 +221,9 @@ def suffix_hidden(model: VisionLanguageModel, kept: KeptPrefix, units: list[Suff
             positions.append(generated_positions(n_prompt, n_prompt + len(r), delta))
             rows.append((u.prompt, offset, len(r)))
             offset += len(r)
+    mixing = KeptPrefixAttention(kept.keys, kept.values, groups, model.attn_backend, conv_states=kept.conv_states,
+                                 recurrent_states=kept.recurrent_states, group_prompts=[u.prompt for u in units])
     hidden = model.forward_generated(to_device(torch.cat(ids), device), to_device(torch.cat(positions, dim=1), device),
-                                     KeptPrefixAttention(kept.keys, kept.values, groups,
-                                                         model.attn_backend))
+                                     mixing)
     return torch.cat([piece for prompt, start, n in rows
                       for piece in (kept.last_hidden[prompt:prompt + 1], hidden[start:start + n - 1])])

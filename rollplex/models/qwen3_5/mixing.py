@@ -8,8 +8,10 @@ passes over whole sequences): attention within each sequence, and every
 sequence's convolution and recurrence from a zero state, so no state crosses a
 sequence boundary. `SharedPrefixHybridAttention` serves GRPO groups whose prompt is
 computed once: each response's convolution and recurrence start from its prompt's
-final states. The engine's decode and the kept-prefix passes will pass objects with
-the same three calls that read and write each sequence's state slot.
+final states (the step it shares with the kept-prefix suffix passes, whose backend,
+rollplex.ops.attention.KeptPrefixAttention, reads states kept from an earlier prompt
+pass: `ResponsesFromPromptStates`). The engine's decode will pass an object with the
+same three calls that reads and writes each sequence's state slot.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import itertools
 
 import torch
 
-from rollplex.ops.attention import GroupLayout, SharedPrefixAttention, VarlenAttention
+from rollplex.ops.attention import GroupLayout, ResponsesFromPromptStates, SharedPrefixAttention, VarlenAttention
 from rollplex.ops.gated_delta import causal_conv1d, chunk_gated_delta_rule
 
 
@@ -51,9 +53,10 @@ class SharedPrefixHybridAttention:
     (`SharedPrefixAttention`). DeltaNet layers run every prompt from a zero state, then every
     response as a sequence of its own that starts from its prompt's final states (the
     convolution's last inputs and the recurrent state, repeated per response): what the
-    response would see after its prompt in one full sequence. Each response's gradient reaches
-    its prompt through those states, so the prompt's is summed over its responses, as the
-    per-response full sequences would give it. A plain class for the reason PackedHybridAttention is.
+    response would see after its prompt in one full sequence (`ResponsesFromPromptStates`). Each
+    response's gradient reaches its prompt through those states, so the prompt's is summed over its
+    responses, as the per-response full sequences would give it. A plain class for the reason
+    PackedHybridAttention is.
     """
 
     def __init__(self, groups: list[GroupLayout], device: torch.device | str, backend: str = "torch"):
@@ -67,9 +70,8 @@ class SharedPrefixHybridAttention:
         self.prompt_rows, self.response_rows = prompt_rows.to(device), response_rows.to(device)
         self.restore = torch.cat([prompt_rows, response_rows]).argsort().to(device)
         self.prompt_cu_seqlens = _cumulative_lengths([g.prompt_len for g in groups], device)
-        self.response_cu_seqlens = _cumulative_lengths([n for g in groups for n in g.response_lens], device)
-        self.group_of_response = torch.tensor([i for i, g in enumerate(groups) for _ in g.response_lens],
-                                              device=device)
+        self.responses = ResponsesFromPromptStates([n for g in groups for n in g.response_lens],
+                                                   [i for i, g in enumerate(groups) for _ in g.response_lens], device)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.attention(layer, q, k, v)
@@ -79,8 +81,7 @@ class SharedPrefixHybridAttention:
         each response's window reaches back into its prompt's last inputs."""
         self._check_tokens(x)
         prompt_out, prompt_tail = causal_conv1d(x[self.prompt_rows], weight, self.prompt_cu_seqlens)
-        response_out, _ = causal_conv1d(x[self.response_rows], weight, self.response_cu_seqlens,
-                                        initial_state=prompt_tail[self.group_of_response])
+        response_out = self.responses.short_convolution(x[self.response_rows], weight, prompt_tail)
         return torch.cat([prompt_out, response_out])[self.restore]
 
     def gated_delta(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -91,8 +92,7 @@ class SharedPrefixHybridAttention:
         inputs = (q, k, v, g, beta)
         prompt_out, prompt_state = chunk_gated_delta_rule(*(x[self.prompt_rows] for x in inputs),
                                                           self.prompt_cu_seqlens)
-        response_out, _ = chunk_gated_delta_rule(*(x[self.response_rows] for x in inputs), self.response_cu_seqlens,
-                                                 initial_state=prompt_state[self.group_of_response])
+        response_out = self.responses.gated_delta(*(x[self.response_rows] for x in inputs), prompt_state)
         return torch.cat([prompt_out, response_out])[self.restore]
 
     def _check_tokens(self, x: torch.Tensor) -> None:
