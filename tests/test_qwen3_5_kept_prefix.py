@@ -29,8 +29,8 @@ def registered(monkeypatch):
 
 @pytest.fixture(scope="module")
 def model() -> Qwen3_5:
-    model = build_model(FAMILY.tiny_args(), seed=3, init_std=None, family=FAMILY)
-    g = torch.Generator().manual_seed(3)
+    model = build_model(FAMILY.tiny_args(), seed=1, init_std=None, family=FAMILY)
+    g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # decays exp(g) near 1, so that the state a prompt leaves matters to its responses
         for layer in model.language_model.layers:
             if hasattr(layer, "linear_attn"):
