@@ -13,18 +13,11 @@ from rollplex.models import build_model
 from rollplex.models.inputs import Group, Prompt, Sample
 from rollplex.models.packing import pack_groups
 from rollplex.models.qwen3_5 import FAMILY, Qwen3_5
-from rollplex.models.registry import FAMILIES
 from rollplex.train.actor import Actor, ActorConfig, PolicyBatch, response_logprobs
 from rollplex.train.kept_prefix import KeptPrefix, SuffixUnit, prepare_prompts, prompt_forward, suffix_hidden
 from rollplex.train.logprob_head import token_logprobs
 
 IMG, VSTART, VEND = 90, 92, 93  # tiny_args's image pad, vision start and end
-
-
-@pytest.fixture(autouse=True)
-def registered(monkeypatch):
-    """The FLOP counts find a model's family in the registry, which lists Qwen3.5 only once its engine is built."""
-    monkeypatch.setitem(FAMILIES, FAMILY.name, FAMILY)
 
 
 @pytest.fixture(scope="module")

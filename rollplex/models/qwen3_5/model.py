@@ -11,9 +11,8 @@ at their pad tokens, logits, the transformers-style forward); what differs here:
   groups sharing their prompt, a `SharedPrefixHybridAttention`, which starts each
   response's convolution and recurrence from its prompt's final states.
 
-Not built yet: the engine's decode (`forward_generated` needs per-sequence state
-slots for the DeltaNet layers) and the kept-prefix passes (a response's recurrence
-must start from a prompt state computed in an earlier pass).
+The engine's decode and prefill, and the kept-prefix passes, pass their own
+backends with the same calls (rollplex.engine.recurrent_state, rollplex.train.kept_prefix).
 """
 
 from __future__ import annotations
