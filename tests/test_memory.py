@@ -4,6 +4,8 @@ prompt work by the plan's own estimate, which matches what a prompt forward
 keeps; no tensor memory grows across steps; a run that cannot fit fails before
 any work starts, naming the bytes and the settings to change."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -12,16 +14,22 @@ from rollplex.config import LoRAConfig, load_config
 from rollplex.models import build_model
 from rollplex.models.inputs import Prompt
 from rollplex.models.qwen2_5_vl import ModelArgs, TextArgs, VisionArgs
+from rollplex.models.qwen3_5 import FULL_ATTENTION, LINEAR_ATTENTION
+from rollplex.models.qwen3_5 import tiny_args as qwen3_5_tiny_args
+from rollplex.models.qwen3_5.decoder import HybridDecoderLayer
+from rollplex.models.qwen3_5.mixing import PackedHybridAttention
 from rollplex.rl import memory, prompt_work
 from rollplex.rl.loop import RLTrainer, balanced_share
 from rollplex.rl.trainer import build_trainer
 from rollplex.rl.memory import (MemoryOptions, MemoryPlanError, live_tensor_bytes, loop_phase_bytes,
                                 kept_prompt_state)
+from rollplex.rl.memory.estimates import _layer_forward_bytes, deltanet_layer_bytes
 from rollplex.rl.schedules.prompt_items import PromptItem
 from rollplex.train.actor import Actor, ActorConfig
 from rollplex.train.kept_prefix import prepare_prompts, prompt_forward
 from rollplex.train.lora import apply_lora, freeze_base, is_adapter
 from rollplex.train.parallelize import apply_activation_checkpointing
+from test_memory_plan import register_qwen3_5
 from test_model import IMG, VEND, VID, VSTART, image, tiny_args
 from test_shared_prefix import groups
 
@@ -179,12 +187,28 @@ def prompts() -> list[Prompt]:
     return out
 
 
-def bytes_kept(fn) -> int:
-    """Bytes `fn` allocates and does not free (the torch profiler's memory events)."""
+def memory_events(fn) -> list[int]:
+    """The bytes of each allocation (> 0) and free (< 0) `fn` makes, in order (the torch profiler's memory
+    events); `fn` returns what it keeps."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         kept = fn()
     assert kept is not None
-    return sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    return [e.nbytes() for e in sorted(events, key=lambda e: e.start_ns())]
+
+
+def bytes_kept(fn) -> int:
+    """Bytes `fn` allocates and does not free."""
+    return sum(memory_events(fn))
+
+
+def peak_bytes(fn) -> int:
+    """The most bytes `fn` holds at once of what it allocates."""
+    held, peak = 0, 0
+    for nbytes in memory_events(fn):
+        held += nbytes
+        peak = max(peak, held)
+    return peak
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -261,6 +285,30 @@ def test_the_backward_of_a_checkpointed_prompt_forward_keeps_no_second_copy_of_i
         pass
     kept.last_hidden.float().square().sum().backward()  # recomputes every layer
     assert len(kept.keys) == len(kept.values) == model.args.text.num_hidden_layers
+
+
+@pytest.mark.parametrize("dtype,within", [(torch.float32, 0.02), (torch.bfloat16, 0.1)])
+def test_a_deltanet_layer_keeps_and_peaks_at_what_the_plan_estimates(monkeypatch, dtype, within):
+    """A Gated DeltaNet decoder layer over two 256-token sequences (the plain-torch chunked rule) keeps for
+    backward what `deltanet_layer_bytes` counts: within 2% in float32, within 10% in bfloat16 (Qwen3.5's
+    zero-centred norms keep float32 copies the estimate leaves out); its forward without a graph peaks within
+    15% of the plan's estimate of a layer's forward (the rule's intermediates, not the MLP's, make it)."""
+    register_qwen3_5(monkeypatch)
+    base = qwen3_5_tiny_args()
+    text = dataclasses.replace(base.text, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                               layer_types=[LINEAR_ATTENTION, FULL_ATTENTION], linear_key_head_dim=64,
+                               linear_value_head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4)
+    args = dataclasses.replace(base, text=text)
+    layer = HybridDecoderLayer(text, 0).to(dtype)
+    tokens, mixing = 512, PackedHybridAttention([0, 256, 512], "cpu")
+    x = torch.randn(tokens, text.hidden_size, dtype=dtype, requires_grad=True)
+    held = bytes_kept(lambda: layer(x, None, None, mixing))  # a DeltaNet layer reads no rotary table
+    estimate = tokens * deltanet_layer_bytes(text, dtype.itemsize)
+    assert abs(estimate / held - 1) <= within, (estimate, held)
+    with torch.no_grad():
+        peak = peak_bytes(lambda: layer(x, None, None, mixing))
+    estimate = tokens * _layer_forward_bytes(args, dtype.itemsize, 1, "torch")
+    assert abs(estimate / peak - 1) <= 0.15, (estimate, peak)
 
 
 # ----------------------------------------------------------------------------- sizes and failures

@@ -1,7 +1,8 @@
 """The memory plan: its exact figures equal hand-computed sizes, its schedules keep
 their invariants (naive never below Rollplex, each class within its lifetime), it
 decides the sizes a run leaves to it within the device's memory or says what does
-not fit, and it predicts the first H200 run's measured peaks."""
+not fit, it counts Qwen3.5's recurrent state and the K/V of its attention layers
+only, and it predicts the first H200 run's measured peaks."""
 
 import dataclasses
 import functools
@@ -14,12 +15,15 @@ import pytest
 import torch
 
 from rollplex.config import LoRAConfig, config_from_dict
+from rollplex.models import qwen3_5, registry
+from rollplex.models.qwen3_5 import FULL_ATTENTION, LINEAR_ATTENTION
 from rollplex.models.qwen2_5_vl.hf import hf_config_from_args
 from rollplex.models.qwen2_5_vl import ModelArgs, Qwen2_5_VL, TextArgs, VisionArgs
 from rollplex.models.qwen_vl.tp_plan import decoder_layer_plan
 from rollplex.rl.memory import (GiB, PHASES, PRESETS, TENSOR_CLASSES, UNCOUNTED_FRACTION, BatchShape, MemoryOptions,
                                 MemoryPlanError, ParallelLayout, count_lora, count_params, kv_bytes_per_token,
                                 loop_phase_bytes, micro_batch, plan_memory, kept_prompt_state)
+from rollplex.rl.memory.estimates import decoder_layer_bytes, deltanet_layer_bytes, layer_backward_bytes
 from rollplex.rl.schedules.prompt_items import PromptItem, prompt_work_items
 from rollplex.rl.schedules.registry import build_schedule
 from rollplex.train.lora import apply_lora, is_adapter
@@ -131,6 +135,79 @@ def test_prefix_items_and_their_state():
         kept_prompt_state(args, PromptItem("critic", 0, False, False), 1, 1, 0, options)
     with pytest.raises(ValueError, match="does not divide"):
         kv_bytes_per_token(args, tp=4)
+
+
+# ----------------------------------------------------------------------------- Qwen3.5's recurrent state
+
+
+def register_qwen3_5(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3.5's family and named sizes as rollplex.models.registry will hold them once it registers the family
+    (a no-op then), for one test: the plan finds a model's family, and the tool its presets, there."""
+    monkeypatch.setitem(registry.FAMILIES, qwen3_5.FAMILY.name, qwen3_5.FAMILY)
+    for name, args in qwen3_5.PRESETS.items():
+        monkeypatch.setitem(PRESETS, name, args)
+
+
+@pytest.fixture
+def qwen3_5_registered(monkeypatch):
+    register_qwen3_5(monkeypatch)
+
+
+def hybrid_args():
+    """Qwen3.5's tiny shape with 3 Gated DeltaNet layers and 1 full-attention layer."""
+    return qwen3_5.tiny_args(layer_types=(LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,))
+
+
+def test_the_qwen3_5_plan_counts_its_state_pool_and_the_kv_of_its_attention_layers(qwen3_5_registered):
+    """The engine's state pool (max_num_seqs rows and a sink, each a sequence's conv tail and fp32 state over
+    the 3 DeltaNet layers) is held in every phase; the KV pool, its blocks and the prompts' K/V count the one
+    full-attention layer; each kept prompt keeps its final recurrent state too."""
+    args, layout = hybrid_args(), ParallelLayout(dp_shard=2, gpus_per_node=2)
+    t = args.text
+    plan = plan_memory(args, layout, BATCH, MemoryOptions(ref_model=True, max_num_seqs=16))
+    keys, values = t.linear_num_key_heads * t.linear_key_head_dim, t.linear_num_value_heads * t.linear_value_head_dim
+    state = 3 * ((2 * keys + values) * (t.linear_conv_kernel_dim - 1) * 2 +
+                 t.linear_num_value_heads * t.linear_key_head_dim * t.linear_value_head_dim * 4)
+    assert all(phase["state_pool"] == 17 * state for phase in plan.rollplex.phases.values() if phase)
+    kv_token = 2 * 1 * t.num_key_value_heads * t.head_dim * 2
+    assert kv_bytes_per_token(args) == kv_token
+    prompts_per_rank = math.ceil(BATCH.prompts / 2)
+    blocks = prompts_per_rank * BATCH.n * math.ceil(BATCH.sequence_len / 16)  # an engine per GPU: 3 prompts each
+    assert plan.rollplex.phases["rollout"]["kv_pool"] == (blocks + 1) * 16 * kv_token
+    assert plan.kv_pool_blocks == blocks
+    # the reference model's and the actor's prompt K/V, last hidden states and final recurrent states
+    prompt_state = BATCH.prompt_len * kv_token + t.hidden_size * 2 + state
+    assert plan.rollplex.phases["train"]["prompt_kv"] == prompts_per_rank * 2 * prompt_state
+
+
+def test_the_state_pool_is_fixed_memory_taken_before_the_kv_pool(qwen3_5_registered):
+    """Where the device limits the KV pool, a larger state pool (more decode rows) leaves it that much less."""
+    args, layout = hybrid_args(), ParallelLayout()
+    sized = MemoryOptions(micro_batch_tokens=BATCH.longest_sequence, max_num_seqs=20)
+    need = plan_memory(args, layout, BATCH, sized).sizes.kv_pool
+    # What every phase holds beside a KV pool of 2 bytes (and no prompt state), at 20 rows: room for half the need.
+    fixed = dataclasses.replace(sized, kv_pool=2.0, prefix_budget=2.0)
+    held = plan_memory(args, layout, BATCH, fixed).rollplex.peak - 2
+    device = math.ceil((held + need // 2) / (1 - UNCOUNTED_FRACTION))
+    plans = [plan_memory(args, layout, BATCH, dataclasses.replace(sized, max_num_seqs=rows, device_memory=device))
+             for rows in (16, 20)]
+    state_pools = [p.rollplex.phases["rollout"]["state_pool"] for p in plans]
+    assert plans[0].sizes.kv_pool < need
+    assert plans[0].sizes.kv_pool - plans[1].sizes.kv_pool == state_pools[1] - state_pools[0] > 0
+
+
+def test_activations_follow_each_layer_kind(qwen3_5_registered):
+    """The actor's prompt graph sums each layer's kind (3 DeltaNet layers, 1 attention) and the final norm;
+    one layer's backward (what checkpointing recomputes) is the larger kind's, the DeltaNet's."""
+    args, size = hybrid_args(), 4
+    t, options = args.text, MemoryOptions(param_dtype=torch.float32)
+    graph = kept_prompt_state(args, PromptItem("actor", 0, True, True), 2, 100, 0, options).graph
+    final_norm = (4 + size) * t.hidden_size
+    assert graph == 100 * (3 * deltanet_layer_bytes(t, size) + decoder_layer_bytes(t, size) + final_norm)
+    assert layer_backward_bytes(args, size, 1, options) == deltanet_layer_bytes(t, size) > decoder_layer_bytes(t, size)
+    flash = dataclasses.replace(options, attention="flash")  # fla's kernel keeps far less than the torch scan
+    assert deltanet_layer_bytes(t, size, attention="flash") < deltanet_layer_bytes(t, size)
+    assert layer_backward_bytes(args, size, 1, flash) == deltanet_layer_bytes(t, size, attention="flash")
 
 
 # ----------------------------------------------------------------------------- LoRA
@@ -273,9 +350,10 @@ def test_naive_holds_everything_at_once(dp, tp, engine_tp, options):
     # lifetimes: the KV pool in every phase (one pool per run, at one address for the decode graphs), no
     # activations or prompt state in rollout, only weights, optimizer state and the pool in the optimizer step
     assert all(plan.rollplex.phases[p]["kv_pool"] == plan.sizes.kv_pool for p in ran)
+    assert all(plan.rollplex.phases[p]["state_pool"] == 0 for p in ran)  # no recurrent layers
     assert plan.rollplex.phases["rollout"].keys().isdisjoint({"activations", "prompt_kv", "prefix_graph"})
     assert plan.rollplex.phases["optimizer"].keys() <= {"params_sharded", "params_frozen", "engine_adapters", "grads",
-                                                        "optimizer_state", "ref_params", "kv_pool"}
+                                                        "optimizer_state", "ref_params", "kv_pool", "state_pool"}
     # the prompt work's phase: none without shared prompts
     assert ("prefix" in ran) == (options.schedule != "serial-naive")
 
@@ -427,6 +505,23 @@ def test_cli_qwen3_vl_sizes(capsys):
     assert "peak per GPU, rollplex" in out
     with pytest.raises(SystemExit, match="qwen3-vl-30b-a3b: Qwen3-VL MoE is not supported yet"):
         memory_plan.main(["--model", "qwen3-vl-30b-a3b"])
+
+
+def test_cli_qwen3_5_sizes(qwen3_5_registered, capsys):
+    """Qwen3.5-9B's plan: 24 DeltaNet layers of state per decode row (49.1 MiB a sequence), 129 rows; 27B's."""
+    memory_plan.main(["--model", "qwen3.5-9b", "--gpus-per-node", "8", "--prompts", "64", "--max-num-seqs", "128",
+                      "--ref-model", "--activation-checkpointing"])
+    out = capsys.readouterr().out
+    assert "32 layers (8 with K/V, 24 Gated DeltaNet: 49.1 MiB of recurrent state per sequence" in out
+    state_pool = 129 * qwen3_5.FAMILY.recurrent_state_bytes(PRESETS["qwen3.5-9b"], 1)
+    assert f"  state_pool            {state_pool / GiB:9.2f}  {state_pool / GiB:12.2f}" in out
+    assert "recurrent layers (Gated DeltaNet)" in out and "(fits in 72.0 GiB usable)" in out
+    # 27B at engine tp 1: 256 rows of 146.8 MiB do not fit beside its weights on 80 GiB; 64 rows on 141 GiB do.
+    with pytest.raises(SystemExit, match=r"state_pool 36.85 GiB.*To fit: lower rollout.max_num_seqs"):
+        memory_plan.main(["--model", "qwen3.5-27b", "--gpus-per-node", "8", "--prompts", "64"])
+    memory_plan.main(["--model", "qwen3.5-27b", "--gpus-per-node", "8", "--prompts", "64", "--max-num-seqs", "64",
+                      "--ref-model", "--activation-checkpointing", "--offload-optimizer", "--device-memory-gib", "141"])
+    assert "64 layers (16 with K/V, 48 Gated DeltaNet: 146.8 MiB" in capsys.readouterr().out
 
 
 def test_cli_config_json(tmp_path, capsys):

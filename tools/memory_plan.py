@@ -8,6 +8,8 @@ micro-batch, prefix budget) where they are not given.
     python tools/memory_plan.py --model /path/to/checkpoint/config.json ...
     python tools/memory_plan.py --model qwen2.5-vl-7b --gpus-per-node 1 --prompts 8 --lora-rank 16 \\
         --activation-checkpointing     # LoRA, and its update beside full fine-tuning's at the same sizes
+    python tools/memory_plan.py --model qwen3.5-9b --gpus-per-node 8 --prompts 64 --max-num-seqs 128 \\
+        --ref-model --activation-checkpointing   # Gated DeltaNet layers: the engine's recurrent-state pool
 
 Presets: every family's named sizes (their hub config.json values; the list is in
 --help), or the config.json of any supported family (or the directory holding
@@ -31,7 +33,7 @@ import torch  # noqa: E402
 from rollplex.config.sections import LoRAConfig  # noqa: E402
 from rollplex.models.family import FamilyArgs  # noqa: E402
 from rollplex.models.loader import read_model_args  # noqa: E402
-from rollplex.models.registry import SIZES_NOT_SUPPORTED  # noqa: E402
+from rollplex.models.registry import SIZES_NOT_SUPPORTED, family_of  # noqa: E402
 from rollplex.rl.memory import (GiB, PRESETS, SCHEDULES, BatchShape, MemoryOptions, MemoryPlan,  # noqa: E402
                                 ParallelLayout, format_lora_saving, format_plan, plan_memory)
 
@@ -115,7 +117,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--schedule", choices=SCHEDULES, default="overlap")
     g.add_argument("--updates-per-batch", type=int, default=1, help="optimizer steps per batch")
     g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the model's compute dtype")
-    g.add_argument("--attention", choices=["torch", "flash"], default="torch", help="training attention kernels")
+    g.add_argument("--attention", choices=["torch", "flash"], default="torch",
+                   help="training attention kernels (flash: flash-attn, and fla's for Gated DeltaNet layers)")
+    g.add_argument("--max-num-seqs", type=int, default=MemoryOptions.max_num_seqs,
+                   help="the engine's decode batch (rollout.max_num_seqs): its recurrent-state pool has a row each")
     g = p.add_argument_group("LoRA (the lora config section; rank 0: full fine-tuning)")
     default = LoRAConfig()
     g.add_argument("--lora-rank", type=int, default=default.rank, help="adapter rank r")
@@ -159,9 +164,12 @@ def main(argv: list[str] | None = None) -> None:
                                 offload_optimizer=a.offload_optimizer,
                                 activation_checkpointing=a.activation_checkpointing, freeze_vision=a.freeze_vision,
                                 lora=lora, schedule=a.schedule, updates_per_batch=a.updates_per_batch, attention=a.attention,
-                                micro_batch_tokens=a.micro_batch_tokens, kv_pool=a.kv_pool,
-                                prefix_budget=a.prefix_budget, device_memory=int(a.device_memory_gib * GiB))
+                                max_num_seqs=a.max_num_seqs, micro_batch_tokens=a.micro_batch_tokens,
+                                kv_pool=a.kv_pool, prefix_budget=a.prefix_budget,
+                                device_memory=int(a.device_memory_gib * GiB))
         args = load_model_args(a.model)
+        for tp in {layout.tp, layout.engine_tp}:  # a split the family cannot make would fail the run at its start
+            family_of(args).check_tp(args, tp)
         plan = plan_memory(args, layout, batch, options, model_name=a.model)
         full = full_fine_tuning(args, layout, batch, options, plan) if lora.rank > 0 else None
     except ValueError as e:  # MemoryPlanError and ConfigError too: the shapes cannot fit, a setting is out of range

@@ -1,13 +1,22 @@
 """One estimator per tensor class, used by the plan and by the run itself: the
 prompt-work scheduler admits prompt work by `kept_prompt_state` and `admitted`, the
 functions the plan sums. Exact (closed formulas on the model's shape):
-parameters, gradients, optimizer state, KV pool, prompt K/V, vision embeddings,
-and LoRA's adapters (`count_lora`: counted on a meta-device model of the family
-with the adapters apply_lora puts on it). Estimated, from the tensors the model's
-code saves for backward (checked against CPU measurements in
-tests/test_memory.py): activations, the prefix graph, and
-the transient working memory of the engine and the prompt slices (`workspace`)
-and of the logprob and training passes (`activations`).
+parameters, gradients, optimizer state, KV pool (over the layers that keep K/V:
+`ModelFamily.kv_layers`), the engine's recurrent-state pool (Qwen3.5's Gated
+DeltaNet layers: `ModelFamily.recurrent_state_bytes` per row), prompt K/V and
+prompt states, vision embeddings, and LoRA's adapters (`count_lora`: counted on a
+meta-device model of the family with the adapters apply_lora puts on it).
+Estimated, from the tensors the model's code saves for backward (checked against
+CPU measurements in tests/test_memory.py): activations, by layer kind (an
+attention layer's, or a Gated DeltaNet layer's), the prefix graph, and the
+transient working memory of the engine and the prompt slices (`workspace`) and of
+the logprob and training passes (`activations`).
+
+Not counted in the per-layer estimates: Qwen3.5's zero-centred RMSNorms keep two
+float32 copies of their input and a float32 normalised value (the estimate counts
+one copy and a normalised value in the model's dtype: 6 bytes per hidden element
+and norm short in bfloat16), and its gated attention's gate, q/k norms and gated
+output (the estimate counts Qwen2.5-VL's attention); q/k norms of Qwen3-VL likewise.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from rollplex.train.logprob_head import logits_chunk_tokens
 from rollplex.train.lora import LoRALinear, apply_lora
 
 FP32 = 4  # bytes: RMSNorm and the loss work in float32 whatever the model's dtype
+DELTA_CHUNK = 64  # tokens per chunk of the gated delta rule (rollplex.ops.gated_delta's chunk_size, and fla's)
 
 
 # ----------------------------------------------------------------------------- exact counts
@@ -179,12 +189,27 @@ def _count_lora(args: FamilyArgs, lora: LoRAConfig, skip_vision: bool) -> LoRACo
                       max(vision_blocks, default=0))
 
 
+def layer_counts(args: FamilyArgs) -> tuple[int, int]:
+    """(attention layers, recurrent layers) of the decoder: those that keep K/V (ModelFamily.kv_layers: every
+    layer but in Qwen3.5), and the rest, which carry a recurrent state instead (Qwen3.5's Gated DeltaNet, the
+    only such kind so far)."""
+    attention = family_of(args).kv_layers(args)
+    return attention, args.text.num_hidden_layers - attention
+
+
 def kv_bytes_per_token(args: FamilyArgs, dtype: torch.dtype = torch.bfloat16, tp: int = 1) -> int:
-    """Keys and values of one token in every decoder layer, on one of `tp` ranks."""
+    """Keys and values of one token in every decoder layer that keeps them, on one of `tp` ranks."""
     t = args.text
     if t.num_key_value_heads % tp:
         raise ValueError(f"tp {tp} does not divide num_key_value_heads {t.num_key_value_heads}")
-    return 2 * t.num_hidden_layers * (t.num_key_value_heads // tp) * t.head_dim * dtype.itemsize
+    return 2 * family_of(args).kv_layers(args) * (t.num_key_value_heads // tp) * t.head_dim * dtype.itemsize
+
+
+def state_pool_bytes(args: FamilyArgs, max_num_seqs: int, tp: int = 1) -> int:
+    """The engine's recurrent-state pool (rollplex.engine.recurrent_state), allocated once for the run like
+    the KV pool: a row per decode slot and a sink row, each one sequence's state over every recurrent layer
+    on one of `tp` ranks (ModelFamily.recurrent_state_bytes: 0 for an attention-only family)."""
+    return (max_num_seqs + 1) * family_of(args).recurrent_state_bytes(args, tp)
 
 
 def kv_pool_need(args: FamilyArgs, batch: BatchShape, prompts: int, options: MemoryOptions, tp: int) -> int:
@@ -212,12 +237,59 @@ def _attention_bytes(q_dim: int, kv_dim: int, size: int, attention: str) -> int:
     return (3 * q_dim + 2 * kv_dim if attention == "torch" else 2 * q_dim + 2 * kv_dim) * size
 
 
+def _norms_and_mlp_bytes(t: Any, size: int, tp: int, frozen: bool) -> int:
+    """Per token, what every decoder layer keeps for backward beside its token mixer: its two norms
+    (`frozen`: LoRA's base) and the SwiGLU's gate, silu(gate), up and their product."""
+    return 2 * _norm_bytes(t.hidden_size, size, frozen) + 4 * (t.intermediate_size // tp) * size
+
+
 def decoder_layer_bytes(t: Any, size: int, tp: int = 1, attention: str = "torch", frozen: bool = False) -> int:
-    """Bytes per token one decoder layer keeps for backward: its two norms (`frozen`: LoRA's base), its
-    attention, and the SwiGLU's gate, silu(gate), up and their product."""
-    q, kv, inter = (t.num_attention_heads * t.head_dim // tp, t.num_key_value_heads * t.head_dim // tp,
-                    t.intermediate_size // tp)
-    return 2 * _norm_bytes(t.hidden_size, size, frozen) + _attention_bytes(q, kv, size, attention) + 4 * inter * size
+    """Bytes per token an attention decoder layer keeps for backward: its norms and SwiGLU, and its attention."""
+    q, kv = t.num_attention_heads * t.head_dim // tp, t.num_key_value_heads * t.head_dim // tp
+    return _norms_and_mlp_bytes(t, size, tp, frozen) + _attention_bytes(q, kv, size, attention)
+
+
+def _delta_rule_saved_bytes(t: Any, size: int, tp: int, attention: str) -> int:
+    """Per token, what the gated delta rule keeps for backward, per value head and chunk of DELTA_CHUNK tokens.
+    The plain-torch chunked scan (attention "torch": rollplex.ops.gated_delta) keeps nine key-wide float32
+    tensors (q and k expanded to the value heads and their chunked copies, k * beta and its decayed copy,
+    the decayed q and k, W), four value-wide ones (v in float32, its chunked copy, v * beta, the corrected
+    values), six chunk-wide ones (the decays, K K^T, the system, its inverse, Q K^T, the scores) and the state
+    entering each chunk (plus one per sequence; a sequence shorter than a chunk is padded to one: short
+    responses keep more per token). fla's kernel (CUDA, the [gpu] extra beside flash-attn; read off fla-core
+    0.6's chunk_gated_delta_rule, not measured here) keeps q, k and v in the model's dtype, the cumulated decay,
+    beta and its per-chunk triangular solve, and recomputes the states in its backward."""
+    heads, key_dim, value_dim = t.linear_num_value_heads // tp, t.linear_key_head_dim, t.linear_value_head_dim
+    if attention == "torch":
+        return FP32 * heads * (9 * key_dim + 4 * value_dim + 6 * DELTA_CHUNK + key_dim * value_dim // DELTA_CHUNK)
+    keys = t.linear_num_key_heads // tp * key_dim
+    return (2 * keys + heads * value_dim) * size + heads * (FP32 + size + DELTA_CHUNK * size)
+
+
+def deltanet_layer_bytes(t: Any, size: int, tp: int = 1, attention: str = "torch", frozen: bool = False) -> int:
+    """Bytes per token a Gated DeltaNet decoder layer (rollplex.models.qwen3_5.deltanet) keeps for backward:
+    its norms and SwiGLU as an attention layer's; the convolution's input as in_proj_qkv wrote it, its padded
+    copy and its pre-SiLU output; q and k in float32 before their L2 norm; beta and the decay (sigmoid's output,
+    softplus's float32 input and output); the delta rule's (`_delta_rule_saved_bytes`); the gated norm (an
+    RMSNorm over the value heads, silu(z)'s float32 input and output) and out_proj's input."""
+    keys = t.linear_num_key_heads // tp * t.linear_key_head_dim
+    values, heads = t.linear_num_value_heads // tp * t.linear_value_head_dim, t.linear_num_value_heads // tp
+    convolution = 3 * (2 * keys + values) * size
+    gates = 2 * keys * FP32 + heads * (size + 2 * FP32)
+    gated_norm = _norm_bytes(values, size, frozen) + 2 * values * FP32 + values * size
+    return _norms_and_mlp_bytes(t, size, tp, frozen) + convolution + gates + \
+        _delta_rule_saved_bytes(t, size, tp, attention) + gated_norm
+
+
+def _layer_kinds(args: FamilyArgs, size: int, tp: int, attention: str, frozen: bool) -> list[tuple[int, int]]:
+    """(layers, bytes per token each keeps for backward) of each layer kind the decoder has (`layer_counts`)."""
+    attention_layers, recurrent_layers = layer_counts(args)
+    kinds = []
+    if attention_layers:
+        kinds.append((attention_layers, decoder_layer_bytes(args.text, size, tp, attention, frozen)))
+    if recurrent_layers:  # only then do the text args have the DeltaNet's sizes
+        kinds.append((recurrent_layers, deltanet_layer_bytes(args.text, size, tp, attention, frozen)))
+    return kinds
 
 
 def vision_patch_bytes(args: FamilyArgs, size: int, checkpointing: bool, attention: str = "torch",
@@ -241,22 +313,23 @@ def _lora(args: FamilyArgs, options: MemoryOptions) -> LoRACounts | None:
 
 
 def layer_backward_bytes(args: FamilyArgs, size: int, tp: int, options: MemoryOptions) -> int:
-    """Per token, one decoder layer's saved tensors (`decoder_layer_bytes`) with its adapters'
+    """Per token, the largest decoder layer kind's saved tensors (`_layer_kinds`) with its adapters'
     (LoRA): what its backward holds, and under activation checkpointing recomputes."""
     lora = _lora(args, options)
     extra = lora.decoder_saved(size, tp, largest_layer=True) if lora else 0
-    return decoder_layer_bytes(args.text, size, tp, options.attention, frozen=lora is not None) + extra
+    return max(per_token for _, per_token in _layer_kinds(args, size, tp, options.attention, lora is not None)) + extra
 
 
 def _decoder_saved(args: FamilyArgs, size: int, tp: int, options: MemoryOptions) -> int:
     """Per token, what the decoder stack and the final norm keep from forward to
-    backward: every layer's saved tensors (and its adapters'), or with checkpointing
-    every layer's input."""
+    backward: every layer's saved tensors by its kind (and its adapters'), or with
+    checkpointing every layer's input."""
     t, lora = args.text, _lora(args, options)
     if options.activation_checkpointing:
         layers = t.num_hidden_layers * t.hidden_size * size
     else:
-        layers = t.num_hidden_layers * decoder_layer_bytes(t, size, tp, options.attention, frozen=lora is not None) + \
+        layers = sum(n * per_token for n, per_token in _layer_kinds(args, size, tp, options.attention,
+                                                                    lora is not None)) + \
             (lora.decoder_saved(size, tp) if lora else 0)
     return layers + (FP32 + size) * t.hidden_size
 
@@ -270,10 +343,30 @@ def _vision_saved(args: FamilyArgs, size: int, options: MemoryOptions) -> int:
     return vision_patch_bytes(args, size, options.activation_checkpointing, options.attention, frozen) + extra
 
 
-def _layer_forward_bytes(t: Any, size: int, tp: int) -> int:
+def _delta_rule_forward_bytes(t: Any, size: int, tp: int, attention: str) -> int:
+    """Per token, a Gated DeltaNet mixer's working memory in a forward without a graph: the convolution's
+    output, q and k normalised in float32, the delta rule's peak and its output in the model's dtype. The
+    plain-torch scan peaks at its end, per value head: the expanded and chunked q and k, W, the decayed q
+    and k (seven key-wide float32 tensors), v chunked, U, the output chunks and their two reshaped copies
+    (five value-wide), and the scores (tests/test_memory.py measures the layer within 15%: the states between
+    chunks and the scan's temporaries are left out). fla's (read off its code, not measured): its W, U,
+    corrected values, output, triangular solve and the states between chunks, in the model's dtype."""
+    keys = t.linear_num_key_heads // tp * t.linear_key_head_dim
+    heads, key_dim, value_dim = t.linear_num_value_heads // tp, t.linear_key_head_dim, t.linear_value_head_dim
+    layer = (2 * keys + 2 * heads * value_dim) * size + 2 * keys * FP32
+    if attention == "torch":
+        return layer + FP32 * heads * (7 * key_dim + 5 * value_dim + DELTA_CHUNK)
+    return layer + size * heads * (key_dim + 3 * value_dim + DELTA_CHUNK + key_dim * value_dim // DELTA_CHUNK)
+
+
+def _layer_forward_bytes(args: FamilyArgs, size: int, tp: int, attention: str) -> int:
     """Per token, the working memory of one decoder layer's forward without a
-    graph: the residual, its norm in float32, and three SwiGLU intermediates."""
-    return (FP32 + size) * t.hidden_size + 3 * t.intermediate_size // tp * size
+    graph: the residual, its norm in float32, and the larger of three SwiGLU
+    intermediates and, in a decoder with recurrent layers, a DeltaNet mixer's."""
+    t = args.text
+    mlp = 3 * t.intermediate_size // tp * size
+    mixer = _delta_rule_forward_bytes(t, size, tp, attention) if layer_counts(args)[1] else 0
+    return (FP32 + size) * t.hidden_size + max(mlp, mixer)
 
 
 def _vision_forward_bytes(args: FamilyArgs, size: int) -> int:
@@ -302,7 +395,9 @@ def _logits_bytes(args: FamilyArgs, tokens: int, grad: bool, options: MemoryOpti
 class KeptPromptState:
     """What one prompt-work item keeps from its prompt forward to its suffix passes, on one rank."""
 
-    kv: int  # every layer's K/V of the prompt tokens and each prompt's last hidden state (exact)
+    # The K/V of the prompt tokens in every layer that keeps them, each prompt's last hidden state and its
+    # final recurrent state (the recurrent layers' convolution tail and delta-rule state) (exact).
+    kv: int
     graph: int  # the actor's autograd graph: saved activations, vision tower included when it runs (estimate)
 
     @property
@@ -313,15 +408,16 @@ class KeptPromptState:
 def kept_prompt_state(args: FamilyArgs, item: PromptItem, prompts: int, tokens: int, patches: int,
                  options: MemoryOptions, tp: int = 1) -> KeptPromptState:
     """The estimate the prompt-work scheduler admits by and the plan sums, for `prompts`
-    prompts of `tokens` tokens in all and `patches` vision patches. The K/V are
-    kept once per item; with flash-attn the graph saves those same tensors, with
-    the torch path it saves its own gathered copies (`decoder_layer_bytes`)."""
-    t, size = args.text, options.param_dtype.itemsize
-    kv = tokens * kv_bytes_per_token(args, options.param_dtype, tp) + prompts * t.hidden_size * size
+    prompts of `tokens` tokens in all and `patches` vision patches. The K/V and the
+    prompts' recurrent states are kept once per item; with flash-attn the graph saves
+    those same K/V, with the torch path it saves its own gathered copies (`decoder_layer_bytes`)."""
+    t, size, family = args.text, options.param_dtype.itemsize, family_of(args)
+    kv = tokens * kv_bytes_per_token(args, options.param_dtype, tp) + \
+        prompts * (t.hidden_size * size + family.recurrent_state_bytes(args, tp))
     if not item.keep_graph:
         return KeptPromptState(kv, 0)
     shared_kv = 0 if options.attention == "torch" or options.activation_checkpointing else \
-        t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim // tp * size
+        family.kv_layers(args) * 2 * t.num_key_value_heads * t.head_dim // tp * size
     graph = tokens * (_decoder_saved(args, size, tp, options) - shared_kv)
     if not (item.reuses_vision or options.freeze_vision):
         graph += patches * _vision_saved(args, size, options)
@@ -388,11 +484,12 @@ def micro_batch_bytes(args: FamilyArgs, mb: MicroBatch, batch: BatchShape, optio
         logits += mb.responses * t.hidden_size * size
     if not grad:
         vision = mb.patches * _vision_forward_bytes(args, size)
-        return max(mb.tokens * _layer_forward_bytes(t, size, tp), logits, vision) + mb.tokens * t.hidden_size * size
+        return max(mb.tokens * _layer_forward_bytes(args, size, tp, options.attention), logits, vision) + \
+            mb.tokens * t.hidden_size * size
     saved = mb.tokens * _decoder_saved(args, size, tp, options)
     if not options.freeze_vision:
         saved += mb.patches * _vision_saved(args, size, options)
     if options.attention == "torch" and options.share_prefix:
-        saved += mb.sequences * batch.prompt_len * t.num_hidden_layers * \
+        saved += mb.sequences * batch.prompt_len * family_of(args).kv_layers(args) * \
             2 * t.num_key_value_heads * t.head_dim // tp * size
     return saved + max(logits, mb.tokens * layer_backward_bytes(args, size, tp, options))

@@ -4,7 +4,8 @@ and for Rollplex, and the sizes it decides.
 Phases, as the loop runs them (`loop_phase_bytes` maps them onto the loop's
 measured `perf/max_memory_allocated_gb/<phase>`):
     rollout    prefill and decode (the engine's weights and workspace; its KV
-               pool is held in every phase, allocated once per run)
+               pool, and with recurrent layers its state pool, are held in every
+               phase, allocated once per run)
     prefix     the prompt work (reference / actor / old prompt forwards), its
                state accumulating: in the decode window beside the KV pool
                (overlap), or after rollout (serial with share_prefix)
@@ -38,15 +39,15 @@ from rollplex.models.registry import family_of
 from rollplex.rl.memory.estimates import (FP32, LoRACounts, MicroBatch, ParamCounts, KeptPromptState,
                                           _layer_forward_bytes, _vision_forward_bytes, admitted, count_lora,
                                           count_params, kv_bytes_per_token, kv_pool_need, layer_backward_bytes,
-                                          micro_batch, micro_batch_bytes, kept_prompt_state)
+                                          micro_batch, micro_batch_bytes, kept_prompt_state, state_pool_bytes)
 from rollplex.rl.memory.inputs import (GiB, UNCOUNTED_FRACTION, BatchShape, MemoryOptions, ParallelLayout,
                                        usable_bytes)
 from rollplex.rl.schedules.prompt_items import PromptItem, PromptKind, prompt_work_items
 
 PHASES = ("rollout", "prefix", "logprobs", "train", "optimizer")
 TENSOR_CLASSES = ("params_sharded", "params_frozen", "engine_adapters", "optimizer_state", "ref_params",
-                  "params_gathered", "grads", "kv_pool", "vision_embeds", "prompt_kv", "prefix_graph", "workspace",
-                  "activations")
+                  "params_gathered", "grads", "kv_pool", "state_pool", "vision_embeds", "prompt_kv", "prefix_graph",
+                  "workspace", "activations")
 PREFILL_TOKENS = EngineConfig.max_num_batched_tokens  # the engine's prefill tokens per step (the loop's setting)
 
 
@@ -159,11 +160,13 @@ class _Shapes:
 
     def resident(self) -> dict[str, int]:
         """Held all step: master weights, AdamW moments (unless offloaded), the reference weights,
-        the engine's KV pool (allocated once per run: the decode graphs read it by address), and
-        with LoRA the frozen base and the engine's adapter buffers (kept for the run, for the same graphs)."""
+        the engine's KV pool and recurrent-state pool (allocated once per run: the decode graphs read
+        them by address), and with LoRA the frozen base and the engine's adapter buffers (kept for the
+        run, for the same graphs)."""
         o, lay = self.o, self.layout
         out = dict(params_sharded=math.ceil(self.sharded.per_tp_rank(lay.tp) / lay.dp_shard) * o.master_dtype.itemsize,
-                   optimizer_state=0 if o.offload_optimizer else self.moments(), kv_pool=int(o.kv_pool))
+                   optimizer_state=0 if o.offload_optimizer else self.moments(), kv_pool=int(o.kv_pool),
+                   state_pool=state_pool_bytes(self.args, o.max_num_seqs, lay.engine_tp))
         if self.lora:
             out["params_frozen"] = self.frozen(lay.tp) * self.size
             # The engine reads an adapter in place only where the trainer's is whole and in its dtype
@@ -231,7 +234,8 @@ class _Shapes:
         float32 logits and the sampler's vocabulary-wide temporaries over the batch."""
         b, size = self.batch, self.size
         prompts = max(1, min(self.prompts_per_engine, PREFILL_TOKENS // b.prompt_len))
-        prefill = prompts * b.prompt_len * _layer_forward_bytes(self.args.text, size, self.layout.engine_tp)
+        layer = _layer_forward_bytes(self.args, size, self.layout.engine_tp, self.o.attention)
+        prefill = prompts * b.prompt_len * layer
         if not self.o.share_prefix:
             prefill = max(prefill, prompts * self.patches * _vision_forward_bytes(self.args, size))
         decode = min(self.o.max_num_seqs, self.prompts_per_engine * b.n) * self.args.text.vocab_size * 4 * FP32
@@ -247,7 +251,7 @@ class _Shapes:
         vision = 0 if all(i.reuses_vision for i in no_graph) else \
             self.chunk_prompts * self.patches * _vision_forward_bytes(self.args, self.size)
         tokens = self.chunk_prompts * self.batch.prompt_len
-        return max(tokens * _layer_forward_bytes(self.args.text, self.size, self.layout.tp), vision)
+        return max(tokens * _layer_forward_bytes(self.args, self.size, self.layout.tp, self.o.attention), vision)
 
     def kept_prompt_state(self, admitted: list[bool], graphs: bool = True) -> dict[str, int]:
         states = [s for s, a in zip(self.states, admitted) if a]
@@ -362,6 +366,8 @@ def _fmt(n: int) -> str:
 
 
 def _does_not_fit(what: str, need: int, phase: dict[str, int], usable: int, knobs: str) -> MemoryPlanError:
+    if phase.get("state_pool"):
+        knobs = f"lower rollout.max_num_seqs (the recurrent-state pool holds a row each), {knobs}"
     held = ", ".join(f"{c} {_fmt(b)}" for c, b in sorted(phase.items(), key=lambda cb: -cb[1]) if b)
     return MemoryPlanError(f"{what} needs {_fmt(need)}, but its phase holds {_fmt(_total(phase))} beside it "
                            f"({held}) in {_fmt(usable)} usable (the device's memory less {UNCOUNTED_FRACTION:.0%}). "

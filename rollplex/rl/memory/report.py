@@ -3,6 +3,8 @@ schedules, their peaks, and what is exact, estimated or not counted."""
 
 from __future__ import annotations
 
+from rollplex.models.registry import family_of
+from rollplex.rl.memory.estimates import layer_counts
 from rollplex.rl.memory.inputs import GiB, UNCOUNTED_FRACTION
 from rollplex.rl.memory.plan import TENSOR_CLASSES, MemoryPlan
 
@@ -17,8 +19,8 @@ def _header(plan: MemoryPlan) -> list[str]:
     deferred = [f"{i.kind} (chunk {i.chunk})" for i, a in zip(plan.prompt_items, plan.admitted) if not a]
     return [
         f"model {plan.model_name or '(config)'}: {p.total / 1e9:.2f}B parameters ({p.vision / 1e9:.2f}B vision, "
-        f"{p.tp_split / 1e9:.2f}B split by tp), {t.num_hidden_layers} layers, hidden {t.hidden_size}, "
-        f"{t.num_key_value_heads} kv heads x {t.head_dim}",
+        f"{p.tp_split / 1e9:.2f}B split by tp), {t.num_hidden_layers} layers{_recurrent_layers(plan)}, "
+        f"hidden {t.hidden_size}, {t.num_key_value_heads} kv heads x {t.head_dim}",
         f"layout: {lay.nodes} node(s) x {lay.gpus_per_node} GPUs; trainer dp_shard {lay.dp_shard} x tp {lay.tp}; "
         f"engine tp {lay.engine_tp} ({lay.engine_replicas} replicas)",
         f"batch: {b.prompts} prompts x n {b.n}; prompt {b.prompt_tokens} text + {b.vision_tokens} vision tokens "
@@ -33,6 +35,33 @@ def _header(plan: MemoryPlan) -> list[str]:
         f"per trainer rank: {plan.prompts_per_rank} prompts; prompt work "
         + (f"deferred to the serial path: {', '.join(deferred)}" if deferred else "all kept from the prefix phase"),
         "",
+    ]
+
+
+def _recurrent_layers(plan: MemoryPlan) -> str:
+    """Which layers keep K/V and which a recurrent state, where some do not keep K/V (Qwen3.5)."""
+    attention, recurrent = layer_counts(plan.args)
+    if not recurrent:
+        return ""
+    state = family_of(plan.args).recurrent_state_bytes(plan.args, plan.layout.engine_tp)
+    return (f" ({attention} with K/V, {recurrent} Gated DeltaNet: {state / 2 ** 20:.1f} MiB of recurrent state per "
+            f"sequence on an engine rank, {plan.options.max_num_seqs} + 1 rows in the engine's state pool)")
+
+
+def _recurrent_notes(plan: MemoryPlan) -> list[str]:
+    """What the plan counts for recurrent layers, where the model has them."""
+    if not layer_counts(plan.args)[1]:
+        return []
+    rule = "the plain-torch chunked scan's" if plan.options.attention == "torch" else "fla's kernel's (not measured)"
+    return [
+        "recurrent layers (Gated DeltaNet): KV per token counts the layers with K/V only; exact: state pool = "
+        "(max_num_seqs + 1) rows x one sequence's state (the convolution's last kernel - 1 inputs in the compute "
+        "dtype and the float32 delta-rule state, per DeltaNet layer), allocated once and held the whole run like "
+        "the KV pool; prompt K/V adds each prompt's final state, once per item. Estimated per token and DeltaNet "
+        "layer: the same norms and MLP, the convolution's input, padded copy and output, q and k in float32, the "
+        f"gated norm, and {rule} saved tensors per chunk of 64 tokens; its forward without a graph peaks in the "
+        "rule. Not counted: Qwen3.5's zero-centred norms' second float32 copy and float32 normalised value, its "
+        "gated attention's gate and q/k norms.",
     ]
 
 
@@ -81,6 +110,7 @@ def format_plan(plan: MemoryPlan) -> str:
         "over one chunk of the head's tokens at most, one layer's backward); a logprob pass = max(one layer's "
         "forward, logits: 2 rows); workspace = the engine's "
         "prefill layer or decode logits and sampling, or a prompt slice's layer.",
+        *_recurrent_notes(plan),
         "naive = the same tensors with nothing ever freed: each class at its largest, in every phase "
         "(so optimizer offload does not apply to it).",
         f"not counted (the {UNCOUNTED_FRACTION:.0%} headroom): allocator fragmentation, library workspaces, "
