@@ -1,6 +1,6 @@
 """The tiny demo's learning bar (issue 25): a bare `python train.py` reaches a 10-step mean score of at least
 0.95 and a val/score of at least 0.95 within its 500 steps, on seeds 0, 1 and 2, and so does the tiny
-Qwen3-VL (`--model.tiny.family qwen3_vl`, issue 26). About 4 minutes a run on 2 cores, so outside the default
+Qwen3-VL (`--model.tiny.family qwen3_vl`, issue 26) and the tiny Qwen3.5 (`qwen3_5`, issue 39). About 4 minutes a run on 2 cores, so outside the default
 suite:
 
     python -m pytest -q -m slow tests/test_demo_learns.py
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_the_tiny_demo_learns(tmp_path, family, seed):
     out = tmp_path / "run"
     subprocess.run([sys.executable, "train.py", "--trainer.output_dir", str(out), "--trainer.seed", str(seed),
