@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rollplex.config import LoRAConfig, config_from_dict
-from rollplex.models import qwen3_5, registry
+from rollplex.models import qwen3_5
 from rollplex.models.qwen3_5 import FULL_ATTENTION, LINEAR_ATTENTION
 from rollplex.models.qwen2_5_vl.hf import hf_config_from_args
 from rollplex.models.qwen2_5_vl import ModelArgs, Qwen2_5_VL, TextArgs, VisionArgs
@@ -140,25 +140,12 @@ def test_prefix_items_and_their_state():
 # ----------------------------------------------------------------------------- Qwen3.5's recurrent state
 
 
-def register_qwen3_5(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Qwen3.5's family and named sizes as rollplex.models.registry will hold them once it registers the family
-    (a no-op then), for one test: the plan finds a model's family, and the tool its presets, there."""
-    monkeypatch.setitem(registry.FAMILIES, qwen3_5.FAMILY.name, qwen3_5.FAMILY)
-    for name, args in qwen3_5.PRESETS.items():
-        monkeypatch.setitem(PRESETS, name, args)
-
-
-@pytest.fixture
-def qwen3_5_registered(monkeypatch):
-    register_qwen3_5(monkeypatch)
-
-
 def hybrid_args():
     """Qwen3.5's tiny shape with 3 Gated DeltaNet layers and 1 full-attention layer."""
     return qwen3_5.tiny_args(layer_types=(LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,))
 
 
-def test_the_qwen3_5_plan_counts_its_state_pool_and_the_kv_of_its_attention_layers(qwen3_5_registered):
+def test_the_qwen3_5_plan_counts_its_state_pool_and_the_kv_of_its_attention_layers():
     """The engine's state pool (max_num_seqs rows and a sink, each a sequence's conv tail and fp32 state over
     the 3 DeltaNet layers) is held in every phase; the KV pool, its blocks and the prompts' K/V count the one
     full-attention layer; each kept prompt keeps its final recurrent state too."""
@@ -180,7 +167,7 @@ def test_the_qwen3_5_plan_counts_its_state_pool_and_the_kv_of_its_attention_laye
     assert plan.rollplex.phases["train"]["prompt_kv"] == prompts_per_rank * 2 * prompt_state
 
 
-def test_the_state_pool_is_fixed_memory_taken_before_the_kv_pool(qwen3_5_registered):
+def test_the_state_pool_is_fixed_memory_taken_before_the_kv_pool():
     """Where the device limits the KV pool, a larger state pool (more decode rows) leaves it that much less."""
     args, layout = hybrid_args(), ParallelLayout()
     sized = MemoryOptions(micro_batch_tokens=BATCH.longest_sequence, max_num_seqs=20)
@@ -196,7 +183,7 @@ def test_the_state_pool_is_fixed_memory_taken_before_the_kv_pool(qwen3_5_registe
     assert plans[0].sizes.kv_pool - plans[1].sizes.kv_pool == state_pools[1] - state_pools[0] > 0
 
 
-def test_activations_follow_each_layer_kind(qwen3_5_registered):
+def test_activations_follow_each_layer_kind():
     """The actor's prompt graph sums each layer's kind (3 DeltaNet layers, 1 attention) and the final norm;
     one layer's backward (what checkpointing recomputes) is the larger kind's, the DeltaNet's."""
     args, size = hybrid_args(), 4
@@ -507,7 +494,7 @@ def test_cli_qwen3_vl_sizes(capsys):
         memory_plan.main(["--model", "qwen3-vl-30b-a3b"])
 
 
-def test_cli_qwen3_5_sizes(qwen3_5_registered, capsys):
+def test_cli_qwen3_5_sizes(capsys):
     """Qwen3.5-9B's plan: 24 DeltaNet layers of state per decode row (49.1 MiB a sequence), 129 rows; 27B's."""
     memory_plan.main(["--model", "qwen3.5-9b", "--gpus-per-node", "8", "--prompts", "64", "--max-num-seqs", "128",
                       "--ref-model", "--activation-checkpointing"])
