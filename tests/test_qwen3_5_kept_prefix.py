@@ -173,3 +173,15 @@ def test_actor_logprobs_and_update_with_kept_prompts_equal_those_without(model):
     pg_loss = plain_metrics["actor/pg_loss"]
     assert abs(kept_metrics["actor/pg_loss"] - pg_loss) <= 1e-5 * abs(pg_loss)
     assert_same_gradients(kept_grads, plain_grads)
+
+
+def test_prompt_forward_slices_read_nothing_back(model):
+    """The overlap schedule issues a prompt forward in slices between decode steps, which must never
+    make the host wait (tests/test_prefix_sync.py): the DeltaNet layers' ops read the prompts'
+    boundaries from the PackedSequences prepare_prompts built, never from the device."""
+    from test_prefix_sync import HostSyncGuard
+
+    chunk = prepare_prompts(model, [g.prompt for g in groups(model.args)])
+    with torch.no_grad(), HostSyncGuard() as guard:
+        *_, kept = prompt_forward(model, chunk)
+    assert guard.calls == [] and set(kept.recurrent_states) == {0, 1}

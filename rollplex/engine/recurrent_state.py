@@ -32,7 +32,7 @@ import copy
 import torch
 
 from rollplex.models.protocol import RecurrentStateShapes
-from rollplex.ops.gated_delta import (causal_conv1d, causal_conv1d_step, chunk_gated_delta_rule,
+from rollplex.ops.gated_delta import (PackedSequences, causal_conv1d, causal_conv1d_step, chunk_gated_delta_rule,
                                       recurrent_gated_delta_step)
 
 
@@ -106,7 +106,7 @@ class PrefillStates:
     def __init__(self, pool: RecurrentStatePool, cu_seqlens: list[int], rows: list[int], sources: list[int]):
         device = pool.device
         self.pool = pool
-        self.cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.long, device=device)
+        self.cu_seqlens = PackedSequences([b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])], device)
         self.rows = torch.tensor(rows, dtype=torch.long, device=device)
         self.sources = torch.tensor(sources, dtype=torch.long, device=device)
 

@@ -32,7 +32,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from rollplex.device import to_device
 from rollplex.ops.flex_attention import FlexPacked, FlexPrefixed
-from rollplex.ops.gated_delta import causal_conv1d, chunk_gated_delta_rule
+from rollplex.ops.gated_delta import PackedSequences, causal_conv1d, chunk_gated_delta_rule
 from rollplex.ops.paged_decode_triton import paged_decode_attention_triton, triton_available
 
 _HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
@@ -366,7 +366,7 @@ class ResponsesFromPromptStates:
 
     def __init__(self, response_lens: Sequence[int], prompt_of_response: Sequence[int],
                  device: torch.device | str):
-        self.cu_seqlens = torch.tensor([0, *itertools.accumulate(response_lens)], dtype=torch.long, device=device)
+        self.cu_seqlens = PackedSequences(response_lens, device)
         self.prompt_of_response = torch.tensor(prompt_of_response, dtype=torch.long, device=device)
 
     def short_convolution(self, x: torch.Tensor, weight: torch.Tensor, prompt_tails: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from rollplex.device import to_device
+
 Activation = Callable[[torch.Tensor], torch.Tensor] | None
 
 _HAS_FLA = importlib.util.find_spec("fla") is not None
@@ -113,20 +115,49 @@ class _ChunkLayout:
         return sum(self.active)
 
 
-def _chunk_layout(cu_seqlens: torch.Tensor, chunk_size: int) -> _ChunkLayout:
-    """The step-major chunk layout of the sequences that cu_seqlens delimits (see _ChunkLayout)."""
-    device = cu_seqlens.device
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    chunk_counts = (lengths + chunk_size - 1) // chunk_size
+def _chunk_layout(lengths: list[int], chunk_size: int, device: torch.device) -> _ChunkLayout:
+    """The step-major chunk layout of sequences of `lengths` (see _ChunkLayout), computed on the host."""
+    lengths_t = torch.tensor(lengths, dtype=torch.long)
+    chunk_counts = (lengths_t + chunk_size - 1) // chunk_size
     order = chunk_counts.argsort(descending=True, stable=True)
     counts = chunk_counts.tolist()
     active = [sum(count > step for count in counts) for step in range(max(counts, default=0))]
-    step_offset = torch.tensor([0, *itertools.accumulate(active)][:-1], device=device, dtype=torch.long)
-    rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=device))
-    seq_of_token = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
-    position = torch.arange(int(cu_seqlens[-1]), device=device) - cu_seqlens[:-1][seq_of_token]
+    step_offset = torch.tensor([0, *itertools.accumulate(active)][:-1], dtype=torch.long)
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel()))
+    seq_of_token = torch.repeat_interleave(torch.arange(len(lengths)), lengths_t)
+    starts = torch.tensor([0, *itertools.accumulate(lengths)][:-1], dtype=torch.long)
+    position = torch.arange(int(lengths_t.sum())) - starts[seq_of_token]
     chunk = step_offset[position // chunk_size] + rank[seq_of_token]
-    return _ChunkLayout(order, active, chunk * chunk_size + position % chunk_size)
+    return _ChunkLayout(to_device(order, device), active, to_device(chunk * chunk_size + position % chunk_size, device))
+
+
+class PackedSequences:
+    """Packed sequences' boundaries as the ops index them, built once on the host from their lengths
+    (a pass builds one and every layer reuses it), so that no op reads a boundary back from the
+    device: a forward issued between decode steps must never make the host wait (rollplex.rl.prompt_work).
+    Host-to-device copies happen here, without blocking (rollplex.device.to_device)."""
+
+    def __init__(self, lengths: list[int], device: torch.device | str, chunk_size: int = 64):
+        device = torch.device(device)
+        self.lengths, self.device = [int(n) for n in lengths], device
+        self.num_seqs, self.num_tokens = len(self.lengths), sum(self.lengths)
+        self.cu_seqlens = to_device([0, *itertools.accumulate(self.lengths)], device, torch.long)
+        self.seq_of_token = to_device(torch.repeat_interleave(torch.arange(self.num_seqs),
+                                                              torch.tensor(self.lengths, dtype=torch.long)), device)
+        self._chunks = {chunk_size: _chunk_layout(self.lengths, chunk_size, device)}
+
+    @classmethod
+    def of(cls, cu_seqlens: torch.Tensor | PackedSequences, device: torch.device) -> PackedSequences:
+        """`cu_seqlens` as it is, or boundaries [0, ..., T] read back to the host (a sync on a GPU)."""
+        if isinstance(cu_seqlens, PackedSequences):
+            return cu_seqlens
+        bounds = cu_seqlens.tolist()
+        return cls([b - a for a, b in zip(bounds[:-1], bounds[1:])], device)
+
+    def chunks(self, chunk_size: int) -> _ChunkLayout:
+        if chunk_size not in self._chunks:
+            self._chunks[chunk_size] = _chunk_layout(self.lengths, chunk_size, self.device)
+        return self._chunks[chunk_size]
 
 
 def _to_chunks(x: torch.Tensor, padded_row: torch.Tensor, num_chunks: int, chunk_size: int) -> torch.Tensor:
@@ -180,7 +211,7 @@ def chunk_gated_delta_rule(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens: torch.Tensor | PackedSequences,
     initial_state: torch.Tensor | None = None,
     chunk_size: int = 64,
     backend: str = "auto",
@@ -188,18 +219,20 @@ def chunk_gated_delta_rule(
     """The gated delta rule over packed sequences, chunked: matrix ops within a chunk, a loop across chunks.
 
     q, k: [T, Hk, Dk], L2-normalised; v: [T, Hv, Dv]; g (log decay), beta: [T, Hv]; cu_seqlens: [N+1]
-    sequence starts in the packed dim (0 first, T last); initial_state: [N, Hv, Dk, Dv] or None (zeros).
+    sequence starts in the packed dim (0 first, T last), or their `PackedSequences` (no host read);
+    initial_state: [N, Hv, Dk, Dv] or None (zeros).
     Returns out [T, Hv, Dv] in v's dtype and the final states [N, Hv, Dk, Dv] fp32. Each sequence
     starts from its own initial state. Differentiable (autograd), initial_state included.
     `backend` (`resolve_delta_backend`): fla's kernel (chunk_size 16, 32 or 64 there) or the torch scan.
     """
+    packed = PackedSequences.of(cu_seqlens, v.device)
     if resolve_delta_backend(backend, v.device) == "fla":
-        return _fla_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state, chunk_size)
-    return _torch_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state, chunk_size)
+        return _fla_chunk_gated_delta_rule(q, k, v, g, beta, packed, initial_state, chunk_size)
+    return _torch_chunk_gated_delta_rule(q, k, v, g, beta, packed, initial_state, chunk_size)
 
 
 def _fla_chunk_gated_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, packed: PackedSequences,
     initial_state: torch.Tensor | None, chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """chunk_gated_delta_rule through fla's kernel (fla.ops.gated_delta_rule, fla-core 0.6).
@@ -209,6 +242,8 @@ def _fla_chunk_gated_delta_rule(
     Its states are ours, [N, Hv, Dk, Dv], returned in fp32, and it differentiates initial_state.
     Its kernels multiply q and k tiles with v's, so q and k go in v's dtype (transformers' Qwen3.5
     hands fla its activations' dtype too); they arrive L2-normalised, so fla's own norm stays off.
+    fla reads cu_seqlens back to the host to lay out its chunks, once per tensor (it caches by the
+    tensor): a pass that hands every layer the same `PackedSequences` waits on the device once.
     """
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
@@ -216,17 +251,17 @@ def _fla_chunk_gated_delta_rule(
         q.to(v.dtype).unsqueeze(0), k.to(v.dtype).unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0),
         beta.unsqueeze(0), scale=k.shape[-1] ** -0.5,
         initial_state=None if initial_state is None else initial_state.float(), output_final_state=True,
-        cu_seqlens=cu_seqlens.to(v.device, torch.long), chunk_size=chunk_size)
+        cu_seqlens=packed.cu_seqlens, chunk_size=chunk_size)
     return out[0], final_state
 
 
 def _torch_chunk_gated_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, packed: PackedSequences,
     initial_state: torch.Tensor | None, chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """chunk_gated_delta_rule in plain PyTorch: the scan batches all sequences that still have a chunk at each step."""
-    num_seqs, value_heads = cu_seqlens.numel() - 1, v.shape[1]
-    layout = _chunk_layout(cu_seqlens.to(v.device), chunk_size)
+    num_seqs, value_heads = packed.num_seqs, v.shape[1]
+    layout = packed.chunks(chunk_size)
     q = _expand_key_heads(q.float() * k.shape[-1] ** -0.5, value_heads)
     k = _expand_key_heads(k.float(), value_heads)
     chunked = [_to_chunks(x, layout.padded_row, layout.num_chunks, chunk_size) for x in (q, k, v, g, beta)]
@@ -303,13 +338,13 @@ def _torch_gated_delta_step(
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens: torch.Tensor | PackedSequences,
     initial_state: torch.Tensor | None = None,
     activation: Activation = F.silu,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv over packed sequences: out[t, c] = act(sum_j weight[c, j] x[t - K + 1 + j, c]).
 
-    x: [T, C]; cu_seqlens: [N+1] (0 first, T last); weight: [C, K], no bias. Inputs before a sequence's
+    x: [T, C]; cu_seqlens: [N+1] (0 first, T last) or their `PackedSequences`; weight: [C, K], no bias. Inputs before a sequence's
     start come from its initial_state [N, C, K-1] (the previous K-1 inputs, oldest first; None: zeros),
     never from the previous sequence.
     Returns out [T, C] in x's dtype (computed in weight's dtype, as transformers' causal_conv1d_fn) and
@@ -318,13 +353,12 @@ def causal_conv1d(
     """
     channels, kernel = weight.shape
     history = kernel - 1
-    num_seqs = cu_seqlens.numel() - 1
     device = x.device
-    cu_seqlens = cu_seqlens.to(device)
+    packed = PackedSequences.of(cu_seqlens, device)
+    num_seqs, cu_seqlens, seq_of_token = packed.num_seqs, packed.cu_seqlens, packed.seq_of_token
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     # One stream of [history | x_i] per sequence, back to back: a single conv1d call covers all of
     # them, and the windows that straddle two sequences are computed but never read.
-    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), lengths)
     token = torch.arange(x.shape[0], device=device)
     stream_row = token + (seq_of_token + 1) * history
     seq_stream_start = cu_seqlens[:-1] + torch.arange(num_seqs, device=device) * history

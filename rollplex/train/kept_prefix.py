@@ -42,7 +42,7 @@ from rollplex.models.packing import pack_sequences
 from rollplex.models.protocol import VisionLanguageModel
 from rollplex.models.rope import generated_positions
 from rollplex.ops.attention import GroupLayout, KeptPrefixAttention, PackedSegments
-from rollplex.ops.gated_delta import causal_conv1d, chunk_gated_delta_rule
+from rollplex.ops.gated_delta import PackedSequences, causal_conv1d, chunk_gated_delta_rule
 from rollplex.train.flops import prompt_flops
 
 
@@ -118,7 +118,7 @@ class _CapturePrompt:
     arguments of a module call (to cast their tensors), which would give each
     layer a fresh copy of the dicts being filled."""
 
-    def __init__(self, attention: PackedSegments, cu_seqlens: torch.Tensor):
+    def __init__(self, attention: PackedSegments, cu_seqlens: PackedSequences):
         self.attention, self.cu_seqlens = attention, cu_seqlens
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
@@ -154,7 +154,7 @@ class PromptChunk:
     position_ids: torch.Tensor  # (3, T)
     slots: VisionSlots
     attention: PackedSegments  # causal within each prompt
-    cu_seqlens: torch.Tensor  # (prompts + 1,) the prompts' boundaries, for the recurrent layers' ops
+    cu_seqlens: PackedSequences  # the prompts' boundaries, for the recurrent layers' ops
     last: torch.Tensor  # (prompts,) each prompt's last token
     cached_vision: VisionEmbeds | None  # the prompts' cached features, or None: the forward runs the tower
     tower_inputs: Any  # the tower's inputs when it runs (the family's `prepare_vision`), or None
@@ -176,7 +176,7 @@ def prepare_prompts(model: VisionLanguageModel, prompts: list[Prompt],
         batch.lengths, batch.rope_deltas, input_ids, batch.position_ids.to(device),
         slots=VisionSlots.find(model.args, input_ids),
         attention=PackedSegments(cu_seqlens, True, model.attn_backend, device),
-        cu_seqlens=batch.cu_seqlens.to(device, torch.long),
+        cu_seqlens=PackedSequences(batch.lengths, device),
         last=torch.tensor(cu_seqlens[1:], device=device) - 1, cached_vision=vision, tower_inputs=tower,
         flops=prompt_flops(model.args, batch, with_vision=vision is None))
 

@@ -16,12 +16,10 @@ same three calls that reads and writes each sequence's state slot.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from rollplex.ops.attention import GroupLayout, ResponsesFromPromptStates, SharedPrefixAttention, VarlenAttention
-from rollplex.ops.gated_delta import causal_conv1d, chunk_gated_delta_rule
+from rollplex.ops.gated_delta import PackedSequences, causal_conv1d, chunk_gated_delta_rule
 
 
 class PackedHybridAttention:
@@ -30,7 +28,7 @@ class PackedHybridAttention:
 
     def __init__(self, cu_seqlens: list[int], device: torch.device | str, backend: str = "torch"):
         self.attention = VarlenAttention(cu_seqlens, device, backend=backend)
-        self.cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.long, device=device)
+        self.cu_seqlens = PackedSequences([b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])], device)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.attention(layer, q, k, v)
@@ -69,7 +67,7 @@ class SharedPrefixHybridAttention:
         response_rows = torch.cat([torch.arange(g.responses_start, g.end) for g in groups])
         self.prompt_rows, self.response_rows = prompt_rows.to(device), response_rows.to(device)
         self.restore = torch.cat([prompt_rows, response_rows]).argsort().to(device)
-        self.prompt_cu_seqlens = _cumulative_lengths([g.prompt_len for g in groups], device)
+        self.prompt_cu_seqlens = PackedSequences([g.prompt_len for g in groups], device)
         self.responses = ResponsesFromPromptStates([n for g in groups for n in g.response_lens],
                                                    [i for i, g in enumerate(groups) for _ in g.response_lens], device)
 
@@ -113,7 +111,3 @@ def _check_packed_groups(groups: list[GroupLayout]) -> None:
         if g.prompt_len == 0 or not g.response_lens or 0 in g.response_lens:
             raise ValueError(f"group {g}: a shared-prefix pass needs a prompt and responses of at least one token")
         expected_start = g.end
-
-
-def _cumulative_lengths(lengths: list[int], device: torch.device | str) -> torch.Tensor:
-    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.long, device=device)
