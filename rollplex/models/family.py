@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -118,6 +119,10 @@ class ModelFamily:
     # Checkpoint key -> the constant build_model fills that tensor with (a norm's identity scale), None: drawn at
     # random. Not every family's norms are x * w: a zero-centred one, x * (1 + w), is the identity at w = 0.
     init_constant: Callable[[str], float | None] = unit_norm_scales
+    # (checkpoint key, shape, generator) -> the tensor build_model draws for it as transformers initialises it when
+    # that is no weight's or bias's draw (a Gated DeltaNet's A_log and dt_bias), on the generator's device; None:
+    # drawn as a weight or a bias. build_model(init_std=None), the parity tests' init, draws them as those too.
+    init_draw: Callable[[str, tuple[int, ...], torch.Generator], torch.Tensor | None] = lambda key, shape, gen: None
     # Decoder layers that keep K/V in the engine's paged pool and in the kept-prefix passes (args -> count).
     kv_layers: Callable[[Any], int] = lambda args: args.text.num_hidden_layers
     # (args, tp) -> bytes of one sequence's recurrent state on one TP rank, every layer that keeps one (a

@@ -180,10 +180,12 @@ def build_model(args: FamilyArgs, dtype: torch.dtype = torch.float32, device: to
 
     Default: as transformers initialises the Qwen VL models, weights ~ N(0, init_std),
     biases 0, norm scales at the identity (the family's `init_constant`: 1 for
-    x * w, 0 for a zero-centred x * (1 + w)); small weights give a near-uniform
-    first policy, which a model trained from scratch by RL needs in order to explore.
-    init_std=None: weights ~ N(0, 1/fan_in) and random biases, so every layer
-    moves the output: what parity tests need to catch a wrong layer.
+    x * w, 0 for a zero-centred x * (1 + w)), and what transformers draws its own
+    way as it does (the family's `init_draw`: a Gated DeltaNet's decay rates); small
+    weights give a near-uniform first policy, which a model trained from scratch by
+    RL needs in order to explore. init_std=None: weights ~ N(0, 1/fan_in) and random
+    biases (init_draw's tensors drawn as those too), so every layer moves the output:
+    what parity tests need to catch a wrong layer.
 
     The values are drawn on `device` (a 3B model's weights take minutes with CPU
     randn), so a seed gives the same weights on every device of one type, not
@@ -204,6 +206,8 @@ def build_model(args: FamilyArgs, dtype: torch.dtype = torch.float32, device: to
             shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
             if (constant := family.init_constant(key)) is not None:
                 value = torch.full(shape, constant, device=device)
+            elif init_std is not None and (drawn := family.init_draw(key, shape, gen)) is not None:
+                value = drawn
             elif key.endswith("bias"):
                 value = torch.randn(shape, generator=gen, device=device) * 0.02 if init_std is None else \
                     torch.zeros(shape, device=device)
