@@ -1,15 +1,11 @@
 """Qwen3.5 (dense): its args, named sizes and parameter counts (`args`), the model
 (`model`, with its hybrid decoder in `decoder`, the Gated DeltaNet in `deltanet`
 and the backend its layers mix tokens through in `mixing`), the Hugging Face
-config and key mapping (`hf`), its tensor-parallel stance (`tp_plan`) and its
+config and key mapping (`hf`), its tensor-parallel plan (`tp_plan`) and its
 tiny checkpoint's shape and config (`tiny`), gathered in `FAMILY`
 (rollplex.models.family).
 
-Not registered yet (rollplex.models.registry.NOT_SUPPORTED_YET says why): the
-engine cannot hold a DeltaNet layer's state. Until then a checkpoint loads by
-naming the family: `from_pretrained(path, family=FAMILY)`, and a tiny folder is
-written by naming it too: `make_tiny_checkpoint(path, TinySpec.of(FAMILY))`. The
-vision tower and processor are Qwen3-VL's.
+The vision tower and processor are Qwen3-VL's.
 """
 
 from rollplex.models.family import ModelFamily
@@ -18,7 +14,8 @@ from rollplex.models.qwen3_5.args import (FULL_ATTENTION, LINEAR_ATTENTION, PRES
                                           TextArgs, count_params, kv_layers, linear_params,
                                           recurrent_state_bytes, tiny_args)
 from rollplex.models.qwen3_5.hf import (ARCHITECTURE, DROPPED_KEYS, MODEL_TYPE, args_from_hf_config,
-                                        hf_config_from_args, hf_key_to_params, init_constant, param_to_hf_key)
+                                        hf_config_from_args, hf_key_to_params, init_constant, init_draw,
+                                        param_to_hf_key)
 from rollplex.models.qwen3_5.model import Qwen3_5
 from rollplex.models.qwen3_5.tp_plan import apply_tp, check_tp, repeated_blocks, vision_tower
 from rollplex.models.qwen3_vl import processor
@@ -51,6 +48,7 @@ FAMILY = ModelFamily(
     load_processor=processor.load_processor,
     dropped_keys=DROPPED_KEYS,
     init_constant=init_constant,
+    init_draw=init_draw,
     kv_layers=kv_layers,
     recurrent_state_bytes=recurrent_state_bytes,
 )
@@ -58,5 +56,5 @@ FAMILY = ModelFamily(
 __all__ = [
     "ARCHITECTURE", "FAMILY", "FULL_ATTENTION", "LINEAR_ATTENTION", "MODEL_TYPE", "PRESETS", "ModelArgs", "Qwen3_5",
     "TextArgs", "apply_tp", "args_from_hf_config", "check_tp", "count_params", "hf_config_from_args",
-    "hf_key_to_params", "init_constant", "linear_params", "param_to_hf_key", "tiny_args",
+    "hf_key_to_params", "init_constant", "init_draw", "linear_params", "param_to_hf_key", "tiny_args",
 ]

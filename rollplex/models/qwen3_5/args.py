@@ -18,7 +18,8 @@ from rollplex.models.qwen_vl.args import TINY_TOKEN_IDS, QwenVLArgs
 from rollplex.models.rope import RopeIndexSpec
 
 __all__ = ["FULL_ATTENTION", "LINEAR_ATTENTION", "PRESETS", "VISION_MLP_WIDTHS", "ModelArgs", "TextArgs",
-           "VisionArgs", "count_params", "hybrid_layer_types", "kv_layers", "linear_params", "recurrent_state_bytes", "tiny_args", "vision_args"]
+           "VisionArgs", "count_params", "hybrid_layer_types", "kv_layers", "linear_params", "recurrent_state_bytes",
+           "tiny_args", "vision_args"]
 
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 
@@ -150,32 +151,40 @@ PRESETS: dict[str, ModelArgs] = {
 }
 
 
-def _layer_params(t: TextArgs) -> dict[str, int]:
-    """One decoder layer's elements by kind, its two norms and MLP included."""
-    common = 2 * t.hidden_size + 3 * t.hidden_size * t.intermediate_size
+def _layer_params(t: TextArgs) -> dict[str, tuple[int, int]]:
+    """One decoder layer's elements by kind, as (split by tensor parallelism, left whole on every
+    rank) under rollplex.models.qwen3_5.tp_plan: the MLP and the mixer's projections split, and so
+    are a DeltaNet's convolution, A_log and dt_bias; the norms stay whole."""
+    mlp = 3 * t.hidden_size * t.intermediate_size
+    norms = 2 * t.hidden_size  # input_layernorm, post_attention_layernorm
     q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
-    # q_proj (with the gate), k, v, o, q_norm and k_norm
-    attention = t.hidden_size * (2 * q + 2 * kv) + q * t.hidden_size + 2 * t.head_dim
+    attention = t.hidden_size * (2 * q + 2 * kv) + q * t.hidden_size  # q_proj (with the gate), k, v, o
     heads = t.linear_num_value_heads
-    deltanet = (t.hidden_size * (t.linear_conv_dim + t.linear_value_dim + 2 * heads)  # in_proj_qkv, _z, _b, _a
-                + t.linear_conv_dim * t.linear_conv_kernel_dim + 2 * heads  # conv1d, dt_bias, A_log
-                + t.linear_value_head_dim + t.linear_value_dim * t.hidden_size)  # the gated norm, out_proj
-    return {FULL_ATTENTION: common + attention, LINEAR_ATTENTION: common + deltanet}
+    deltanet = (t.hidden_size * (t.linear_conv_dim + t.linear_value_dim + 2 * heads)  # in_proj_q/k/v, _z, _b, _a
+                + t.linear_conv_dim * t.linear_conv_kernel_dim + 2 * heads  # conv1d_q/k/v, dt_bias, A_log
+                + t.linear_value_dim * t.hidden_size)  # out_proj
+    return {FULL_ATTENTION: (mlp + attention, norms + 2 * t.head_dim),  # q_norm, k_norm
+            LINEAR_ATTENTION: (mlp + deltanet, norms + t.linear_value_head_dim)}  # the gated norm
 
 
 def count_params(args: ModelArgs) -> ParamCounts:
-    """Parameter counts from the layer shapes of `model` (the tests check them against a
-    built model). No tensor-parallel plan yet (tp_plan), so nothing counts as split. The
-    layers differ by kind: the per-layer figure is the larger kind's (what the largest
-    FSDP unit holds)."""
+    """Parameter counts from the layer shapes of `model` (the tests check them against a built
+    model), split as rollplex.models.qwen3_5.tp_plan splits them: every layer's (`_layer_params`),
+    the embedding and head when untied. The vision tower counts as replicated, as Qwen3-VL's
+    does (its plan splits it only when the TP size divides its widths). The layers differ by
+    kind: the per-layer figures are the kind's with more elements split (the largest FSDP unit on
+    a rank at any TP size, but for the norms each keeps whole: a few hundred elements)."""
     t, v = args.text, args.vision
     vision_block, vision_root = vision_counts(v)
     per_kind = _layer_params(t)
-    root = vision_root + t.hidden_size + t.vocab_size * t.hidden_size * (1 if args.tie_word_embeddings else 2)
-    vision = v.depth * vision_block + vision_root
-    total = v.depth * vision_block + sum(per_kind[kind] for kind in t.layer_types) + root
-    return ParamCounts(total=total, tp_split=0, vision=vision, root=root, root_tp_split=0, layer_tp_split=0,
-                       layer_replicated=max(per_kind[kind] for kind in set(t.layer_types)))
+    embeddings = t.vocab_size * t.hidden_size * (1 if args.tie_word_embeddings else 2)
+    root_split = 0 if args.tie_word_embeddings else embeddings
+    root = vision_root + t.hidden_size + embeddings  # the tower's root parts, the final norm, embedding (and head)
+    layers_split = sum(per_kind[kind][0] for kind in t.layer_types)
+    total = v.depth * vision_block + sum(sum(per_kind[kind]) for kind in t.layer_types) + root
+    layer_split, layer_whole = max(per_kind[kind] for kind in set(t.layer_types))
+    return ParamCounts(total=total, tp_split=layers_split + root_split, vision=v.depth * vision_block + vision_root,
+                       root=root, root_tp_split=root_split, layer_tp_split=layer_split, layer_replicated=layer_whole)
 
 
 def kv_layers(args: ModelArgs) -> int:
@@ -196,7 +205,8 @@ def recurrent_state_bytes(args: ModelArgs, tp: int, dtype_bytes: int = 2) -> int
 def linear_params(args: ModelArgs) -> LinearParams:
     """The matmul weights a text token and a patch go through (biases, norms, the convolution
     and the recurrence left out): q_proj (with its gate), k, v and o in full-attention layers;
-    in_proj_qkv, _z, _b, _a and out_proj in DeltaNet layers; the MLP in every layer."""
+    in_proj_q/k/v (the checkpoints' in_proj_qkv), _z, _b, _a and out_proj in DeltaNet layers;
+    the MLP in every layer."""
     t = args.text
     q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
     per_kind = {FULL_ATTENTION: t.hidden_size * (2 * q + 2 * kv) + q * t.hidden_size,

@@ -7,23 +7,31 @@ mrope_section) and the layer kinds in `layer_types` (or, absent, one full-attent
 layer every `full_attention_interval`). The vision config is Qwen3-VL's without
 DeepStack. Keys: rollplex.models.qwen_vl.hf's mapping (`model.visual.*` with the
 fused vision qkv, `model.language_model.*`, `lm_head.*`; written in the nested
-style). The hub's checkpoints also hold `mtp.*`, a multi-token-prediction head
-that transformers drops on load: the loader skips it and says so once
-(`DROPPED_KEYS`).
+style), plus each DeltaNet layer's two fused tensors: `in_proj_qkv.weight` and
+`conv1d.weight` hold q, k and v by rows, which the model keeps as three
+parameters each (rollplex.models.qwen3_5.deltanet), split at load and
+concatenated back at save in row order as the vision qkv is. transformers'
+model names its modules as the checkpoints do, so the same mapping names the
+modules peft adapts (`param_to_hf_key`). The hub's checkpoints also hold
+`mtp.*`, a multi-token-prediction head that transformers drops on load: the
+loader skips it and says so once (`DROPPED_KEYS`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from rollplex.models.family import unit_norm_scales
 from rollplex.models.protocol import CheckpointError
 from rollplex.models.qwen3_5.args import FULL_ATTENTION, LINEAR_ATTENTION, ModelArgs, TextArgs, hybrid_layer_types
 from rollplex.models.qwen3_vl.hf import vision_args_from_config, vision_config
-from rollplex.models.qwen_vl.hf import hf_key_to_params, nested_model_args, param_to_nested_key, pick_fields
+from rollplex.models.qwen_vl.hf import hf_key_to_params as qwen_vl_key_to_params
+from rollplex.models.qwen_vl.hf import nested_model_args, param_to_nested_key, pick_fields
 
 __all__ = ["ARCHITECTURE", "DROPPED_KEYS", "MODEL_TYPE", "args_from_hf_config", "check_args", "hf_config_from_args",
-           "hf_key_to_params", "init_constant", "param_to_hf_key"]
+           "hf_key_to_params", "init_constant", "init_draw", "param_to_hf_key"]
 
 MODEL_TYPE = "qwen3_5"
 ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
@@ -31,8 +39,34 @@ ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
 DROPPED_KEYS = {"mtp.": "Qwen3.5's multi-token-prediction head, which only speculative decoding reads "
                         "(transformers drops it too)"}
 
-# Written in the nested style transformers 5 writes; hf_key_to_params reads the flat one too.
-param_to_hf_key = param_to_nested_key
+# A DeltaNet layer's fused checkpoint tensors -> the parameters they hold, in row order
+# (rollplex.models.qwen3_5.deltanet keeps q, k and v apart).
+_FUSED_DELTANET = {
+    ".linear_attn.in_proj_qkv.weight": (".linear_attn.in_proj_q.weight", ".linear_attn.in_proj_k.weight",
+                                        ".linear_attn.in_proj_v.weight"),
+    ".linear_attn.conv1d.weight": (".linear_attn.conv1d_q", ".linear_attn.conv1d_k", ".linear_attn.conv1d_v"),
+}
+
+
+def hf_key_to_params(key: str) -> list[str]:
+    """Checkpoint key (either style) -> the parameter names it holds, in row order: none for
+    keys we do not keep, three for a vision block's fused qkv and a DeltaNet's in_proj_qkv and conv1d."""
+    names = qwen_vl_key_to_params(key)
+    for fused, parts in _FUSED_DELTANET.items():
+        if len(names) == 1 and names[0].endswith(fused):
+            stem = names[0].removesuffix(fused)
+            return [stem + part for part in parts]
+    return names
+
+
+def param_to_hf_key(name: str) -> str:
+    """Our parameter name -> its key in the nested style transformers 5 writes (hf_key_to_params
+    reads the flat one too); the parts of a fused tensor share one."""
+    for fused, parts in _FUSED_DELTANET.items():
+        for part in parts:
+            if name.endswith(part):
+                return param_to_nested_key(name.removesuffix(part) + fused)
+    return param_to_nested_key(name)
 
 
 def init_constant(key: str) -> float | None:
@@ -43,6 +77,18 @@ def init_constant(key: str) -> float | None:
     zero_centred = key.startswith("model.language_model.") and key.endswith("norm.weight") \
         and ".linear_attn." not in key
     return 0.0 if zero_centred else unit_norm_scales(key)
+
+
+def init_draw(key: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor | None:
+    """A DeltaNet's decay parameters as transformers initialises them (ModelFamily.init_draw):
+    dt_bias 1, and A_log the log of U(0.01, 16) per value head, so that heads decay at rates
+    spread over three orders of magnitude (a weight's draw, A_log near 0, would decay every head
+    alike); None for every other tensor."""
+    if key.endswith(".linear_attn.dt_bias"):
+        return torch.ones(shape, device=generator.device)
+    if key.endswith(".linear_attn.A_log"):
+        return torch.empty(shape, device=generator.device).uniform_(0.01, 16.0, generator=generator).log_()
+    return None
 
 
 def args_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArgs:
