@@ -348,8 +348,9 @@ def test_keys_map_both_ways(pair):
     names = [n for key in keys for n in hf_key_to_params(key)]
     assert sorted(names) == sorted(ours.state_dict())
     assert {param_to_hf_key(n) for n in names} == keys
+    # The fused q | k | v projection and convolution are three parameters each (split by heads under TP).
     assert hf_key_to_params("model.language_model.layers.0.linear_attn.conv1d.weight") == [
-        "language_model.layers.0.linear_attn.conv1d.weight"]
+        f"language_model.layers.0.linear_attn.conv1d_{part}" for part in "qkv"]
 
 
 def test_config_round_trip_and_what_transformers_builds_from_it():
@@ -394,7 +395,7 @@ def test_registered_by_model_type_and_moe_refused():
 # ----------------------------------------------------------------------------- shape, protocol, counts
 
 
-def test_protocol_counts_and_tp_stance():
+def test_protocol_counts_and_tp_sizes():
     args = tiny_args()
     model = Qwen3_5(args)
     assert isinstance(model, VisionLanguageModel)
@@ -405,9 +406,9 @@ def test_protocol_counts_and_tp_stance():
     layer_weights = sum(m.weight.numel() for m in model.language_model.layers.modules()
                         if isinstance(m, torch.nn.Linear))
     assert linear_params(args).decoder == layer_weights
-    FAMILY.check_tp(args, 1)
-    with pytest.raises(ValueError, match="no tensor-parallel plan yet"):
-        FAMILY.check_tp(args, 2)
+    FAMILY.check_tp(args, 2)
+    with pytest.raises(ValueError, match="does not divide"):
+        FAMILY.check_tp(args, 3)
 
 
 def test_named_sizes_are_near_their_names():
