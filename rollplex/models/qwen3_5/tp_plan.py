@@ -32,7 +32,6 @@ and the vision tower are rollplex.models.qwen_vl.tp_plan's.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch.nn as nn
@@ -96,14 +95,15 @@ def shard_head_rows(deltanet: nn.Module, tp_mesh: DeviceMesh) -> None:
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     """Shard `model` (a Qwen3_5) over `tp_mesh` in place (parameters become DTensors)."""
     check_tp(model.args, tp_mesh.size())
-    # Qwen3-VL's plan names each layer's self_attn.*, which DeltaNet layers lack: torch skips those entries
-    # there with a warning each, which says nothing here.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Parallelize plan key 'self_attn\\.")
-        qwen3_vl_tp_plan.apply_tp(model, tp_mesh)
-    plan = deltanet_plan()
+    qwen3_vl_tp_plan.apply_vision_tp(model, tp_mesh)
+    attention_layer = qwen_vl_tp_plan.decoder_layer_plan(qk_norm=True)
+    deltanet_layer = {**{f"linear_attn.{name}": style for name, style in deltanet_plan().items()},
+                      **qwen_vl_tp_plan.swiglu_plan("mlp")}
     for layer in model.language_model.layers:
         if layer.kind == LINEAR_ATTENTION:
-            parallelize_module(layer.linear_attn, tp_mesh, plan)
+            parallelize_module(layer, tp_mesh, deltanet_layer)
             shard_head_rows(layer.linear_attn, tp_mesh)
+        else:
+            parallelize_module(layer, tp_mesh, attention_layer)
+    qwen_vl_tp_plan.apply_embedding_tp(model, tp_mesh)
     return model

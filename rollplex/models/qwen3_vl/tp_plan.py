@@ -22,6 +22,7 @@ position grid are in FSDP's root unit.
 
 from __future__ import annotations
 
+import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -44,6 +45,14 @@ def apply_tp(model: Qwen3_VL, tp_mesh: DeviceMesh) -> Qwen3_VL:
     """Shard the language model and, when it divides, the vision tower (but its patch
     embedding and position grid) over `tp_mesh` in place (parameters become DTensors)."""
     check_tp(model.args, tp_mesh.size())
+    apply_vision_tp(model, tp_mesh)
+    apply_decoder_tp(model, tp_mesh, qk_norm=True)
+    return model
+
+
+def apply_vision_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard the vision tower's blocks and merger(s) over `tp_mesh` in place when the TP size
+    divides their widths (`vision_splits`); else the tower stays replicated."""
     if vision_splits(model.args, tp_mesh.size()):
         block_plan = {**vision_attention_plan(), "mlp.linear_fc1": ColwiseParallel(),
                       "mlp.linear_fc2": RowwiseParallel()}
@@ -52,5 +61,3 @@ def apply_tp(model: Qwen3_VL, tp_mesh: DeviceMesh) -> Qwen3_VL:
         merger_plan = {"linear_fc1": ColwiseParallel(), "linear_fc2": RowwiseParallel()}
         for merger in (model.visual.merger, *model.visual.deepstack_merger_list):
             parallelize_module(merger, tp_mesh, merger_plan)
-    apply_decoder_tp(model, tp_mesh, qk_norm=True)
-    return model

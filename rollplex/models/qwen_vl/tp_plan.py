@@ -83,6 +83,12 @@ def apply_decoder_tp(model: nn.Module, tp_mesh: DeviceMesh, qk_norm: bool) -> No
     layer_plan = decoder_layer_plan(qk_norm)
     for layer in model.language_model.layers:
         parallelize_module(layer, tp_mesh, layer_plan)
+    apply_embedding_tp(model, tp_mesh)
+
+
+def apply_embedding_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard the embedding and LM head of `model` (a QwenVL) over `tp_mesh` in place when they are
+    not tied (vocab-parallel); tied, both stay replicated."""
     if model.lm_head is not None:
         parallelize_module(model.language_model, tp_mesh,
                            {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())})
