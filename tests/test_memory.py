@@ -29,7 +29,6 @@ from rollplex.train.actor import Actor, ActorConfig
 from rollplex.train.kept_prefix import prepare_prompts, prompt_forward
 from rollplex.train.lora import apply_lora, freeze_base, is_adapter
 from rollplex.train.parallelize import apply_activation_checkpointing
-from test_memory_plan import register_qwen3_5
 from test_model import IMG, VEND, VID, VSTART, image, tiny_args
 from test_shared_prefix import groups
 
@@ -288,12 +287,11 @@ def test_the_backward_of_a_checkpointed_prompt_forward_keeps_no_second_copy_of_i
 
 
 @pytest.mark.parametrize("dtype,within", [(torch.float32, 0.02), (torch.bfloat16, 0.1)])
-def test_a_deltanet_layer_keeps_and_peaks_at_what_the_plan_estimates(monkeypatch, dtype, within):
+def test_a_deltanet_layer_keeps_and_peaks_at_what_the_plan_estimates(dtype, within):
     """A Gated DeltaNet decoder layer over two 256-token sequences (the plain-torch chunked rule) keeps for
     backward what `deltanet_layer_bytes` counts: within 2% in float32, within 10% in bfloat16 (Qwen3.5's
     zero-centred norms keep float32 copies the estimate leaves out); its forward without a graph peaks within
     15% of the plan's estimate of a layer's forward (the rule's intermediates, not the MLP's, make it)."""
-    register_qwen3_5(monkeypatch)
     base = qwen3_5_tiny_args()
     text = dataclasses.replace(base.text, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                layer_types=[LINEAR_ATTENTION, FULL_ATTENTION], linear_key_head_dim=64,
