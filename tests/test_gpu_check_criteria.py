@@ -131,6 +131,71 @@ def test_the_sampler_criterion_reports_every_differing_row():
     assert not ok and differing == [0, 1]
 
 
+# ---------------------------------------------------------------------- qwen3_5
+
+
+def delta_outputs(q, k, v, g, beta, state):
+    from rollplex.ops.gated_delta import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule(q, k, v, g, beta, torch.tensor([0, 40, 110]), state, backend="torch")
+
+
+@pytest.mark.parametrize("broken", ["key_heads_tiled", "q_unscaled", "state_transposed"])
+def test_the_fla_bounds_fail_a_wrong_layout(broken):
+    """What a wrong layout handed to fla would compute is far outside qwen3_5's bounds on fla's errors."""
+    q, k, v, g, beta, state = gpu_check._delta_inputs(110, 2, (2, 4, 16), "cpu", seed=0)
+    out, final = delta_outputs(q, k, v, g, beta, state)
+    if broken == "key_heads_tiled":  # value head h reading key head h % Hk instead of h // (Hv / Hk)
+        q, k = q.repeat(1, 2, 1), k.repeat(1, 2, 1)
+    elif broken == "q_unscaled":
+        q = q * 16**0.5
+    else:
+        state = state.transpose(-1, -2)
+    wrong_out, wrong_final = delta_outputs(q, k, v, g, beta, state)
+    assert gpu_check._relative_rms(wrong_out, out) > 10 * gpu_check.FLA_RMS_BOUNDS["out"]
+    if broken != "q_unscaled":  # q does not reach the state
+        assert gpu_check._relative_rms(wrong_final, final) > 10 * gpu_check.FLA_RMS_BOUNDS["final_state"]
+
+
+def test_the_logprob_gap_figures():
+    rollout, trainer = torch.tensor([0.5, 0.25]).log(), torch.tensor([0.5, 0.2]).log()
+    gap = gpu_check.logprob_gap(rollout, trainer)
+    assert gap["logprob_max_abs_diff"] == pytest.approx(math.log(1.25))
+    assert gap["logprob_mean_abs_diff"] == pytest.approx(math.log(1.25) / 2)
+    assert gap["probs_diff_max"] == pytest.approx(0.05)
+    assert gap["kl_k3_mean"] == pytest.approx((0.8 - 1 - math.log(0.8)) / 2)
+
+
+def test_the_qwen3_5_engine_comparison_fails_a_state_lost_in_decode(monkeypatch):
+    """qwen3_5's engine part on the CPU (fp32): it passes, and an engine whose decode steps start each
+    token from a zero recurrent state fails it."""
+    from rollplex.engine import recurrent_state
+
+    figures, criteria = gpu_check._qwen3_5_engine_against_transformers("cpu")
+    assert all(criteria.values()) and figures["samples_equal_transformers_greedy_share"] == 1.0, figures
+    step = recurrent_state.recurrent_gated_delta_step
+    monkeypatch.setattr(recurrent_state, "recurrent_gated_delta_step",
+                        lambda q, k, v, g, beta, state: step(q, k, v, g, beta, state.zero_()))
+    figures, criteria = gpu_check._qwen3_5_engine_against_transformers("cpu")
+    assert not criteria["engine_logprobs_as_close_as_transformers"], figures
+
+
+def test_the_qwen3_5_gap_fails_responses_that_forget_their_prompt(monkeypatch):
+    """qwen3_5's logprob gap on the CPU: a chunked rule that drops initial states (so the shared-prefix pass's
+    responses start from zero, not from their prompt's state) fails it; the full-sequence pass, whose
+    sequences all start from zero, passes."""
+    from rollplex.ops import gated_delta
+
+    figures, criteria = gpu_check._qwen3_5_logprob_gap("cpu")
+    assert all(criteria.values()), figures
+    rule = gated_delta._torch_chunk_gated_delta_rule
+    monkeypatch.setattr(gated_delta, "_torch_chunk_gated_delta_rule",
+                        lambda q, k, v, g, beta, cu_seqlens, initial_state, chunk_size:
+                        rule(q, k, v, g, beta, cu_seqlens, None, chunk_size))
+    figures, criteria = gpu_check._qwen3_5_logprob_gap("cpu")
+    assert criteria == {"shared_prefix_rollout_probs": False, "full_sequences_rollout_probs": True}, figures
+
+
 # ---------------------------------------------------------------------- the fused kernels, in the interpreter
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

@@ -45,11 +45,13 @@ import tempfile
 import time
 import traceback
 import unittest.mock
+from copy import deepcopy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import torch
+import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -446,8 +448,8 @@ def _replay_against_eager(engine) -> float:
             s = runner.static
             graph.replay()
             replayed = runner.graph_logits[bucket].float().clone()
-            eager = runner._decode_eager(s["ids"][:bucket], s["positions"][:bucket], s["slots"][:bucket],
-                                         s["tables"][:bucket], s["lens"][:bucket]).float()
+            eager = runner._decode_eager(*(s[name][:bucket] for name in ("ids", "positions", "slots", "tables", "lens",
+                                                                          "state_rows"))).float()
             worst = max(worst, (replayed - eager).abs().max().item())
     return worst
 
@@ -712,13 +714,304 @@ def check_qwen3_vl(device: str) -> dict:
 
 def _hf_greedy(hf, prompt: Prompt, args: ModelArgs, max_new: int) -> list[int]:
     ids = prompt.input_ids[None]
-    mm = (ids == args.image_token_id).long() + 2 * (ids == args.video_token_id).long()
-    vision = {k: getattr(prompt, k) for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
-              if getattr(prompt, k) is not None}
     with torch.no_grad():
-        out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=mm, do_sample=False,
-                          max_new_tokens=max_new, eos_token_id=None, **vision)
+        out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=_mm_types(ids, args),
+                          do_sample=False, max_new_tokens=max_new, eos_token_id=None, **_vision_inputs(prompt))
     return out[0, ids.shape[1]:].tolist()
+
+
+def _mm_types(ids: torch.Tensor, args) -> torch.Tensor:
+    """transformers' mm_token_type_ids: 1 at image tokens, 2 at video tokens."""
+    return (ids == args.image_token_id).long() + 2 * (ids == args.video_token_id).long()
+
+
+def _vision_inputs(prompt: Prompt) -> dict:
+    """The prompt's pixels and grids, as transformers' forward takes them."""
+    return {k: getattr(prompt, k) for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+            if getattr(prompt, k) is not None}
+
+
+# ---------------------------------------------------------------------- Qwen3.5
+
+
+# fla's kernels against the torch path (rollplex.ops.gated_delta) on the same inputs: bounds on the relative RMS
+# error (the RMS of fla - torch over torch's RMS), twice the largest of fla's own tests' bounds against an fp32
+# reference in fp16 and bf16 (tests/ops/test_gdn.py: 0.005 to 0.008 for outputs, states and the q, k, v and
+# initial-state gradients; 0.02 to 0.035 for g's and beta's). A wrong layout (key heads grouped the other way,
+# a state transposed, q unscaled) is off by an RMS of the order of the values themselves.
+FLA_RMS_BOUNDS = {"out": 0.016, "final_state": 0.016, "q": 0.016, "k": 0.016, "v": 0.016, "g": 0.07, "beta": 0.07,
+                  "initial_state": 0.016}
+# The decode step: both paths compute in fp32 from the same inputs and round outputs to v's dtype alike, so they
+# differ by the order of sums (and an output rounded the other way now and then).
+DELTA_STEP_RMS_BOUND = 1e-3
+# DeltaNet heads (key heads, value heads, head dim). fla tunes its chunked kernels per head shape and dtype (Triton's
+# autotuning: a few dozen compiles), so qwen3_5 meets few: its kernel comparison takes the 4B's and 9B's heads,
+# whose key heads serve two value heads each; its models take the 2B's, whose do not, so transformers (which
+# expands key heads to the value heads before it calls fla) hands fla the same shapes as Rollplex.
+DELTANET_HEADS_GROUPED = (16, 32, 128)
+DELTANET_HEADS_2B = (16, 16, 128)
+
+
+def check_qwen3_5(device: str) -> dict:
+    """Qwen3.5 on the GPU, in three parts (on the CPU each at its smallest, the torch ops on both sides):
+    - fla's kernels against the torch ops (`_fla_against_torch`): the chunked rule over packed sequences of
+      1 to 2,048 tokens from random initial states, its outputs, final states and the gradients of q, k,
+      v, g, beta and the initial states (a loss on outputs and final states); the decode step over four
+      steps, fla's captured in a CUDA graph, against eager torch ops;
+    - bf16 engine greedy decode under CUDA graphs against transformers' bf16 and fp32 models on a tiny
+      Qwen3.5 (`_qwen3_5_engine_against_transformers`): groups of two forking one prefill, prompts of an
+      image and a video and of 100 text tokens;
+    - the rollout/trainer logprob gap (`_qwen3_5_logprob_gap`) on 4 layers of Qwen3.5-2B's widths,
+      random weights: sampled tokens' engine logprobs against the trainer's shared-prefix and
+      full-sequence passes, reported, and held to the RL loop's bound on probabilities."""
+    fla, fla_criteria = _fla_against_torch(device)
+    engine, engine_criteria = _qwen3_5_engine_against_transformers(device)
+    gap, gap_criteria = _qwen3_5_logprob_gap(device)
+    criteria = {**fla_criteria, **engine_criteria, **gap_criteria}
+    text = (f"fla within {FLA_RMS_BOUNDS} (relative RMS) of the torch ops, its graphed decode step within "
+            f"{DELTA_STEP_RMS_BOUND:g}; the bf16 engine's logprobs, and its tokens' distance below the best, within "
+            "2 x bf16 transformers' logprob error against fp32 transformers' + 1e-2 (CPU fp32: "
+            f"{ENGINE_LOGPROB_TOLERANCE:g}); rollout probabilities within the RL loop's bound of the trainer's")
+    return {"fla": fla, "engine_vs_transformers": engine, "rollout_trainer_gap": gap, **verdict_of(criteria, text)}
+
+
+def _relative_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The RMS of got - want over want's RMS."""
+    got, want = got.detach().float(), want.detach().float()
+    return ((got - want).square().mean().sqrt() / want.square().mean().sqrt().clamp_min(1e-30)).item()
+
+
+def _delta_inputs(tokens: int, states: int, heads: tuple[int, int, int], device: str, seed: int) -> list[torch.Tensor]:
+    """q, k, v, g, beta and initial states as a Qwen3.5 layer hands them to the gated delta rule: q and k
+    L2-normalised in fp32, v and beta in the activations' dtype (bf16 on CUDA), g = -A softplus(x) in fp32
+    with A from 0.01 to 16 across heads (some decay within a token, others barely over thousands)."""
+    from rollplex.ops.gated_delta import l2norm
+
+    key_heads, value_heads, dim = heads
+    dtype = torch.bfloat16 if _cuda(device) else torch.float32
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device)
+
+    q, k = l2norm(draw(tokens, key_heads, dim)), l2norm(draw(tokens, key_heads, dim))
+    v = draw(tokens, value_heads, dim).to(dtype)
+    g = -torch.logspace(-2, math.log10(16), value_heads, device=device) * F.softplus(draw(tokens, value_heads) - 2)
+    beta = draw(tokens, value_heads).sigmoid().to(dtype)
+    return [q, k, v, g, beta, draw(states, value_heads, dim, dim)]
+
+
+def _fla_against_torch(device: str) -> tuple[dict, dict[str, bool]]:
+    """fla's chunked rule (forward and backward) and graphed decode step against the torch ops', as
+    relative RMS errors (`check_qwen3_5`). On the CPU fla cannot run: torch against itself, said so."""
+    from rollplex.ops.gated_delta import chunk_gated_delta_rule
+
+    cuda = _cuda(device)
+    candidate = "fla" if cuda else "torch"
+    lengths, heads = ([1, 63, 64, 65, 500, 2048, 1355], DELTANET_HEADS_GROUPED) if cuda else ([5, 70, 1], (2, 4, 16))
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], device=device)
+    inputs = _delta_inputs(sum(lengths), len(lengths), heads, device, seed=0)
+    gen = torch.Generator(device=device).manual_seed(1)
+    out_weight = torch.randn(inputs[2].shape, generator=gen, device=device)
+    state_weight = torch.randn(inputs[5].shape, generator=gen, device=device)
+    results = {}
+    for backend in (candidate, "torch"):
+        leaves = [x.detach().clone().requires_grad_() for x in inputs]
+        out, final = chunk_gated_delta_rule(*leaves[:5], cu_seqlens, leaves[5], backend=backend)
+        # A loss on both: the backward carries the state's gradient, as a shared-prefix pass's does.
+        grads = torch.autograd.grad((out.float() * out_weight).sum() + (final * state_weight).sum(), leaves)
+        results[backend] = {"out": out, "final_state": final,
+                            **dict(zip(("q", "k", "v", "g", "beta", "initial_state"), grads))}
+    chunk = {name: _relative_rms(results[candidate][name], results["torch"][name]) for name in FLA_RMS_BOUNDS}
+    step = _delta_step_against_torch(device, candidate, heads)
+    figures = {"compared": f"{candidate} against torch" + ("" if cuda else " (CPU: fla runs on CUDA only)"),
+               "heads": heads, "lengths": lengths, "chunk_relative_rms": chunk, "step_relative_rms": step}
+    criteria = {f"chunk_{name}": error <= FLA_RMS_BOUNDS[name] for name, error in chunk.items()}
+    criteria.update({f"step_{name}": error <= DELTA_STEP_RMS_BOUND for name, error in step.items()})
+    return figures, criteria
+
+
+def _delta_step_against_torch(device: str, candidate: str, heads: tuple[int, int, int]) -> dict[str, float]:
+    """Four decode steps of 64 rows (CPU: two of three) from random states with `candidate`'s step, on
+    CUDA captured once in a CUDA graph and replayed with each step's inputs copied in, against eager
+    torch steps: the relative RMS error of the outputs and the final states."""
+    from rollplex.ops.gated_delta import recurrent_gated_delta_step
+
+    cuda = _cuda(device)
+    rows, steps = (64, 4) if cuda else (3, 2)
+    per_step = [_delta_inputs(rows, rows, heads, device, seed=10 + s) for s in range(steps)]
+    initial = per_step[0][5]
+    state = initial.clone()
+    expected = [recurrent_gated_delta_step(*inputs[:5], state, backend="torch") for inputs in per_step]
+    static = [x.clone() for x in per_step[0][:5]]
+    candidate_state = initial.clone()
+
+    def step() -> torch.Tensor:
+        return recurrent_gated_delta_step(*static, candidate_state, backend=candidate)
+
+    if cuda:  # compiled outside the capture, which records without running: the state is then reset
+        step()
+        candidate_state.copy_(initial)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graphed_out = step()
+    outs = []
+    for inputs in per_step:
+        for buffer, value in zip(static, inputs):
+            buffer.copy_(value)
+        if cuda:
+            graph.replay()
+            outs.append(graphed_out.clone())
+        else:
+            outs.append(step())
+    return {"out": _relative_rms(torch.stack(outs), torch.stack(expected)),
+            "final_state": _relative_rms(candidate_state, state)}
+
+
+def _qwen3_5_tiny_args(cuda: bool):
+    """The family's tiny model; on CUDA with Qwen3.5-2B's DeltaNet heads (DELTANET_HEADS_2B)."""
+    from rollplex.models.qwen3_5 import tiny_args
+
+    args = tiny_args()
+    if not cuda:
+        return args
+    key_heads, value_heads, dim = DELTANET_HEADS_2B
+    text = dataclasses.replace(args.text, linear_num_key_heads=key_heads, linear_num_value_heads=value_heads,
+                               linear_key_head_dim=dim, linear_value_head_dim=dim)
+    return dataclasses.replace(args, text=text)
+
+
+def _qwen3_5_engine_against_transformers(device: str) -> tuple[dict, dict[str, bool]]:
+    """Greedy decode of the tiny Qwen3.5 in bf16 (CPU: fp32) by the engine (CUDA graphs; on the CPU their
+    stand-in), groups of two forking one prefill, against transformers' model loaded from the same weights
+    in bf16 and in fp32, each fed every sample's tokens after its prompt (`_hf_token_logprobs`). As
+    `_parity` holds the bf16 forward, the engine's logprobs of its tokens must be as close to fp32
+    transformers' as bf16 transformers' are, twice their largest difference plus 1e-2 (CPU:
+    ENGINE_LOGPROB_TOLERANCE), and each token fp32 transformers' greedy choice or as near it. Random tiny
+    weights give flat logits, so this catches a state lost or not forked, not a slight drift: the fla
+    kernel comparison and the CPU fp32 engine tests hold the state's arithmetic."""
+    from rollplex.engine import Request
+    from rollplex.models.qwen3_5 import FAMILY
+
+    cuda = _cuda(device)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    args = _qwen3_5_tiny_args(cuda)
+    model = build_model(args, dtype=dtype, device=device, seed=0, init_std=None, family=FAMILY)
+    model.set_attn_backend("auto")
+    with tempfile.TemporaryDirectory() as d:
+        save_pretrained(model, d, family=FAMILY)
+        hf = {t: FAMILY.transformers_class().from_pretrained(d, dtype=t).to(device).eval()
+              for t in {dtype, torch.float32}}
+    prompts = [_multimodal_prompt(args, device, image_hw=(8, 12), video_thw=(2, 8, 8)),
+               _random_text_prompt(100, args.image_token_id, seed=1, device=device)]  # over a chunk of 64
+    engine = _engine(model, max_num_seqs=4, max_model_len=512)
+    tokens, logprobs = _greedy(engine, [Request(p, n=2) for p in prompts], cuda)
+    samples = []
+    for prompt, group_tokens, group_logprobs in zip(prompts, tokens, logprobs):
+        exact, rounded = (_hf_token_logprobs(hf[t], prompt, args, group_tokens) for t in (torch.float32, dtype))
+        samples += [_sample_against_transformers(*sample) for sample in zip(group_tokens, group_logprobs, exact,
+                                                                              rounded)]
+    errors = {key: max(sample[key] for sample in samples) for key in ("engine", "transformers", "below_best")}
+    bound = 2 * errors["transformers"] + (1e-2 if cuda else ENGINE_LOGPROB_TOLERANCE)
+    figures = {"dtype": str(dtype), "captures": engine.runner.captures, "bound": bound,
+               "logprob_max_abs_diff_vs_fp32_transformers": {k: errors[k] for k in ("engine", "transformers")},
+               "max_logprob_below_fp32_transformers_best": errors["below_best"],
+               "samples_equal_transformers_greedy_share": sum(sample["equal"] for sample in samples) / len(samples)}
+    return figures, {"engine_logprobs_as_close_as_transformers": errors["engine"] <= bound,
+                     "engine_tokens_greedy_within_bound": errors["below_best"] <= bound}
+
+
+def _sample_against_transformers(tokens: list[int], logprobs: list[float], exact: torch.Tensor,
+                                 rounded: torch.Tensor) -> dict[str, float]:
+    """One greedy sample of the engine against transformers' log-softmax rows before each of its tokens, in
+    fp32 (`exact`) and in the engine's dtype (`rounded`): the largest |difference| of the engine's and the
+    rounded rows' logprobs of its tokens from fp32's, how far below fp32's best its tokens are, and
+    whether every token is the rounded rows' greedy choice (1.0) or not (0.0)."""
+    chosen = torch.tensor(tokens, device=exact.device)[:, None]
+    want = exact.gather(1, chosen)[:, 0]
+    return {"engine": (torch.tensor(logprobs, device=exact.device) - want).abs().max().item(),
+            "transformers": (rounded.gather(1, chosen)[:, 0] - want).abs().max().item(),
+            "below_best": (exact.max(dim=1).values - want).max().item(),
+            "equal": float((rounded.argmax(dim=1) == chosen[:, 0]).all())}
+
+
+def _random_text_prompt(length: int, below: int, seed: int, device: str = "cpu") -> Prompt:
+    """`length` random token ids in [10, `below`): text, clear of the vision and special ids above."""
+    return Prompt(torch.randint(10, below, (length,), generator=torch.Generator().manual_seed(seed)).to(device))
+
+
+def _hf_token_logprobs(hf, prompt: Prompt, args, responses: list[list[int]]) -> list[torch.Tensor]:
+    """transformers' log-softmax (float32, per step, over the vocabulary) before each token of each response:
+    the prompt run once with its cache, each response fed after its own copy of it (generate's path, so
+    a generated vision id is a text token, as in the engine)."""
+    ids = prompt.input_ids[None]
+    hf.model.rope_deltas = None  # transformers keeps the last prompt's M-RoPE offset, and a text prompt sets none
+    result = []
+    with torch.no_grad():
+        out = hf(input_ids=ids, mm_token_type_ids=_mm_types(ids, args), use_cache=True, **_vision_inputs(prompt))
+        for response in responses:
+            steps = [out.logits[0, -1:]]
+            if len(response) > 1:
+                cache = deepcopy(out.past_key_values)
+                fed = torch.tensor(response[:-1], device=ids.device)[None]
+                steps.append(hf(input_ids=fed, past_key_values=cache, use_cache=True).logits[0])
+            result.append(torch.log_softmax(torch.cat(steps).float(), dim=-1))
+    return result
+
+
+def _qwen3_5_2b_args(cuda: bool):
+    """4 decoder layers (3 DeltaNet, 1 full attention) of Qwen3.5-2B's widths on CUDA; the tiny model on the CPU."""
+    from rollplex.models.qwen3_5 import PRESETS
+
+    if not cuda:
+        return _qwen3_5_tiny_args(cuda)
+    args = PRESETS["qwen3.5-2b"]
+    return dataclasses.replace(args, text=dataclasses.replace(args.text, num_hidden_layers=4, layer_types=[]))
+
+
+def _qwen3_5_logprob_gap(device: str) -> tuple[dict, dict[str, bool]]:
+    """8 prompts of 512 random text tokens x 4 samples of 128 tokens at temperature 1 (CPU: 2 x 2 of 16
+    and 8) from the engine (CUDA graphs), then the trainer's logprobs of the same tokens (no grad), by
+    the shared-prefix pass (the actor's) and by full sequences: `logprob_gap` of each."""
+    from rollplex.engine import Request, SamplingParams
+    from rollplex.models.packing import pack_groups
+    from rollplex.models.qwen3_5 import FAMILY
+    from rollplex.train.actor import batch_to
+    from rollplex.train.logprob_head import token_logprobs
+
+    cuda = _cuda(device)
+    args = _qwen3_5_2b_args(cuda)
+    model = build_model(args, dtype=torch.bfloat16 if cuda else torch.float32, device=device, seed=0,
+                        init_std=None, family=FAMILY)
+    model.set_attn_backend("auto")
+    prompts, n, prompt_tokens, max_tokens = (8, 4, 512, 128) if cuda else (2, 2, 16, 8)
+    requests = [Request(_random_text_prompt(prompt_tokens, args.image_token_id, seed=i, device=device), n=n, seed=i)
+                for i in range(prompts)]
+    engine = _engine(model, max_num_seqs=prompts * n, max_model_len=prompt_tokens + max_tokens + 16)
+    groups = engine.generate(requests, SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True))
+    del engine
+    rollout = torch.tensor([lp for g in groups for s in g.samples for lp in s.logprobs])
+    figures: dict = {"layers": args.text.num_hidden_layers, "hidden": args.text.hidden_size,
+                     "sampled_tokens": rollout.numel(), "note": "random weights"}
+    with torch.no_grad():
+        for name, share_prefix in (("shared_prefix", True), ("full_sequences", False)):
+            batch = batch_to(pack_groups(args, groups, share_prefix=share_prefix), torch.device(device))
+            hidden = model.forward_packed(batch.packed)[batch.target_index]
+            trainer, _ = token_logprobs(model, hidden, batch.target_ids)
+            figures[name] = logprob_gap(rollout, trainer.cpu())
+    bound = Tolerances.on(cuda).rollout_probs
+    return figures, {f"{name}_rollout_probs": figures[name]["probs_diff_max"] <= bound
+                     for name in ("shared_prefix", "full_sequences")}
+
+
+def logprob_gap(rollout: torch.Tensor, trainer: torch.Tensor) -> dict:
+    """How far the trainer's logprobs of sampled tokens are from the rollout's: the largest and mean
+    |difference|, the largest probability difference (the RL loop's training/rollout_probs_diff_max),
+    and KL(rollout || trainer) estimated over the samples (k3: r - 1 - log r, r = p_trainer / p_rollout)."""
+    diff = (trainer - rollout).double()
+    return {"logprob_max_abs_diff": diff.abs().max().item(), "logprob_mean_abs_diff": diff.abs().mean().item(),
+            "probs_diff_max": (trainer.exp() - rollout.exp()).abs().max().item(),
+            "kl_k3_mean": (diff.exp() - 1 - diff).mean().item()}
 
 
 def _parity(args, device: str) -> dict:
@@ -1366,11 +1659,13 @@ PROCESS_START_S = 16  # a child's imports (torch, CUDA, transformers) on the dev
 # In the order they run: what each proves per second. The engine's correctness first (graphs against the torch
 # ops, then the 3B engine and the streamed step), then the kernels' and the models' correctness (the GPU test
 # cases, which compile most of the kernels, early: a cut run must not always lose them), the schedule
-# benchmark, and the optional checks, each started only when the budget left covers it: the attention
-# backends' training passes (FlexAttention's backward), the 3B training timings, LoRA's step, the smaller
-# measurements, then the two benches that read bench_schedules' report. Estimates include the compiles a check
-# pays for when nothing is in Triton's cache (`compile_s`; tools/compile_kernels.py times the hand-written
-# kernels: at most 9 s each, the truncated sampler draw, 2 s a decode kernel, on a 2-core x86 machine).
+# benchmark, and the optional checks, each started only when the budget left covers it: Qwen3.5 (fla's kernels,
+# its engine, its logprob gap), the attention backends' training passes (FlexAttention's backward), the 3B
+# training timings, LoRA's step, the smaller measurements, then the two benches that read bench_schedules'
+# report. Estimates include the compiles a check pays for when nothing is in Triton's cache (`compile_s`;
+# tools/compile_kernels.py times the hand-written kernels: at most 9 s each, the truncated sampler draw, 2 s a
+# decode kernel, on a 2-core x86 machine). qwen3_5's is a guess, not yet run on a GPU: fla autotunes its chunked
+# kernels' forward and backward (a few dozen compiles) for each head shape and dtype it meets (three here).
 CHECKS = {
     "engine_cuda_graphs": Check(check_engine_cuda_graphs, 20, "engine", compile_s=10),
     "engine_throughput_3b": Check(check_engine_throughput_3b, 42, "engine", compile_s=12),
@@ -1384,6 +1679,7 @@ CHECKS = {
     "qwen3_vl": Check(check_qwen3_vl, 15, "rest", compile_s=3),
     # A process of their own: the memory plan reads free device memory, which no other check's leftovers may hold.
     "bench_schedules": Check(check_bench_schedules, 130, "bench", compile_s=10),
+    "qwen3_5": Check(check_qwen3_5, 50, "rest", optional=True, compile_s=35),
     "train_attention_backends": Check(check_train_attention_backends, 60, "rest", optional=True, compile_s=40),
     "packed_train_3b": Check(check_packed_train_3b, 50, "rest", optional=True, compile_s=10),
     "lora_train_3b": Check(check_lora_train_3b, 10, "rest", optional=True),
