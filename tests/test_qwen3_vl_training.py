@@ -10,6 +10,7 @@ import torch
 from distributed import run_distributed
 from rollplex.metrics import read_metrics
 from rollplex.models import from_pretrained
+from rollplex.rl.loop import RLTrainer
 from test_schedules import SCHEDULES, check_same_training, max_difference, train
 from test_stream import STREAM, check_same_training as check_same_streamed
 
@@ -95,11 +96,18 @@ def test_the_run_exports_a_folder_transformers_loads(tmp_path):
     check_the_run_exports_a_folder_transformers_loads(tmp_path, QWEN3_VIDEO, "qwen3_vl")
 
 
-def test_a_resumed_run_logs_what_an_uninterrupted_one_does(tmp_path):
-    _, whole = train(tmp_path / "whole", *QWEN3_VIDEO)
-    train(tmp_path / "cut", *QWEN3_VIDEO, "--trainer.total_steps", "2", "--trainer.save_every", "1")
-    _, resumed = train(tmp_path / "cut", *QWEN3_VIDEO, "--trainer.save_every", "1")
+def check_a_resumed_run_logs_what_an_uninterrupted_one_does(tmp_path: Path, run_args: list[str]) -> RLTrainer:
+    """A run of `run_args` cut after step 2 and resumed from its checkpoint ends as the uninterrupted run
+    (returned: the resumed run's trainer)."""
+    _, whole = train(tmp_path / "whole", *run_args)
+    train(tmp_path / "cut", *run_args, "--trainer.total_steps", "2", "--trainer.save_every", "1")
+    trainer, resumed = train(tmp_path / "cut", *run_args, "--trainer.save_every", "1")
     assert max_difference(resumed, whole) == 0.0
     rows = read_metrics(tmp_path / "cut" / "metrics.jsonl")
     reference = read_metrics(tmp_path / "whole" / "metrics.jsonl")
     assert [r["critic/score/mean"] for r in rows] == [r["critic/score/mean"] for r in reference]
+    return trainer
+
+
+def test_a_resumed_run_logs_what_an_uninterrupted_one_does(tmp_path):
+    check_a_resumed_run_logs_what_an_uninterrupted_one_does(tmp_path, QWEN3_VIDEO)
