@@ -31,12 +31,12 @@ def assert_imports_without_triton(modules: list[str], check: str = "") -> None:
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr
 
 
-def assert_cases_pass(files: list[str], timeout: float, markers: str = "not slow") -> None:
-    """Every case in `files` selected by `markers` (pytest's -m) passes: in the interpreter on CPU
-    (where the GPU-only cases skip, saying why), compiled on CUDA (where none may skip). triton is a
-    dev dependency, so its absence fails here rather than skips."""
+def assert_cases_pass(files: list[str], timeout: float) -> None:
+    """Every case in `files` passes: in the interpreter on CPU (where the GPU-only cases skip,
+    saying why), compiled on CUDA (where none may skip). triton is a dev dependency, so its
+    absence fails here rather than skips."""
     env = fresh_env() if torch.cuda.is_available() else fresh_env(TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "-m", markers,
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
                           *(os.path.join(ROOT, "tests", f) for f in files)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     tail = res.stdout[-4000:] + res.stderr[-2000:]

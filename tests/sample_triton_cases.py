@@ -7,8 +7,8 @@ rollplex.engine.sampler.sample(backend="torch"), is the reference: the same toke
 logprobs within float32 rounding.
 
 The interpreter runs tl.sort as a Python-level reduction (~30 s per row at the
-default 4,096 candidates), so on CPU the truncated cases sort at most WIDEST (128);
-with 16 most rows bisect instead, so both ways of drawing are checked, 128 in the slow suite only.
+default 4,096 candidates), so on CPU the truncated cases sort at most CPU_CANDIDATES;
+with 16 most rows bisect instead, so both ways of drawing are checked.
 """
 
 import math
@@ -24,10 +24,8 @@ from rollplex.ops import sample_triton as st
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError("run with TRITON_INTERPRET=1 on CPU (see tests/test_sample_triton.py)")
-# In the interpreter the wider candidate list costs a third of the cases' time: the default suite draws
-# through 16 candidates, the slow one through 128 too (tests/test_sample_triton.py).
-WIDEST = 128 if DEVICE == "cpu" else st.CANDIDATES
-CANDIDATES = (16, pytest.param(WIDEST, marks=pytest.mark.slow) if DEVICE == "cpu" else WIDEST)
+CPU_CANDIDATES = (16, 128)
+CANDIDATES = CPU_CANDIDATES if DEVICE == "cpu" else (16, st.CANDIDATES)
 
 
 def draw_both(logits, temperature, top_p, top_k, u, truncate, candidates=st.CANDIDATES):
@@ -158,9 +156,9 @@ def test_a_row_draws_the_same_token_alone_and_in_any_batch():
     logits, u = random_case(10, 3000, seed=9)
     for truncate in (False, True):
         together, _ = st.sample_triton(logits.to(DEVICE), 0.9, 0.9, 20, u.to(DEVICE), truncate=truncate,
-                                       candidates=WIDEST)
+                                       candidates=CANDIDATES[-1])
         alone, _ = st.sample_triton(logits[4:5].to(DEVICE), 0.9, 0.9, 20, u[4:5].to(DEVICE), truncate=truncate,
-                                    candidates=WIDEST)
+                                    candidates=CANDIDATES[-1])
         assert alone.item() == together[4].item()
 
 

@@ -23,13 +23,6 @@ def test_kernel_cases():
     assert_cases_pass(["sample_triton_cases.py"], timeout=1200)
 
 
-@pytest.mark.slow  # ~40 s more in the interpreter: python -m pytest -q -m slow tests/test_sample_triton.py
-def test_kernel_cases_with_128_candidates():
-    if torch.cuda.is_available():
-        pytest.skip("compiled on CUDA, test_kernel_cases draws through every candidate list already")
-    assert_cases_pass(["sample_triton_cases.py"], timeout=1200, markers="slow")
-
-
 def test_the_torch_path_runs_on_cpu_whatever_is_asked_by_default(monkeypatch):
     logits = torch.randn(4, 50)
     u = uniforms(torch.arange(4), torch.arange(4))
