@@ -24,9 +24,10 @@ the vision tower.
 positions, attention and vision indices) up front, and `prompt_forward` then
 reads nothing back from the device and copies nothing to it: the RL loop
 prepares before rollout and runs the forward in slices between decode steps,
-which must never wait on the GPU (rollplex.rl.prompt_work). Not yet so for a
-hybrid decoder: the recurrent layers' torch ops (rollplex.ops.gated_delta) read
-their sequence boundaries back from the device.
+which must never wait on the GPU (rollplex.rl.prompt_work). A hybrid decoder's
+recurrent layers read the prompts' boundaries from the chunk's `PackedSequences`,
+built here too; on CUDA flash-linear-attention's kernel reads them back once per
+pass (it caches by the tensor), which the torch ops never do.
 """
 
 from __future__ import annotations
