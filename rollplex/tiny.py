@@ -32,8 +32,8 @@ class TinySpec:
     """Shape of a tiny model of a family. Defaults give a ~0.2M-parameter Qwen2.5-VL."""
 
     family: str = "qwen2_5_vl"  # a model_type of rollplex.models.registry.FAMILIES
-    # The family itself, for one built but not registered yet (rollplex.models.qwen3_5: `TinySpec.of(FAMILY)`),
-    # whose name is `family`; None: the registered family named `family`.
+    # The family itself, for one being built before it is registered (`TinySpec.of(FAMILY)`), whose name is
+    # `family`; None: the registered family named `family`.
     unregistered_family: ModelFamily | None = field(default=None, repr=False, compare=False)
     hidden_size: int = 64
     num_layers: int = 2
@@ -93,7 +93,7 @@ class TinySpec:
 
     @classmethod
     def of(cls, family: str | ModelFamily = "qwen2_5_vl", **fields: Any) -> TinySpec:
-        """A spec of `family` (a registered family's model_type, or a family not registered yet):
+        """A spec of `family` (a registered family's model_type, or a family object, registered or not):
         its own tiny shape (`ModelFamily.tiny_spec`, e.g. Qwen3-VL's 16 px patches) under the
         given `fields`."""
         if isinstance(family, ModelFamily):

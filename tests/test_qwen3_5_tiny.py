@@ -1,7 +1,7 @@
 """Qwen3.5's random initialisation and tiny checkpoint folder: build_model starts every
 RMSNorm at the identity scale (the decoder's zero-centred norms at w = 0, the DeltaNet's
-gated norm at w = 1), and the folder rollplex.tiny writes for the family, named by
-itself as it is not registered yet, loads in transformers and in Rollplex with equal
+gated norm at w = 1), and the folder rollplex.tiny writes for the family loads in
+transformers and in Rollplex with equal
 logits on its own processor's output."""
 
 import json

@@ -8,9 +8,7 @@
 transformers loads the result with its own classes (AutoConfig, AutoTokenizer,
 the family's ...ForConditionalGeneration); Rollplex loads it with
 rollplex.models.from_pretrained and its processor with
-rollplex.data.processor.load_processor (a Qwen3.5 folder, whose family is not
-registered yet: from_pretrained(path, family=FAMILY) and FAMILY.load_processor,
-with FAMILY from rollplex.models.qwen3_5).
+rollplex.data.processor.load_processor.
 """
 
 import argparse
@@ -19,18 +17,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rollplex.models.qwen3_5 import FAMILY as QWEN3_5  # noqa: E402
 from rollplex.models.registry import FAMILIES  # noqa: E402
 from rollplex.tiny import TinySpec, make_tiny_checkpoint  # noqa: E402
-
-# The registered families, and Qwen3.5, built but not registered yet (its spec names the family itself).
-WRITABLE = {**FAMILIES, QWEN3_5.name: QWEN3_5}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="directory to write")
-    p.add_argument("--family", choices=sorted(WRITABLE), default="qwen2_5_vl", help="model family")
+    p.add_argument("--family", choices=sorted(FAMILIES), default="qwen2_5_vl", help="model family")
     # Shapes left out are the family's tiny model's (rollplex.tiny.TinySpec.of): e.g. Qwen3.5's 2 heads of 32.
     p.add_argument("--hidden", type=int, help="language model hidden size (default 64)")
     p.add_argument("--layers", type=int, help="language model layers (default 2)")
@@ -54,8 +48,7 @@ def main() -> None:
              "vision_depth": a.vision_depth, "vision_num_heads": a.vision_heads,
              "vision_intermediate_size": a.vision_hidden and 2 * a.vision_hidden,
              "mrope_section": tuple(a.mrope_section) if a.mrope_section else None}
-    family = a.family if a.family in FAMILIES else WRITABLE[a.family]  # one not registered: named by itself
-    spec = TinySpec.of(family,
+    spec = TinySpec.of(a.family,
                        **{field: value for field, value in shape.items() if value is not None},
                        vocab=a.vocab, vocab_size=a.vocab_size, tie_word_embeddings=a.tie)
     out = make_tiny_checkpoint(a.out, spec, seed=a.seed, style=a.style)

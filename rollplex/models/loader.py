@@ -232,7 +232,7 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16
     """Load a Hugging Face checkpoint directory of any supported family (config.json's
     model_type picks it) into a Rollplex model (a path that is not one: a CheckpointError
     saying what it lacks, see `check_model_folder`). `family` names one instead: a family
-    built but not registered yet (rollplex.models.qwen3_5) loads only this way."""
+    being built, before it is registered, loads this way."""
     check_model_folder(path, WEIGHT_FILES)
     args = read_model_args(path, family)
     family = family or family_of(args)
