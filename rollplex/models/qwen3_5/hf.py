@@ -28,7 +28,7 @@ from rollplex.models.protocol import CheckpointError
 from rollplex.models.qwen3_5.args import FULL_ATTENTION, LINEAR_ATTENTION, ModelArgs, TextArgs, hybrid_layer_types
 from rollplex.models.qwen3_vl.hf import vision_args_from_config, vision_config
 from rollplex.models.qwen_vl.hf import hf_key_to_params as qwen_vl_key_to_params
-from rollplex.models.qwen_vl.hf import nested_model_args, param_to_nested_key, pick_fields
+from rollplex.models.qwen_vl.hf import nested_config_top, nested_model_args, param_to_nested_key, pick_fields
 
 __all__ = ["ARCHITECTURE", "DROPPED_KEYS", "MODEL_TYPE", "args_from_hf_config", "check_args", "hf_config_from_args",
            "hf_key_to_params", "init_constant", "init_draw", "param_to_hf_key"]
@@ -149,14 +149,7 @@ def hf_config_from_args(args: ModelArgs) -> dict[str, Any]:
     Qwen3_5ForConditionalGeneration loads."""
     t = args.text
     return {
-        "architectures": [ARCHITECTURE],
-        "model_type": MODEL_TYPE,
-        "tie_word_embeddings": args.tie_word_embeddings,
-        "image_token_id": args.image_token_id,
-        "video_token_id": args.video_token_id,
-        "vision_start_token_id": args.vision_start_token_id,
-        "vision_end_token_id": args.vision_end_token_id,
-        "dtype": "bfloat16",
+        **nested_config_top(args, ARCHITECTURE, MODEL_TYPE),
         "text_config": {
             "model_type": "qwen3_5_text",
             **{name: getattr(t, name) for name in (

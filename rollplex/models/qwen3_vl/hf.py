@@ -17,7 +17,8 @@ from typing import Any
 
 from rollplex.models.protocol import CheckpointError
 from rollplex.models.qwen3_vl.args import ModelArgs, TextArgs, VisionArgs
-from rollplex.models.qwen_vl.hf import hf_key_to_params, nested_model_args, param_to_nested_key, pick_fields
+from rollplex.models.qwen_vl.hf import (hf_key_to_params, nested_config_top, nested_model_args, param_to_nested_key,
+                                     pick_fields)
 
 __all__ = ["ARCHITECTURE", "MODEL_TYPE", "UNSUPPORTED", "args_from_hf_config", "check_args", "hf_config_from_args",
            "hf_key_to_params", "param_to_hf_key", "vision_args_from_config", "vision_config"]
@@ -113,14 +114,7 @@ def hf_config_from_args(args: ModelArgs) -> dict:
     t, v = args.text, args.vision
     rope = {"rope_type": "default", "mrope_section": list(t.mrope_section), "mrope_interleaved": t.mrope_interleaved}
     return {
-        "architectures": [ARCHITECTURE],
-        "model_type": MODEL_TYPE,
-        "tie_word_embeddings": args.tie_word_embeddings,
-        "image_token_id": args.image_token_id,
-        "video_token_id": args.video_token_id,
-        "vision_start_token_id": args.vision_start_token_id,
-        "vision_end_token_id": args.vision_end_token_id,
-        "dtype": "bfloat16",
+        **nested_config_top(args, ARCHITECTURE, MODEL_TYPE),
         "text_config": {
             "model_type": "qwen3_vl_text",
             "vocab_size": t.vocab_size,

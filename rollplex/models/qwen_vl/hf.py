@@ -72,6 +72,22 @@ def param_to_nested_key(name: str) -> str:
 # ----------------------------------------------------------------------------- config.json
 
 
+def nested_config_top(args: Any, architecture: str, model_type: str) -> dict[str, Any]:
+    """The top level of a nested config.json (Qwen3-VL's, Qwen3.5's) as the hub writes it: the
+    architecture, model type, tied embeddings, vision token ids and dtype; each family adds its
+    text_config and vision_config."""
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "image_token_id": args.image_token_id,
+        "video_token_id": args.video_token_id,
+        "vision_start_token_id": args.vision_start_token_id,
+        "vision_end_token_id": args.vision_end_token_id,
+        "dtype": "bfloat16",
+    }
+
+
 def pick_fields(d: dict, dataclass_type: type, **extra: Any) -> Any:
     """`dataclass_type` from the entries of `d` that are its fields, `extra` taking the place of `d`'s own."""
     names = dataclass_type.__dataclass_fields__
