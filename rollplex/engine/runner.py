@@ -227,6 +227,8 @@ class ModelRunner:
         static = self.static
         self._pad_rows(batch, bucket)
         for name, value in zip(("ids", "positions", "slots", "tables", "lens", "state_rows"), inputs):
+            if name == "state_rows" and self.states is None:
+                continue  # no layer keeps a recurrent state: nothing reads the rows' slots
             buf = static[name]
             if name == "tables":
                 buf[:batch, :value.shape[1]].copy_(value)
