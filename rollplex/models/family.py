@@ -73,6 +73,19 @@ def unit_norm_scales(key: str) -> float | None:
 
 
 @dataclass(frozen=True)
+class StackedTensor:
+    """A parameter the checkpoint holds otherwise than as rows of one key (`hf_key_to_params`):
+    an MoE layer's experts stacked in one parameter, which a checkpoint stores one key per
+    expert and projection, or transposed."""
+
+    keys: tuple[str, ...]  # the checkpoint keys it is made of
+    # (the keys' tensors in `keys` order, the parameter's shape) -> the parameter; a CheckpointError if they
+    # cannot make it
+    load: Callable[[list[torch.Tensor], tuple[int, ...]], torch.Tensor]
+    save: Callable[[torch.Tensor], list[torch.Tensor]]  # the parameter -> the keys' tensors, in `keys` order
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     """One model family, as the rest of Rollplex sees it (see the module docstring).
 
@@ -128,6 +141,8 @@ class ModelFamily:
     # (args, tp) -> bytes of one sequence's recurrent state on one TP rank, every layer that keeps one (a
     # Gated DeltaNet's convolution tail and fp32 recurrent state): the engine's state pool holds one per row.
     recurrent_state_bytes: Callable[[Any, int], int] = lambda args, tp: 0
+    # (parameter name, args) -> how the checkpoint holds it when not as rows of one key (`StackedTensor`), or None
+    stacked_tensor: Callable[[str, Any], StackedTensor | None] = lambda name, args: None
     relatives_not_supported: dict[str, str] = field(default_factory=dict)  # model_type -> what loading it needs
     sizes_not_supported: dict[str, str] = field(default_factory=dict)  # named sizes of those relatives -> the same
 

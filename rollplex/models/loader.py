@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from rollplex.dist import full_tensor, rank
-from rollplex.models.family import FamilyArgs, ModelFamily
+from rollplex.models.family import FamilyArgs, ModelFamily, StackedTensor
 from rollplex.models.protocol import CheckpointError, VisionLanguageModel
 from rollplex.models.registry import family_of, family_of_config
 
@@ -119,12 +119,13 @@ def _weight_files(path: Path) -> dict[str, Path]:
 def load_weights(model: VisionLanguageModel, path: str | os.PathLike, dtype: torch.dtype,
                  device: torch.device | str, family: ModelFamily | None = None) -> None:
     """Read every tensor of the checkpoint into `model` (on meta or materialised),
-    converted to `dtype` on `device` one tensor at a time. `family`: the model's
+    converted to `dtype` on `device` one parameter at a time. `family`: the model's
     (by default the registered family of its args). Tensors under the family's
-    `dropped_keys` are skipped, with one warning per prefix."""
+    `dropped_keys` are skipped, with one warning per prefix. A parameter the family
+    stacks from several keys (`StackedTensor`: an MoE layer's experts) is made
+    from all of them."""
     path = Path(path)
     family = family or family_of(model)
-    hf_key_to_params, param_to_hf_key = family.hf_key_to_params, family.param_to_hf_key
     files = _weight_files(path)
     dropped = {prefix: [key for key in files if key.startswith(prefix)] for prefix in family.dropped_keys}
     for prefix, keys in dropped.items():
@@ -133,22 +134,25 @@ def load_weights(model: VisionLanguageModel, path: str | os.PathLike, dtype: tor
                           stacklevel=2)
     skipped = {key for keys in dropped.values() for key in keys}
     expected = dict(model.named_parameters())
+    stacked = {name: spec for name in expected if (spec := family.stacked_tensor(name, model.args)) is not None}
+    stacked_keys = {key for spec in stacked.values() for key in spec.keys}
     by_file: dict[Path, list[tuple[str, list[str]]]] = {}
     unexpected = []
     for key, file in files.items():
-        if key in skipped:
+        if key in skipped or key in stacked_keys:
             continue
-        names = hf_key_to_params(key)
+        names = family.hf_key_to_params(key)
         if not names:
             continue
         if names == ["lm_head.weight"] and model.lm_head is None:
             continue  # tied embeddings: some checkpoints still store the head
-        if any(n not in expected for n in names):
+        if any(n not in expected or n in stacked for n in names):
             unexpected.append(key)
             continue
         by_file.setdefault(file, []).append((key, names))
     found = {n for pairs in by_file.values() for _, names in pairs for n in names}
-    missing = sorted({param_to_hf_key(n) for n in set(expected) - found})
+    missing = sorted({family.param_to_hf_key(n) for n in set(expected) - found - set(stacked)}
+                     | (stacked_keys - set(files)))
     if missing:
         shown = ", ".join(missing[:5])
         raise CheckpointError(f"checkpoint {path} is missing {len(missing)} tensor(s): {shown}"
@@ -169,7 +173,39 @@ def load_weights(model: VisionLanguageModel, path: str | os.PathLike, dtype: tor
                 # Split parts are copied, so that no parameter is a view into another one's storage.
                 for name, part in zip(names, tensor.split(rows)):
                     state[name] = part.to(device=device, dtype=dtype, copy=len(names) > 1)
+    for name, spec in stacked.items():
+        state[name] = _load_stacked(name, spec, files, tuple(expected[name].shape)).to(device=device, dtype=dtype)
     model.load_state_dict(state, strict=True, assign=True)
+
+
+def _load_stacked(name: str, spec: StackedTensor, files: dict[str, Path], shape: tuple[int, ...]) -> torch.Tensor:
+    """Parameter `name` of `shape`, made from its keys' tensors (`StackedTensor.load`)."""
+    tensors = []
+    for key in spec.keys:
+        with safe_open(files[key], framework="pt", device="cpu") as f:
+            tensors.append(f.get_tensor(key))
+    tensor = spec.load(tensors, shape)
+    if tuple(tensor.shape) != shape:
+        raise CheckpointError(f"parameter {name}: its checkpoint tensors ({spec.keys[0]}, ...) make shape "
+                              f"{tuple(tensor.shape)}, the model expects {shape} (from config.json)")
+    return tensor
+
+
+def hub_tensors(family: ModelFamily, args: FamilyArgs, ours: dict[str, torch.Tensor],
+                whole: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Parameters by name -> tensors by checkpoint key, in the hub layout: the parts of a fused key
+    concatenated and stacked parameters split into their keys, each of those made `whole` first
+    (a DTensor gathered); other parameters as they are."""
+    tensors, rows = {}, []
+    for name, tensor in ours.items():
+        if (spec := family.stacked_tensor(name, args)) is None:
+            rows.append(name)
+        else:
+            tensors.update(zip(spec.keys, spec.save(whole(tensor))))
+    for key in sorted({family.param_to_hf_key(name) for name in rows}):
+        parts = [ours[name] for name in family.hf_key_to_params(key)]
+        tensors[key] = torch.cat([whole(p) for p in parts]) if len(parts) > 1 else parts[0]
+    return tensors
 
 
 def build_model(args: FamilyArgs, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -199,9 +235,14 @@ def build_model(args: FamilyArgs, dtype: torch.dtype = torch.float32, device: to
     gen = torch.Generator(device=device)
     gen.manual_seed(0 if seed is None else seed)
     params = dict(model.named_parameters())
+    stacked = [name for name in params if family.stacked_tensor(name, args) is not None]
     with torch.no_grad():
+        # Stacked (experts, in, out): each expert's weight drawn as a Linear's of fan-in `in`.
+        for name in stacked:
+            std = params[name].shape[-2] ** -0.5 if init_std is None else init_std
+            params[name].copy_(torch.randn(params[name].shape, generator=gen, device=device) * std)
         # Drawn per hub tensor (a vision qkv as one), so a seed gives the weights it gave a fused model.
-        for key in dict.fromkeys(family.param_to_hf_key(name) for name in params):
+        for key in dict.fromkeys(family.param_to_hf_key(name) for name in params if name not in stacked):
             parts = [params[name] for name in family.hf_key_to_params(key)]
             shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
             if (constant := family.init_constant(key)) is not None:
@@ -256,10 +297,7 @@ def save_pretrained(model: VisionLanguageModel, path: str | os.PathLike, max_sha
     ours = {}
     for name, p in model.state_dict().items():
         ours[name] = full_tensor(p).detach().to("cpu").contiguous()  # collective for a DTensor
-    tensors = {}
-    for key in {family.param_to_hf_key(name) for name in ours}:
-        parts = [ours.pop(name) for name in family.hf_key_to_params(key)]
-        tensors[key] = torch.cat(parts) if len(parts) > 1 else parts[0]
+    tensors = {key: t.contiguous() for key, t in hub_tensors(family, model.args, ours, lambda t: t).items()}
     if rank() != 0:
         return
     path.mkdir(parents=True, exist_ok=True)

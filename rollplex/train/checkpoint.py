@@ -63,7 +63,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 from rollplex.dist import all_reduce_values, full_tensor, rank
-from rollplex.models.loader import CONFIG_NAME, INDEX_NAME, hub_file_index
+from rollplex.models.loader import CONFIG_NAME, INDEX_NAME, hub_file_index, hub_tensors
 from rollplex.models.protocol import VisionLanguageModel
 from rollplex.models.registry import family_of
 from rollplex.train.lora import has_adapters
@@ -445,18 +445,13 @@ def _naming_dtype(config: dict[str, Any], dtype: str) -> dict[str, Any]:
 
 def _hf_tensors(model: VisionLanguageModel, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The model's weights under the hub's keys, in `dtype`, each rank's shards
-    left as they are (DTensors), except the fused qkv keys (see `export_hf`);
+    left as they are (DTensors), except the fused qkv keys and stacked experts (see `export_hf`);
     LoRA adapters merged into their weights. Collective when the model is sharded."""
     ours = get_model_state_dict(model)
     if has_adapters(model):
         ours = merged_state_dict(model, ours, dtype)
-    family = family_of(model)
-    tensors = {}
-    for key in sorted({family.param_to_hf_key(name) for name in ours}):
-        parts = [ours[name] for name in family.hf_key_to_params(key)]
-        tensor = torch.cat([full_tensor(p) for p in parts]) if len(parts) > 1 else parts[0]
-        tensors[key] = tensor.detach().to(dtype)
-    return tensors
+    tensors = hub_tensors(family_of(model), model.args, ours, full_tensor)
+    return {key: tensor.detach().to(dtype) for key, tensor in tensors.items()}
 
 
 def _remove_weight_files(out_dir: Path, shards: Path) -> None:
