@@ -79,6 +79,12 @@ class TinySpec:
     linear_key_head_dim: int = 16
     linear_value_head_dim: int = 24
     linear_conv_kernel_dim: int = 4
+    # MoE decoders (Qwen3-VL-MoE, Qwen3.5-MoE), which the dense families ignore: experts, those each token goes
+    # through, each expert's MLP width, and the shared expert's (Qwen3.5-MoE's; 0: none).
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
+    shared_expert_intermediate_size: int = 32
 
     @classmethod
     def from_config(cls, section) -> TinySpec:
@@ -136,6 +142,7 @@ class TinySpec:
             "vision_window_size", "patch_size", "temporal_patch_size", "spatial_merge_size",
             "tokens_per_second", "max_position_embeddings", "pad_vocab_multiple", "linear_num_key_heads",
             "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+            "num_experts", "num_experts_per_tok", "moe_intermediate_size",
         )  # fmt: skip
         for name in positive:
             if getattr(self, name) <= 0:
@@ -148,6 +155,9 @@ class TinySpec:
             raise ValueError(
                 f"TinySpec.num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})"
             )
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"TinySpec.num_experts_per_tok ({self.num_experts_per_tok}) must be at most num_experts "
+                             f"({self.num_experts})")
         if not 0 < self.partial_rotary_factor <= 1:
             raise ValueError(f"TinySpec.partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
         if self.rotary_dim % 2 or not self.rotary_dim:

@@ -47,6 +47,12 @@ class TinyModelConfig(Section):
     vocab_size: int = 0
     """Embedding rows; 0 = the tokenizer's length rounded up to 64. Qwen2.5-VL's 151936 gives the head and
     sampler their real cost (ids past the tokenizer decode to nothing)."""
+    num_experts: int = 8
+    """MoE families (qwen3_vl_moe, qwen3_5_moe): experts in each MoE layer."""
+    num_experts_per_tok: int = 2
+    """MoE families: experts each token goes through (top-k)."""
+    moe_intermediate_size: int = 32
+    """MoE families: each expert's MLP width."""
     tie_word_embeddings: bool = False
     """The LM head reads the embedding matrix (as Qwen2.5-VL-3B does)."""
     seed: int = 0
