@@ -11,7 +11,7 @@ from rollplex.models.qwen3_vl import processor, tiny
 
 from rollplex.models.qwen3_vl.args import (PRESETS, VISION_MLP_WIDTHS, ModelArgs, TextArgs, VisionArgs, count_params,
                                            linear_params, tiny_args, vision_feature_levels)
-from rollplex.models.qwen3_vl.hf import (ARCHITECTURE, MODEL_TYPE, UNSUPPORTED, args_from_hf_config,
+from rollplex.models.qwen3_vl.hf import (ARCHITECTURE, MODEL_TYPE, args_from_hf_config,
                                          hf_config_from_args, hf_key_to_params, param_to_hf_key)
 from rollplex.models.qwen3_vl.model import Qwen3_VL
 from rollplex.models.qwen3_vl.tp_plan import apply_tp, check_tp, repeated_blocks, vision_splits, vision_tower
@@ -49,12 +49,10 @@ FAMILY = ModelFamily(
     tiny_hf_config=tiny.tiny_hf_config,
     tiny_processor_files=processor.tiny_processor_files,
     load_processor=processor.load_processor,
-    relatives_not_supported=UNSUPPORTED,
-    sizes_not_supported={name: UNSUPPORTED["qwen3_vl_moe"] for name in ("qwen3-vl-30b-a3b", "qwen3-vl-235b-a22b")},
 )
 
 __all__ = [
-    "ARCHITECTURE", "FAMILY", "MODEL_TYPE", "PRESETS", "UNSUPPORTED", "VISION_MLP_WIDTHS", "ModelArgs", "Qwen3_VL", "TextArgs",
+    "ARCHITECTURE", "FAMILY", "MODEL_TYPE", "PRESETS", "VISION_MLP_WIDTHS", "ModelArgs", "Qwen3_VL", "TextArgs",
     "VisionArgs", "apply_tp", "args_from_hf_config", "check_tp", "count_params",
     "hf_config_from_args", "hf_key_to_params", "linear_params", "param_to_hf_key",
     "repeated_blocks", "tiny_args", "vision_feature_levels", "vision_splits", "vision_tower",

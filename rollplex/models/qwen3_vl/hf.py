@@ -20,16 +20,11 @@ from rollplex.models.qwen3_vl.args import ModelArgs, TextArgs, VisionArgs
 from rollplex.models.qwen_vl.hf import (hf_key_to_params, nested_config_top, nested_model_args, param_to_nested_key,
                                      pick_fields)
 
-__all__ = ["ARCHITECTURE", "MODEL_TYPE", "UNSUPPORTED", "args_from_hf_config", "check_args", "hf_config_from_args",
+__all__ = ["ARCHITECTURE", "MODEL_TYPE", "args_from_hf_config", "check_args", "hf_config_from_args",
            "hf_key_to_params", "param_to_hf_key", "vision_args_from_config", "vision_config"]
 
 MODEL_TYPE = "qwen3_vl"
 ARCHITECTURE = "Qwen3VLForConditionalGeneration"
-# Relatives that a config.json may name, with why they do not load here.
-UNSUPPORTED = {
-    "qwen3_vl_moe": "Qwen3-VL MoE is not supported yet: its checkpoints (30B-A3B, 235B-A22B) need a decoder "
-                    "with experts, which Rollplex does not have; the dense Qwen3-VL ones (2B, 4B, 8B, 32B) load",
-}
 
 # ----------------------------------------------------------------------------- config
 
@@ -37,8 +32,6 @@ UNSUPPORTED = {
 def args_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArgs:
     """ModelArgs from a Qwen3-VL config.json dict (a CheckpointError naming `source` otherwise)."""
     model_type = cfg.get("model_type")
-    if model_type in UNSUPPORTED:
-        raise CheckpointError(f"{source}: model_type {model_type!r}: {UNSUPPORTED[model_type]}")
     if model_type != MODEL_TYPE:
         raise CheckpointError(f"{source}: model_type is {model_type!r}, expected {MODEL_TYPE!r}")
     args = nested_model_args(cfg, source, "Qwen3-VL", lambda text, vision, **shared: ModelArgs(

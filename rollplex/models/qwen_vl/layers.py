@@ -6,8 +6,9 @@ v kept as three Linears for tensor parallelism, 2D rotary in float32) and
 (Qwen2.5-VL: RMSNorm and a biased SwiGLU; Qwen3-VL: LayerNorm and a GELU(tanh)
 MLP). Text: the Qwen2 / Qwen3 decoder, `LanguageModel`, which takes the two
 families' differences as arguments: Qwen2's biased q/k/v (`qkv_bias`), Qwen3's
-per-head q and k RMSNorm (`qk_norm`), interleaved M-RoPE, and what a family adds
-to the hidden states inside the decoder (Qwen3-VL's DeepStack: `after_layer`).
+per-head q and k RMSNorm (`qk_norm`), interleaved M-RoPE, what a family adds
+to the hidden states inside the decoder (Qwen3-VL's DeepStack: `after_layer`), and
+each layer's MLP (`mlp`: the dense SwiGLU, or Qwen3-VL-MoE's sparse MoE block).
 `Decoder`, its base, is what every Qwen decoder shares (embedding, the forward
 layer by layer, the final norm, M-RoPE); Qwen3.5's hybrid decoder is another.
 The vision towers themselves, their mergers and plans, are each family's own.
@@ -26,12 +27,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from rollplex.models.moe import SparseMoE, routing_of
 from rollplex.models.protocol import Positions
 from rollplex.models.rope import MRotaryEmbedding, apply_rotary
 from rollplex.ops.attention import AttentionBackend, PackedSegments
 
 # (decoder layer index, hidden state after that layer) -> the hidden state the next layer reads.
 AfterLayer = Callable[[int, torch.Tensor], torch.Tensor]
+# (text args, decoder layer index) -> that layer's MLP: `dense_mlp`, or a family's sparse MoE block.
+MlpFactory = Callable[[Any, int], nn.Module]
 
 
 def boundaries(lengths: list[int]) -> list[int]:
@@ -65,6 +69,11 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def dense_mlp(args: Any, layer: int) -> SwiGLU:
+    """The dense decoders' MLP (`args`: a family's TextArgs): one SwiGLU of intermediate_size, in every layer."""
+    return SwiGLU(args.hidden_size, args.intermediate_size)
 
 
 class TorchLayerOps:
@@ -193,21 +202,29 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: Any, layer: int, qkv_bias: bool, qk_norm: bool):
+    """Pre-norm: attention, then the MLP `mlp` makes for this layer (`dense_mlp`: a SwiGLU)."""
+
+    def __init__(self, args: Any, layer: int, qkv_bias: bool, qk_norm: bool, mlp: MlpFactory = dense_mlp):
         super().__init__()
         self.self_attn = Attention(args, layer, qkv_bias, qk_norm)
-        self.mlp = SwiGLU(args.hidden_size, args.intermediate_size)
+        self.mlp = mlp(args, layer)
+        # A sparse MLP routes by the forward's Routing, which the backend carries (rollplex.models.moe.routing_of),
+        # so that an activation-checkpoint recompute, given the same backend, routes as its forward did.
+        self.routed = isinstance(self.mlp, SparseMoE)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """x + attention, then + the MLP, with the ops of `attn` (`layer_ops`): the residual
-        add after attention goes with the second norm, the one after the MLP with down_proj
+        add after attention goes with the second norm, the one after a SwiGLU with down_proj
         (a GEMM accumulating into the residual, when fused), so a layer's output is its
-        hidden state, as hooks and the layer-by-layer forward read it."""
+        hidden state, as hooks and the layer-by-layer forward read it. A sparse MLP's experts
+        have no such fused kernel: its output is added as it is."""
         ops = layer_ops(attn)
         h = self.self_attn(ops.rms_norm(x, self.input_layernorm), cos, sin, attn)
         h, x = ops.add_rms_norm(h, x, self.post_attention_layernorm)
+        if self.routed:
+            return x + self.mlp(h, routing_of(attn))
         mlp = self.mlp
         return ops.add_linear(x, ops.silu_mul(mlp.gate_proj(h), mlp.up_proj(h)), mlp.down_proj)
 
@@ -248,10 +265,12 @@ class Decoder(nn.Module):
 
 class LanguageModel(Decoder):
     """The Qwen2 / Qwen3 decoder: `DecoderLayer`s (their attention as `Attention` takes
-    `qkv_bias` and `qk_norm`), RMSNorm and M-RoPE (interleaved or not)."""
+    `qkv_bias` and `qk_norm`, their MLPs as `mlp` makes them), RMSNorm and M-RoPE
+    (interleaved or not)."""
 
-    def __init__(self, args: Any, qkv_bias: bool, qk_norm: bool, interleaved_mrope: bool = False):
-        super().__init__(args, (DecoderLayer(args, i, qkv_bias, qk_norm) for i in range(args.num_hidden_layers)),
+    def __init__(self, args: Any, qkv_bias: bool, qk_norm: bool, interleaved_mrope: bool = False,
+                 mlp: MlpFactory = dense_mlp):
+        super().__init__(args, (DecoderLayer(args, i, qkv_bias, qk_norm, mlp) for i in range(args.num_hidden_layers)),
                          RMSNorm(args.hidden_size, args.rms_norm_eps),
                          MRotaryEmbedding(args.head_dim, args.rope_theta, args.mrope_section,
                                           interleaved=interleaved_mrope))
