@@ -385,11 +385,10 @@ def test_bad_config_is_a_clear_error(change, message):
         args_from_hf_config(cfg)
 
 
-def test_registered_by_model_type_and_moe_refused():
-    """A config.json of model_type qwen3_5 picks the family; its MoE variants say what they need."""
+def test_registered_by_model_type():
+    """A config.json of model_type qwen3_5 picks the family; its MoE variants' (qwen3_5_moe) their own."""
     assert family_of_config(hf_config_from_args(tiny_args())) is FAMILIES["qwen3_5"] is FAMILY
-    with pytest.raises(CheckpointError, match="qwen3_5_moe.*sparse expert layers"):
-        family_of_config({"model_type": "qwen3_5_moe"})
+    assert family_of_config({"model_type": "qwen3_5_moe"}) is FAMILIES["qwen3_5_moe"] is not FAMILY
 
 
 # ----------------------------------------------------------------------------- shape, protocol, counts

@@ -9,15 +9,17 @@ from rollplex.models.family import ModelFamily
 from rollplex.models.protocol import CheckpointError
 from rollplex.models.qwen2_5_vl import FAMILY as QWEN2_5_VL
 from rollplex.models.qwen3_5 import FAMILY as QWEN3_5
+from rollplex.models.qwen3_5_moe import FAMILY as QWEN3_5_MOE
 from rollplex.models.qwen3_vl import FAMILY as QWEN3_VL
+from rollplex.models.qwen3_vl_moe import FAMILY as QWEN3_VL_MOE
 
-FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (QWEN2_5_VL, QWEN3_VL, QWEN3_5)}
+FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, QWEN3_5,
+                                                                       QWEN3_5_MOE)}
 
 # Model types a config.json may name that are not built yet, with what they would need (docs/ARCHITECTURE.md,
-# "Adding a model family"): the families' relatives, and Qwen3.5's MoE variants.
+# "Adding a model family"): the families' relatives.
 NOT_SUPPORTED_YET: dict[str, str] = {
     **{k: why for family in FAMILIES.values() for k, why in family.relatives_not_supported.items()},
-    "qwen3_5_moe": "Qwen3.5's MoE variants need both sparse expert layers and a recurrent-state cache",
 }
 
 

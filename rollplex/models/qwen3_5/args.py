@@ -10,16 +10,18 @@ is the same, and transformers' Qwen3_5TextConfig's for the DeltaNet's own sizes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from rollplex.models.family import LinearParams, ParamCounts
 from rollplex.models.qwen3_vl.args import VISION_MLP_WIDTHS, VisionArgs, vision_counts, vision_linear_params
 from rollplex.models.qwen_vl.args import TINY_TOKEN_IDS, QwenVLArgs
 from rollplex.models.rope import RopeIndexSpec
 
-__all__ = ["FULL_ATTENTION", "LINEAR_ATTENTION", "PRESETS", "VISION_MLP_WIDTHS", "ModelArgs", "TextArgs",
-           "VisionArgs", "count_params", "hybrid_layer_types", "kv_layers", "linear_params", "recurrent_state_bytes",
-           "tiny_args", "vision_args"]
+__all__ = ["FULL_ATTENTION", "LINEAR_ATTENTION", "PRESETS", "VISION_MLP_WIDTHS", "HybridArgs", "ModelArgs",
+           "TextArgs", "VisionArgs", "count_params", "dense_mlp_params", "hybrid_layer_types", "kv_layers",
+           "linear_params", "recurrent_state_bytes", "tiny_args", "vision_args"]
 
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 
@@ -81,9 +83,11 @@ class TextArgs:
 
 
 @dataclass
-class ModelArgs(QwenVLArgs):
-    """Everything the model's shape and inputs depend on; built from a HF config.json
-    (the token ids and tie_word_embeddings: `QwenVLArgs`, with Qwen3.5's vocabulary's ids)."""
+class HybridArgs(QwenVLArgs):
+    """What every Qwen3.5's args hold, dense (`ModelArgs`) or MoE (rollplex.models.qwen3_5_moe):
+    the tower, the hybrid decoder and Qwen3.5's vocabulary's token ids (the rest: `QwenVLArgs`).
+    The two families' args are siblings, not parent and child, because the registry tells
+    families apart by their args' class (isinstance)."""
 
     vision: VisionArgs = field(default_factory=vision_args)
     text: TextArgs = field(default_factory=TextArgs)
@@ -99,6 +103,11 @@ class ModelArgs(QwenVLArgs):
         # As Qwen3-VL: every frame group of a video is its own block of t = 1, timestamps between them.
         return RopeIndexSpec(self.image_token_id, self.video_token_id, self.vision.spatial_merge_size,
                              tokens_per_second=1.0, split_video_frames=True)
+
+
+@dataclass
+class ModelArgs(HybridArgs):
+    """Everything the dense model's shape and inputs depend on; built from a HF config.json."""
 
 
 def tiny_args(tie: bool = False, layer_types: tuple[str, ...] = (LINEAR_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION),
@@ -151,11 +160,16 @@ PRESETS: dict[str, ModelArgs] = {
 }
 
 
-def _layer_params(t: TextArgs) -> dict[str, tuple[int, int]]:
+def dense_mlp_params(t: TextArgs) -> int:
+    """A layer's SwiGLU (gate, up and down): its elements, and the matmul weights a token goes through."""
+    return 3 * t.hidden_size * t.intermediate_size
+
+
+def _layer_params(t: Any, mlp: int) -> dict[str, tuple[int, int]]:
     """One decoder layer's elements by kind, as (split by tensor parallelism, left whole on every
-    rank) under rollplex.models.qwen3_5.tp_plan: the MLP and the mixer's projections split, and so
-    are a DeltaNet's convolution, A_log and dt_bias; the norms stay whole."""
-    mlp = 3 * t.hidden_size * t.intermediate_size
+    rank) under rollplex.models.qwen3_5.tp_plan, its MLP being `mlp` elements: the MLP and the
+    mixer's projections split, and so are a DeltaNet's convolution, A_log and dt_bias; the norms
+    stay whole."""
     norms = 2 * t.hidden_size  # input_layernorm, post_attention_layernorm
     q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
     attention = t.hidden_size * (2 * q + 2 * kv) + q * t.hidden_size  # q_proj (with the gate), k, v, o
@@ -167,16 +181,17 @@ def _layer_params(t: TextArgs) -> dict[str, tuple[int, int]]:
             LINEAR_ATTENTION: (mlp + deltanet, norms + t.linear_value_head_dim)}  # the gated norm
 
 
-def count_params(args: ModelArgs) -> ParamCounts:
+def count_params(args: HybridArgs, mlp_params: Callable[[Any], int] = dense_mlp_params) -> ParamCounts:
     """Parameter counts from the layer shapes of `model` (the tests check them against a built
-    model), split as rollplex.models.qwen3_5.tp_plan splits them: every layer's (`_layer_params`),
+    model), split as rollplex.models.qwen3_5.tp_plan splits them: every layer's (`_layer_params`,
+    with `mlp_params(args.text)` elements in each layer's MLP: the MoE family passes its own),
     the embedding and head when untied. The vision tower counts as replicated, as Qwen3-VL's
     does (its plan splits it only when the TP size divides its widths). The layers differ by
     kind: the per-layer figures are the kind's with more elements split (the largest FSDP unit on
     a rank at any TP size, but for the norms each keeps whole: a few hundred elements)."""
     t, v = args.text, args.vision
     vision_block, vision_root = vision_counts(v)
-    per_kind = _layer_params(t)
+    per_kind = _layer_params(t, mlp_params(t))
     embeddings = t.vocab_size * t.hidden_size * (1 if args.tie_word_embeddings else 2)
     root_split = 0 if args.tie_word_embeddings else embeddings
     root = vision_root + t.hidden_size + embeddings  # the tower's root parts, the final norm, embedding (and head)
@@ -187,12 +202,12 @@ def count_params(args: ModelArgs) -> ParamCounts:
                        root=root, root_tp_split=root_split, layer_tp_split=layer_split, layer_replicated=layer_whole)
 
 
-def kv_layers(args: ModelArgs) -> int:
+def kv_layers(args: HybridArgs) -> int:
     """The decoder layers that keep K/V: the full-attention ones."""
     return args.text.layer_types.count(FULL_ATTENTION)
 
 
-def recurrent_state_bytes(args: ModelArgs, tp: int, dtype_bytes: int = 2) -> int:
+def recurrent_state_bytes(args: HybridArgs, tp: int, dtype_bytes: int = 2) -> int:
     """One sequence's state over every DeltaNet layer on one of `tp` ranks: the convolution's last
     kernel - 1 inputs (in the weights' dtype, `dtype_bytes`) and the recurrent state, [value heads,
     key dim, value dim] in float32 (bf16 drifts over a long response)."""
@@ -202,15 +217,16 @@ def recurrent_state_bytes(args: ModelArgs, tp: int, dtype_bytes: int = 2) -> int
     return t.layer_types.count(LINEAR_ATTENTION) * (conv + recurrent)
 
 
-def linear_params(args: ModelArgs) -> LinearParams:
+def linear_params(args: HybridArgs, mlp_linear: Callable[[Any], int] = dense_mlp_params) -> LinearParams:
     """The matmul weights a text token and a patch go through (biases, norms, the convolution
     and the recurrence left out): q_proj (with its gate), k, v and o in full-attention layers;
     in_proj_q/k/v (the checkpoints' in_proj_qkv), _z, _b, _a and out_proj in DeltaNet layers;
-    the MLP in every layer."""
+    the MLP in every layer, `mlp_linear(args.text)` weights (an MoE MLP's: those of the experts
+    a token goes through)."""
     t = args.text
     q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
     per_kind = {FULL_ATTENTION: t.hidden_size * (2 * q + 2 * kv) + q * t.hidden_size,
                 LINEAR_ATTENTION: t.hidden_size * (t.linear_conv_dim + 2 * t.linear_value_dim
                                                    + 2 * t.linear_num_value_heads)}
-    mlp = 3 * t.hidden_size * t.intermediate_size
+    mlp = mlp_linear(t)
     return LinearParams(sum(per_kind[kind] + mlp for kind in t.layer_types), vision_linear_params(args.vision))

@@ -1,11 +1,15 @@
 """Qwen3.5's hybrid text decoder, in plain PyTorch.
 
-Each layer is pre-norm: a token mixer, then the SwiGLU MLP, each added to the
-residual. The mixer follows `layer_types`: a Gated DeltaNet
-(rollplex.models.qwen3_5.deltanet) in "linear_attention" layers, `GatedAttention`
-in "full_attention" ones. Every RMSNorm of the decoder (the layers' two, the final
-one, q_norm and k_norm) is zero-centred: x * (1 + w), computed in float32, so a
-checkpoint's weights start at 0 (the DeltaNet's gated norm is not: weight * x).
+Each layer is pre-norm: a token mixer, then the MLP, each added to the
+residual. The MLP is the dense family's SwiGLU unless the decoder is given
+another factory (rollplex.models.qwen_vl.layers.MlpFactory), as Qwen3.5-MoE
+gives its sparse MoE block (rollplex.models.moe.SparseMoE, called with the
+forward's `Routing`). The mixer follows `layer_types`: a Gated DeltaNet
+(rollplex.models.qwen3_5.deltanet) in "linear_attention" layers,
+`GatedAttention` in "full_attention" ones. Every RMSNorm of the decoder (the
+layers' two, the final one, q_norm and k_norm) is zero-centred: x * (1 + w),
+computed in float32, so a checkpoint's weights start at 0 (the DeltaNet's gated
+norm is not: weight * x).
 
 `GatedAttention` is Qwen3's attention (per-head q/k RMSNorm, GQA, no biases)
 with two changes: q_proj is twice as wide, [q | gate] per head, and the
@@ -24,9 +28,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from rollplex.models.moe import SparseMoE, routing_of
 from rollplex.models.qwen3_5.args import FULL_ATTENTION, LINEAR_ATTENTION, TextArgs
 from rollplex.models.qwen3_5.deltanet import GatedDeltaNet
-from rollplex.models.qwen_vl.layers import Decoder, SwiGLU
+from rollplex.models.qwen_vl.layers import Decoder, MlpFactory, dense_mlp
 from rollplex.models.rope import MRotaryEmbedding, apply_partial_rotary
 
 
@@ -70,9 +75,10 @@ class GatedAttention(nn.Module):
 
 
 class HybridDecoderLayer(nn.Module):
-    """Pre-norm layer whose mixer is `linear_attn` (a Gated DeltaNet) or `self_attn` (GatedAttention)."""
+    """Pre-norm layer whose mixer is `linear_attn` (a Gated DeltaNet) or `self_attn` (GatedAttention),
+    and whose MLP `mlp` makes (dense: a SwiGLU)."""
 
-    def __init__(self, args: TextArgs, layer: int):
+    def __init__(self, args: TextArgs, layer: int, mlp: MlpFactory = dense_mlp):
         super().__init__()
         self.kind = args.layer_types[layer]
         if self.kind == LINEAR_ATTENTION:
@@ -82,7 +88,10 @@ class HybridDecoderLayer(nn.Module):
         else:
             raise ValueError(f"layer {layer}: layer type {self.kind!r} is neither {LINEAR_ATTENTION!r} nor "
                              f"{FULL_ATTENTION!r}")
-        self.mlp = SwiGLU(args.hidden_size, args.intermediate_size)
+        self.mlp = mlp(args, layer)
+        # A sparse MLP routes by the forward's Routing, which the backend carries (rollplex.models.moe.routing_of),
+        # so that an activation-checkpoint recompute, given the same backend, routes as its forward did.
+        self.routed = isinstance(self.mlp, SparseMoE)
         self.input_layernorm = ZeroCenteredRMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -93,17 +102,18 @@ class HybridDecoderLayer(nn.Module):
             x = x + self.linear_attn(h, mixing)
         else:
             x = x + self.self_attn(h, cos, sin, mixing)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, routing_of(mixing)) if self.routed else self.mlp(h))
 
 
 class HybridDecoder(Decoder):
-    """The decoder: `HybridDecoderLayer`s by `layer_types`, a zero-centred final norm and
-    interleaved M-RoPE over the rotary width."""
+    """The decoder: `HybridDecoderLayer`s by `layer_types`, each with the MLP `mlp` makes, a
+    zero-centred final norm and interleaved M-RoPE over the rotary width."""
 
-    def __init__(self, args: TextArgs):
+    def __init__(self, args: TextArgs, mlp: MlpFactory = dense_mlp):
         if len(args.layer_types) != args.num_hidden_layers:
             raise ValueError(f"layer_types has {len(args.layer_types)} entries for {args.num_hidden_layers} layers")
-        super().__init__(args, (HybridDecoderLayer(args, i) for i in range(args.num_hidden_layers)),
+        super().__init__(args, (HybridDecoderLayer(args, i, mlp) for i in range(args.num_hidden_layers)),
                          ZeroCenteredRMSNorm(args.hidden_size, args.rms_norm_eps),
                          MRotaryEmbedding(args.rotary_dim, args.rope_theta, args.mrope_section, interleaved=True))
 

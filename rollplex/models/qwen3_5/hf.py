@@ -31,7 +31,7 @@ from rollplex.models.qwen_vl.hf import hf_key_to_params as qwen_vl_key_to_params
 from rollplex.models.qwen_vl.hf import nested_config_top, nested_model_args, param_to_nested_key, pick_fields
 
 __all__ = ["ARCHITECTURE", "DROPPED_KEYS", "MODEL_TYPE", "args_from_hf_config", "check_args", "hf_config_from_args",
-           "hf_key_to_params", "init_constant", "init_draw", "param_to_hf_key"]
+           "hf_key_to_params", "init_constant", "init_draw", "param_to_hf_key", "text_args"]
 
 MODEL_TYPE = "qwen3_5"
 ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
@@ -96,29 +96,30 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArgs:
     if cfg.get("model_type") != MODEL_TYPE:
         raise CheckpointError(f"{source}: model_type is {cfg.get('model_type')!r}, expected {MODEL_TYPE!r}")
     args = nested_model_args(cfg, source, "Qwen3.5", lambda text, vision, **shared: ModelArgs(
-        vision=vision_args_from_config(vision, deepstack=False), text=_text_args(text, source), **shared))
+        vision=vision_args_from_config(vision, deepstack=False), text=text_args(text, source), **shared))
     check_args(args, source)
     return args
 
 
-def _text_args(text: dict, source: str) -> TextArgs:
+def text_args(text: dict, source: str, text_class: type = TextArgs, **extra: Any) -> Any:
+    """`text_class` (TextArgs, or the MoE family's, which adds `extra`) from a text_config dict."""
     rope = text.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", "default")
     if rope_type != "default":
         raise CheckpointError(f"{source}: text rope_type {rope_type!r} is not supported (Qwen3.5's is 'default')")
     if text.get("attention_bias"):
         raise CheckpointError(f"{source}: attention_bias true is not supported (Qwen3.5's attention has no biases)")
-    layers = int(text.get("num_hidden_layers", TextArgs.num_hidden_layers))
+    layers = int(text.get("num_hidden_layers", text_class.num_hidden_layers))
     layer_types = text.get("layer_types") or hybrid_layer_types(layers, int(text.get("full_attention_interval", 4)))
-    return pick_fields(text, TextArgs,
-                       rope_theta=float(rope.get("rope_theta", text.get("rope_theta", TextArgs.rope_theta))),
+    return pick_fields(text, text_class, **extra,
+                       rope_theta=float(rope.get("rope_theta", text.get("rope_theta", text_class.rope_theta))),
                        partial_rotary_factor=float(rope.get("partial_rotary_factor",
                                                             text.get("partial_rotary_factor", 0.25))),
                        mrope_section=list(rope.get("mrope_section", [11, 11, 10])),
                        layer_types=list(layer_types))
 
 
-def check_args(args: ModelArgs, source: str = "config.json") -> None:
+def check_args(args: Any, source: str = "config.json") -> None:
     """What the model needs of its args beyond their types (a CheckpointError naming `source`)."""
     t, v = args.text, args.vision
     problems = []
@@ -144,14 +145,15 @@ def check_args(args: ModelArgs, source: str = "config.json") -> None:
         raise CheckpointError(f"{source}: " + "; ".join(problems))
 
 
-def hf_config_from_args(args: ModelArgs) -> dict[str, Any]:
+def hf_config_from_args(args: Any, architecture: str = ARCHITECTURE, model_type: str = MODEL_TYPE) -> dict[str, Any]:
     """config.json in the nested style of the hub's Qwen3.5 checkpoints, which transformers'
-    Qwen3_5ForConditionalGeneration loads."""
+    Qwen3_5ForConditionalGeneration loads (another `architecture` and `model_type`: the MoE
+    family's, whose text and vision configs are named after it too)."""
     t = args.text
     return {
-        **nested_config_top(args, ARCHITECTURE, MODEL_TYPE),
+        **nested_config_top(args, architecture, model_type),
         "text_config": {
-            "model_type": "qwen3_5_text",
+            "model_type": f"{model_type}_text",
             **{name: getattr(t, name) for name in (
                 "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings",
@@ -168,5 +170,5 @@ def hf_config_from_args(args: ModelArgs) -> dict[str, Any]:
             "bos_token_id": args.bos_token_id,
             "dtype": "bfloat16",
         },
-        "vision_config": {**vision_config(args.vision, deepstack=False), "model_type": "qwen3_5_vision"},
+        "vision_config": {**vision_config(args.vision, deepstack=False), "model_type": f"{model_type}_vision"},
     }

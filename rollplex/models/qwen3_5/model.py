@@ -23,24 +23,27 @@ import torch
 
 from rollplex.dist import local_tensor
 from rollplex.models.inputs import VisionEmbeds
+from rollplex.models.moe import Routing, with_routing
 from rollplex.models.packing import PackedBatch
 from rollplex.models.protocol import RecurrentStateShapes
-from rollplex.models.qwen3_5.args import FULL_ATTENTION, LINEAR_ATTENTION, ModelArgs
+from rollplex.models.qwen3_5.args import FULL_ATTENTION, LINEAR_ATTENTION, HybridArgs
 from rollplex.models.qwen3_5.decoder import HybridDecoder
 from rollplex.models.qwen3_5.mixing import PackedHybridAttention, SharedPrefixHybridAttention
 from rollplex.models.qwen3_vl.model import VisionTransformer, check_acts
+from rollplex.models.qwen_vl.layers import MlpFactory, dense_mlp
 from rollplex.models.qwen_vl.model import QwenVL
 
 
 class Qwen3_5(QwenVL):
-    """Qwen3.5 (dense) for causal LM (see the module docstring)."""
+    """Qwen3.5 (dense) for causal LM (see the module docstring); `mlp` makes each decoder layer's
+    MLP (rollplex.models.qwen3_5_moe's model gives its sparse MoE block)."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: HybridArgs, mlp: MlpFactory = dense_mlp):
         check_acts(args)
         if args.vision.deepstack_visual_indexes:
             raise ValueError("Qwen3.5's vision tower has no DeepStack blocks, got deepstack_visual_indexes "
                              f"{args.vision.deepstack_visual_indexes}")
-        super().__init__(args, VisionTransformer(args.vision), HybridDecoder(args.text))
+        super().__init__(args, VisionTransformer(args.vision), HybridDecoder(args.text, mlp))
 
     def vision_embeds(self, image: Any, video: Any) -> VisionEmbeds:
         """The tower gives (merged features, None) per kind: no DeepStack levels."""
@@ -65,10 +68,12 @@ class Qwen3_5(QwenVL):
         conv, recurrent = deltanets[0][1].state_shapes()
         return RecurrentStateShapes(tuple(i for i, _ in deltanets), conv, recurrent)
 
-    def forward_packed(self, batch: PackedBatch, vision: VisionEmbeds | None = None) -> torch.Tensor:
+    def forward_packed(self, batch: PackedBatch, vision: VisionEmbeds | None = None,
+                       routing: Routing | None = None) -> torch.Tensor:
         """Hidden states of a packed batch: whole sequences, each from a zero recurrent state, or
         GRPO groups sharing their prompt (`batch.groups`), each response's recurrence starting from
-        its prompt's final state; encodes its images/videos unless `vision` is given."""
+        its prompt's final state; encodes its images/videos unless `vision` is given. An MoE
+        decoder's layers route through `routing` (rollplex.models.moe) when given."""
         if vision is None:
             vision = self.encode_vision(batch.pixel_values, batch.image_grid_thw, batch.pixel_values_videos,
                                         batch.video_grid_thw)
@@ -77,4 +82,4 @@ class Qwen3_5(QwenVL):
             mixing = SharedPrefixHybridAttention(batch.groups, device, backend=self.attn_backend)
         else:
             mixing = PackedHybridAttention(batch.cu_seqlens.tolist(), device, backend=self.attn_backend)
-        return self(batch.input_ids, batch.position_ids, mixing, vision, batch.prompt_mask)
+        return self(batch.input_ids, batch.position_ids, with_routing(mixing, routing), vision, batch.prompt_mask)

@@ -4,6 +4,7 @@ tokenizer, chat template, the processor files, which are Qwen3-VL's, and the wei
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from rollplex.models.qwen3_5.args import FULL_ATTENTION, LINEAR_ATTENTION, ModelArgs, TextArgs, vision_args
@@ -60,9 +61,16 @@ def tiny_hf_config(spec: Any, vocab_size: int, ids: dict[str, int], style: str =
                    dtype: str = "float32") -> dict[str, Any]:
     """config.json of the tiny model `spec` (see `args_of_spec`), as hf_config_from_args writes a
     Qwen3.5's, with weights of `dtype` and the tokenizer's pad token; nested, Qwen3.5's only style."""
+    return tiny_config(args_of_spec(spec, vocab_size, ids), ids, style, dtype)
+
+
+def tiny_config(args: Any, ids: dict[str, int], style: str, dtype: str,
+                config_from_args: Callable[[Any], dict[str, Any]] = hf_config_from_args) -> dict[str, Any]:
+    """config.json of a tiny model of `args`, as `config_from_args` writes it (the MoE family gives
+    its own), with weights of `dtype` and the tokenizer's pad token (`ids`); nested style only."""
     if style != "nested":
         raise ValueError(f"a Qwen3.5 config.json has the nested style only, got style {style!r}")
-    config = hf_config_from_args(args_of_spec(spec, vocab_size, ids))
+    config = config_from_args(args)
     config["dtype"] = config["text_config"]["dtype"] = dtype
     config["text_config"]["pad_token_id"] = ids["pad_token_id"]
     return config
