@@ -12,6 +12,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
@@ -51,6 +52,13 @@ def test_device_command_runs_every_check_on_cpu(tmp_path):
     qwen3_5 = checks["qwen3_5"]
     assert qwen3_5["fla"]["compared"] == "torch against torch (CPU: fla runs on CUDA only)"
     assert qwen3_5["engine_vs_transformers"]["samples_equal_transformers_greedy_share"] == 1.0
+    # MoE, a tiny stand-in for the 35B-A3B shapes: experts with no rows; replay that overrode the live router;
+    # graph-replayed decode steps that recorded routes, with no capture in the second generation.
+    moe = checks["moe"]
+    assert moe["grouped_gemm"]["empty_experts"] > 0
+    assert moe["train_step"]["replayed_routes_live_agreed_share"] < 1
+    replayed = moe["engine_routes"]["graph_replay"]
+    assert replayed["decode_steps"] > 0 and replayed["captures"] == 0
     assert list(json.loads((tmp_path / "bench_schedules/report.json").read_text())["schedules"]) == [
         "serial-prefix", "overlap", "overlap-stream"]
     files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
@@ -219,3 +227,103 @@ def lora_result(saved_share: float, lora_step_s: float = 0.5) -> dict:
 def test_the_lora_criteria_fail_on_bad_input(case, result, failed):
     verdict = gpu_check.verdict_of(gpu_check.lora_criteria(result, cuda=True), "")
     assert verdict["failed"] == failed
+
+
+def grouped_mm_rows_to_the_previous_expert(x, weight, ends, backend="loop"):
+    """A grouped GEMM whose offsets are one row early: each expert's first row goes through the expert before."""
+    from rollplex.ops.grouped_mm import _loop_mm
+
+    early = (ends - 1).clamp_min(0)
+    early[-1] = ends[-1]  # every row still goes somewhere
+    return _loop_mm(x, weight, early)
+
+
+class GroupedMMLeavingEmptyGradientsUnwritten(torch.autograd.Function):
+    """The loop's arithmetic, with the weight gradient of an expert that got no rows left as the memory held (as a
+    grouped kernel that skips empty groups would leave an uninitialised output)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, ends):
+        from rollplex.ops.grouped_mm import _loop_mm
+
+        ctx.save_for_backward(x, weight, ends)
+        return _loop_mm(x, weight, ends)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from rollplex.ops.grouped_mm import _loop_mm
+
+        x, weight, ends = ctx.saved_tensors
+        bounds = [0, *ends.tolist()]
+        grad_w = torch.full_like(weight, 7.0)
+        for e, (start, end) in enumerate(zip(bounds, bounds[1:])):
+            if end > start:
+                grad_w[e] = x[start:end].t() @ grad[start:end]
+        return _loop_mm(grad, weight.transpose(1, 2), ends), grad_w, None
+
+
+def grouped_mm_leaving_empty_gradients_unwritten(x, weight, ends, backend="loop"):
+    return GroupedMMLeavingEmptyGradientsUnwritten.apply(x, weight, ends)
+
+
+@pytest.mark.parametrize("broken, failed", [
+    ("none", []),
+    ("rows_to_the_previous_expert", [f"{p}_{k}_within_bound" for p in ("gate_up", "down")
+                                     for k in ("out", "grad_input", "grad_weight")]),
+    ("empty_gradients_unwritten", [f"{p}_{k}" for p in ("gate_up", "down")
+                                   for k in ("grad_weight_within_bound", "empty_experts_zero_grad")]),
+])
+def test_the_moe_grouped_gemm_criteria_fail_a_wrong_kernel(broken, failed, monkeypatch):
+    """moe's grouped GEMM part on the CPU with its "grouped" backend broken: rows sent to the neighbouring expert,
+    or the weight gradient of an expert with no rows left unwritten."""
+    from rollplex.ops import grouped_mm
+
+    loop = grouped_mm.grouped_mm
+    wrong = {"none": loop, "rows_to_the_previous_expert": grouped_mm_rows_to_the_previous_expert,
+             "empty_gradients_unwritten": grouped_mm_leaving_empty_gradients_unwritten}[broken]
+    monkeypatch.setattr(grouped_mm, "grouped_mm", lambda x, w, ends, backend="loop": (
+        wrong(x, w, ends) if backend == "grouped" else loop(x, w, ends, backend)))
+    result = gpu_check._moe_grouped_gemm("cpu")
+    assert result["failed"] == failed, result
+
+
+def test_the_moe_train_step_fails_a_replay_that_routes_live(monkeypatch):
+    """moe's training part on the CPU passes; with a MoE block that ignores the replayed routes (routes live),
+    the replayed step no longer routes the recorded routes, and the live router agrees with every route."""
+    from rollplex.models.moe import SparseMoE
+
+    result = gpu_check._moe_train_step("cpu")
+    assert result["ok"] is True, result
+    monkeypatch.setattr(SparseMoE, "_replayed", lambda self, replay, live: live)
+    result = gpu_check._moe_train_step("cpu")
+    assert result["failed"] == ["replayed_routes_equal_recorded", "live_router_disagreed_somewhere"], result
+
+
+def test_the_moe_engine_part_fails_graphs_whose_routes_are_stale(monkeypatch):
+    """moe's engine part on the CPU (the graph stand-in) passes; a capture that records the graph with routes
+    other than the ones the runner keeps for it (so the kept ones are the warm-up's, never replayed into) fails
+    it: its samples' response routes are not the eager engine's, though its tokens are."""
+    from rollplex.engine.runner import ModelRunner
+    from rollplex.models.moe import Routing
+
+    result = gpu_check._moe_engine_routes("cpu")
+    assert result["ok"] is True, result
+    record = ModelRunner._record
+    monkeypatch.setattr(ModelRunner, "_record", lambda self, args, groups, routing: record(
+        self, args, groups, None if routing is None else Routing()))
+    result = gpu_check._moe_engine_routes("cpu")
+    assert result["failed"] == ["response_routes_equal_eager", "graph_routes_equal_eager_same_buffers"], result
+
+
+def test_a_moe_part_that_raises_is_reported_and_the_other_parts_still_run(monkeypatch):
+    """check_moe on the CPU with its training part raising: that part's error is reported, the grouped GEMM and
+    engine parts still run and pass, and the result carries a traceback, so its process ends after it."""
+    def raising(device):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(gpu_check, "_moe_train_step", raising)
+    result = gpu_check.check_moe("cpu")
+    assert result["ok"] is False and result["failed"] == ["train_step"]
+    assert "illegal memory access" in result["train_step"]["error"] and "RuntimeError" in result["traceback"]
+    assert result["grouped_gemm"]["ok"] is True and result["engine_routes"]["ok"] is True
+    assert all(result[part]["seconds"] >= 0 for part in ("grouped_gemm", "train_step", "engine_routes"))

@@ -1603,6 +1603,330 @@ def check_logprob_head(device: str) -> dict:
     return {**result, **verdict_of(criteria, "chunked peak <= whole / 8; logprobs within 1e-2")}
 
 
+# ---------------------------------------------------------------------- mixture of experts
+
+# moe's grouped GEMM comparison: torch._grouped_mm against the per-expert loop on the same bf16 inputs, the largest
+# |difference| over the loop's largest |value|, for the output and both gradients. Both accumulate in fp32 and round
+# once to bf16 (2^-8 relative at most, 0.004), so a right kernel is within one bf16 step of the largest value; a
+# wrong offset or layout (rows sent to a neighbouring expert, a transposed weight) is off by O(1).
+MOE_GEMM_TOLERANCE = 1e-2
+# moe's training step: the replayed step's peak allocated memory against the live step's (the same tokens, the same
+# number of token-expert rows, a route tensor of a few kB more).
+MOE_REPLAY_PEAK_FACTOR = 1.05
+
+
+def check_moe(device: str) -> dict:
+    """The sparse MoE block (rollplex.models.moe) on the GPU, in three parts, each with a verdict of its own
+    (on the CPU each at its smallest: a tiny stand-in for the 35B-A3B shapes):
+    - `grouped_gemm` (`_moe_grouped_gemm`): torch._grouped_mm (rollplex.ops.grouped_mm "grouped") against the
+      per-expert loop ("loop", the CPU reference) on the same bf16 inputs at Qwen3.5-35B-A3B's expert shapes
+      (256 experts, hidden 2048, width 512, top-8 routing of 4,096 tokens, every eighth expert given no row):
+      both projections' outputs and input and weight gradients within MOE_GEMM_TOLERANCE, the empty experts'
+      weight gradients exactly zero; each backend's forward and forward + backward timed side by side;
+    - `train_step` (`_moe_train_step`): forward, backward and an AdamW step of 2 decoder layers of the
+      qwen3.5-35b-a3b preset (a Gated DeltaNet and a full-attention layer, 256 experts each, the hub vocabulary,
+      a tiny tower) in bf16 over 4,096 tokens: a live step that records its routes, another live step, then one
+      that replays the first's routes (Routing with replay): finite losses and gradients, the replayed routes
+      exactly the recorded ones where the live router (moved by two steps) chose otherwise, the router's
+      gradient alive under replay; reports each step's seconds and peak allocated memory;
+    - `engine_routes` (`_moe_engine_routes`): greedy decode of a tiny Qwen3-VL-MoE with record_routes, CUDA
+      graphs against eager decode with the same layer ops (on the CPU: the graph stand-in): the same tokens and
+      the same recorded prompt and response routes, every fed token recorded; each graph's routes after a
+      replay equal an eager decode's on the same static buffers; no host sync inside a graph-replayed decode
+      step (CUDA's sync debug mode; none is counted on the CPU).
+    A part that raises is reported with its error and the others still run; the check then ends its process,
+    as a raising check does (a CUDA error can leave the context unusable)."""
+    parts = {"grouped_gemm": _moe_grouped_gemm, "train_step": _moe_train_step, "engine_routes": _moe_engine_routes}
+    result: dict = {}
+    for name, part in parts.items():
+        t0 = time.perf_counter()
+        try:
+            result[name] = part(device)
+        except Exception as e:
+            result[name] = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                            "part_traceback": traceback.format_exc()[-3000:]}
+        result[name]["seconds"] = round(time.perf_counter() - t0, 2)  # what the check's estimate is judged by
+        if _cuda(device):
+            with contextlib.suppress(RuntimeError):  # after a CUDA error the next part reports its own
+                torch.cuda.empty_cache()
+    criteria = {name: result[name]["ok"] is True for name in parts}
+    verdict = verdict_of(criteria, "every part's verdict ok (each part's own criteria: its 'failed' and 'criterion')")
+    raised = [name for name in parts if "part_traceback" in result[name]]
+    if raised:  # run_checks_here ends the process after a result with a traceback
+        verdict["traceback"] = "\n".join(f"{name}: {result[name]['part_traceback']}" for name in raised)
+    return {**result, **verdict}
+
+
+def _moe_routing_case(device: str, tokens: int, experts: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routes of `tokens` tokens over `experts` experts, skewed (the later experts get more rows) and
+    with every eighth expert (0, 8, ...) chosen by none; their token-expert pairs sorted by expert, as
+    Experts sorts them: each pair's token, and the experts' cumulative row counts (`sort_by_expert`)."""
+    from rollplex.models.moe import sort_by_expert
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(tokens, experts, generator=gen, device=device) + torch.linspace(0, 2, experts, device=device)
+    logits[:, ::8] = -math.inf
+    _, token_of, ends = sort_by_expert(logits.topk(top_k, dim=-1).indices, experts)
+    return token_of, ends
+
+
+def _seconds_per_call(fn: Callable[[], object], reps: int, device: str) -> float:
+    """fn's mean wall time over `reps` calls after one warm-up, the device synchronised around them."""
+    fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t0) / reps
+
+
+def _moe_grouped_gemm(device: str) -> dict:
+    """`check_moe`'s grouped GEMM part: per projection of an expert's SwiGLU (gate_up: hidden -> 2 x width;
+    down: width -> hidden), rows sorted by expert as `_moe_routing_case` routes them, the "grouped" backend's
+    output and gradients (of the input and the weights, for a random output gradient) against the "loop"
+    backend's on the same bf16 tensors, and both timed."""
+    from rollplex.ops.grouped_mm import grouped_mm
+
+    cuda = _cuda(device)
+    tokens, experts, top_k, hidden, width, reps = (4096, 256, 8, 2048, 512, 3) if cuda else (64, 16, 4, 64, 32, 1)
+    token_of, ends = _moe_routing_case(device, tokens, experts, top_k)
+    rows = len(token_of)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    empty = (counts == 0).nonzero().flatten()
+    gen = torch.Generator(device=device).manual_seed(1)
+    result: dict = {"tokens": tokens, "experts": experts, "top_k": top_k, "rows": rows, "dtype": "torch.bfloat16",
+                    "empty_experts": len(empty), "rows_per_used_expert": {
+                        "min": int(counts[counts > 0].min()), "max": int(counts.max())}}
+    criteria: dict[str, bool] = {"some_experts_empty": len(empty) > 0}
+    for name, (n_in, n_out) in {"gate_up": (hidden, 2 * width), "down": (width, hidden)}.items():
+        x = torch.randn(rows, n_in, generator=gen, device=device).to(torch.bfloat16)
+        w = (torch.randn(experts, n_in, n_out, generator=gen, device=device) * n_in**-0.5).to(torch.bfloat16)
+        g = torch.randn(rows, n_out, generator=gen, device=device).to(torch.bfloat16)
+
+        def forward(backend: str) -> torch.Tensor:
+            with torch.no_grad():
+                return grouped_mm(x, w, ends, backend)
+
+        def forward_backward(backend: str) -> tuple[torch.Tensor, ...]:
+            xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
+            out = grouped_mm(xl, wl, ends, backend)
+            return (out.detach(), *torch.autograd.grad(out, (xl, wl), g))
+
+        got, want = forward_backward("grouped"), forward_backward("loop")
+        errors = {key: ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+                  for key, a, b in zip(("out", "grad_input", "grad_weight"), got, want)}
+        timings = {f"{backend}_{kind}_ms": 1e3 * _seconds_per_call(functools.partial(fn, backend), reps, device)
+                   for backend in ("grouped", "loop") for kind, fn in (("forward", forward),
+                                                                       ("forward_backward", forward_backward))}
+        result[name] = {"in": n_in, "out": n_out, "max_rel_err": errors, **timings,
+                        "loop_over_grouped_forward_backward": timings["loop_forward_backward_ms"]
+                        / timings["grouped_forward_backward_ms"]}
+        criteria.update({f"{name}_{key}_within_bound": error <= MOE_GEMM_TOLERANCE for key, error in errors.items()})
+        criteria[f"{name}_empty_experts_zero_grad"] = bool((got[2][empty] == 0).all())
+        if cuda:  # on the CPU the loop is the default backend and _grouped_mm a fallback: no race there
+            criteria[f"{name}_grouped_faster"] = timings["grouped_forward_backward_ms"] < timings[
+                "loop_forward_backward_ms"]
+    text = (f"grouped within {MOE_GEMM_TOLERANCE:g} (relative to the largest value) of the loop: each projection's "
+            "output, input and weight gradients; empty experts' weight gradients zero; CUDA: grouped forward + "
+            "backward faster than the loop")
+    return {**result, **verdict_of(criteria, text)}
+
+
+def _moe_train_args(cuda: bool):
+    """2 decoder layers of the qwen3.5-35b-a3b preset, a Gated DeltaNet and a full-attention one (its two layer
+    kinds), with a tiny tower (text-only batches never run it); on the CPU the family's tiny model, both kinds."""
+    from rollplex.models.qwen3_5.args import FULL_ATTENTION, LINEAR_ATTENTION
+    from rollplex.models.qwen3_5_moe import PRESETS, tiny_args
+
+    kinds = [LINEAR_ATTENTION, FULL_ATTENTION]
+    tiny = tiny_args(layer_types=tuple(kinds))
+    if not cuda:
+        return tiny
+    args = PRESETS["qwen3.5-35b-a3b"]
+    return dataclasses.replace(args, vision=dataclasses.replace(tiny.vision, out_hidden_size=args.text.hidden_size),
+                               text=dataclasses.replace(args.text, num_hidden_layers=len(kinds), layer_types=kinds))
+
+
+def _moe_train_step(device: str) -> dict:
+    """`check_moe`'s training part: 4 sequences of 1,024 random text tokens (CPU: 2 of 16) through
+    `_moe_train_args`' model (bf16 weights, fused AdamW at lr 1e-3 on them; CPU: fp32), three steps (forward,
+    next-token logprob loss by the chunked head plus the routers' auxiliary loss, backward, AdamW step): live
+    recording its routes, live, then replaying the first step's routes. Reports each step's seconds (forward +
+    backward and the optimizer step; the first pays the compiles and the optimizer state's allocation) and peak
+    allocated memory, the weights' and the optimizer state's GiB, and how many replayed routes the live router,
+    two steps on, agreed with."""
+    from rollplex.models.moe import Routing
+    from rollplex.models.qwen3_5_moe import FAMILY
+    from rollplex.train.logprob_head import token_logprobs
+
+    cuda = _cuda(device)
+    args = _moe_train_args(cuda)
+    moe = args.text.moe
+    model = build_model(args, dtype=torch.bfloat16 if cuda else torch.float32, device=device, seed=0, family=FAMILY)
+    model.set_attn_backend("auto")
+    model.train()
+    sequences, length = (4, 1024) if cuda else (2, 16)
+    below = min(args.image_token_id, args.text.vocab_size)  # text ids, clear of the vision ones
+    prompts = [_random_text_prompt(length, below, seed=i, device=device) for i in range(sequences)]
+    batch = pack_sequences(args, prompts)
+    fed = torch.tensor([i for s in range(sequences) for i in range(s * length, (s + 1) * length - 1)], device=device)
+    targets = batch.input_ids[fed + 1]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # the Actor's
+    routers = [layer.mlp.gate.weight for layer in model.language_model.layers]
+
+    def step(routing: Routing) -> dict:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+        t0 = time.perf_counter()
+        hidden = model.forward_packed(batch, routing=routing)
+        logprobs, _ = token_logprobs(model, hidden[fed], targets)
+        aux = routing.aux_loss(moe.num_experts)
+        loss = -logprobs.mean() + moe.router_aux_loss_coef * aux
+        loss.backward()
+        _sync(device)
+        t1 = time.perf_counter()
+        grads_finite = all(bool(p.grad.isfinite().all()) for p in model.parameters() if p.grad is not None)
+        router_grad = min(float(w.grad.abs().sum()) for w in routers)
+        t2 = time.perf_counter()
+        optimizer.step()
+        _sync(device)
+        t3 = time.perf_counter()
+        return {"seconds": t1 - t0 + t3 - t2, "forward_backward_s": t1 - t0, "optimizer_s": t3 - t2,
+                "loss": loss.item(), "aux_loss": aux.item(), "grads_finite": grads_finite,
+                "router_grad_abs_sum_min": router_grad,
+                "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+
+    recording = Routing()
+    steps = {"live_recording": step(recording)}
+    recorded = recording.routes(args.text.num_hidden_layers)
+    steps["live"] = step(Routing())
+    replay = Routing(replay=recorded)
+    steps["replay"] = step(replay)
+    metrics = {k: float(v) for k, v in replay.metrics().items()}
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor))
+    result = {"layers": args.text.layer_types, "hidden": args.text.hidden_size, "experts": moe.num_experts,
+              "top_k": moe.num_experts_per_tok, "vocab": args.text.vocab_size, "tokens": int(batch.input_ids.numel()),
+              "dtype": str(next(model.parameters()).dtype), "attn_backend": model.attn_backend,
+              "weights_gib": weights / 2**30, "optimizer_state_gib": state / 2**30, **steps,
+              "replay_tokens_per_s": int(batch.input_ids.numel()) / steps["replay"]["seconds"],
+              "replayed_routes_live_agreed_share": metrics["agreed"] / metrics["replayed"],
+              "note": "random weights; timing only"}
+    criteria = {"losses_finite": all(math.isfinite(s["loss"]) for s in steps.values()),
+                "gradients_finite": all(s["grads_finite"] for s in steps.values()),
+                "replayed_routes_equal_recorded": torch.equal(replay.routes(args.text.num_hidden_layers), recorded),
+                "every_token_replayed": metrics["replayed"] == recorded.shape[0] * len(replay.layers),
+                # Else the equality above would hold for a replay that routes live.
+                "live_router_disagreed_somewhere": metrics["agreed"] < metrics["replayed"],
+                "router_gradient_under_replay": steps["replay"]["router_grad_abs_sum_min"] > 0}
+    if cuda:
+        criteria["replay_peak_within_live"] = (steps["replay"]["peak_gib"]
+                                               <= MOE_REPLAY_PEAK_FACTOR * steps["live"]["peak_gib"])
+    text = ("finite losses and gradients in every step; the replayed step routed exactly the recorded routes, every "
+            "token of every layer, although the live router disagreed with some; the routers' gradient nonzero under "
+            f"replay; CUDA: the replayed step's peak within {MOE_REPLAY_PEAK_FACTOR:g} x the live step's")
+    return {**result, **verdict_of(criteria, text)}
+
+
+def _moe_engine_routes(device: str) -> dict:
+    """`check_moe`'s engine part: a tiny Qwen3-VL-MoE (2 sparse layers, 8 experts, top-2; weights as
+    build_model(init_std=None) draws them; bf16 on CUDA, where the grouped GEMM needs it, fp32 on the CPU), an
+    image + video prompt and a text prompt, 2 greedy samples each (4 rows: a graph bucket exactly, so the graph's
+    GEMMs have the eager ones' shapes), decoded with record_routes by an eager engine and a CUDA-graph one with
+    the same layer ops (on CUDA the fused ones). The graphed engine generates twice; the second generation
+    captures nothing, and its decode steps, every one a graph replay, are counted for host syncs."""
+    from rollplex.engine import Request
+    from rollplex.models.moe import UNRECORDED
+    from rollplex.models.qwen3_vl_moe import FAMILY, tiny_args
+
+    cuda = _cuda(device)
+    args = tiny_args()
+    moe, layers = args.text.moe, args.text.num_hidden_layers
+    model = build_model(args, dtype=torch.bfloat16 if cuda else torch.float32, device=device, seed=0, init_std=None,
+                        family=FAMILY)
+    model.set_attn_backend("auto")
+    requests = [Request(_multimodal_prompt(args, device, image_hw=(8, 12), video_thw=(2, 8, 8)), n=2),
+                Request(_random_text_prompt(40, args.image_token_id, seed=1, device=device), n=2)]
+    config = dict(max_num_seqs=4, max_model_len=256, num_blocks=64, record_routes=True)
+    eager, graphed = _engine(model, enforce_eager=True, **config), _engine(model, **config)
+    want = eager.generate(requests, _greedy_params(cuda))
+    got = graphed.generate(requests, _greedy_params(cuda))
+    captures = graphed.runner.captures
+    syncs = _graph_replay_syncs(graphed, requests, cuda)
+    samples = [(a, b) for ga, gb in zip(got, want) for a, b in zip(ga.samples, gb.samples)]
+    recorded = [s.routes[:-1] for s, _ in samples] + [s.prompt_routes for s, _ in samples]
+    criteria = {"same_layer_ops": graphed.runner.layer_ops is eager.runner.layer_ops,
+                "graphs_captured": captures > 0 and syncs["captures"] == 0,
+                "tokens_equal_eager": all(a.token_ids == b.token_ids for a, b in samples),
+                "prompt_routes_equal_eager": all(torch.equal(a.prompt_routes, b.prompt_routes) for a, b in samples),
+                "response_routes_equal_eager": all(torch.equal(a.routes, b.routes) for a, b in samples),
+                "every_fed_token_recorded": all(bool(((r >= 0) & (r < moe.num_experts)).all()) for r in recorded),
+                "last_token_unrecorded": all(bool((s.routes[-1] == UNRECORDED).all()) for s, _ in samples),
+                "graph_routes_equal_eager_same_buffers": _graph_routes_against_eager(graphed, layers),
+                "no_host_sync_in_graph_replayed_decode": syncs["host_syncs"] == 0}
+    result = {"layers": layers, "experts": moe.num_experts, "top_k": moe.num_experts_per_tok,
+              "dtype": str(next(model.parameters()).dtype),
+              "layer_ops": "torch" if graphed.runner.layer_ops is None else "fused",
+              "rows": sum(r.n for r in requests), "response_tokens": [len(a.token_ids) for a, _ in samples],
+              "captures": captures, "capture_seconds": graphed.runner.capture_seconds, "graph_replay": syncs,
+              "routes_shape": list(samples[0][0].routes.shape)}
+    text = ("graphed decode with record_routes gives eager decode's tokens and prompt and response routes, every fed "
+            "token recorded, the last unrecorded; each graph's routes equal eager's on the same static buffers; no "
+            "host sync inside a graph-replayed decode step (counted on CUDA)")
+    return {**result, **verdict_of(criteria, text)}
+
+
+def _greedy_params(cuda: bool) -> SamplingParams:
+    from rollplex.engine import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=16 if cuda else 4, ignore_eos=True)
+
+
+def _graph_replay_syncs(engine, requests: list, cuda: bool) -> dict:
+    """The engine's generation of `requests` again, its graphs captured: the decode steps (runner.decode) and the
+    host syncs inside them (CUDA's sync debug mode), and the captures the generation made."""
+    runner = engine.runner
+    decode, counts = runner.decode, {"decode_steps": 0, "host_syncs": 0}
+
+    def counted(*a, **kw):
+        with _counting_host_syncs(cuda) as caught:
+            out = decode(*a, **kw)
+        counts["decode_steps"] += 1
+        counts["host_syncs"] += sum("synchroniz" in str(w.message) for w in caught)
+        return out
+
+    before = runner.captures
+    runner.decode = counted
+    try:
+        engine.generate(requests, _greedy_params(cuda))
+    finally:
+        del runner.decode  # the class's method again
+    return {**counts, "captures": runner.captures - before}
+
+
+def _graph_routes_against_eager(engine, layers: int) -> bool:
+    """Per captured bucket: the graph replayed, its routes (the graph's Routing, a static output) against those
+    of an eager decode on the same static buffers: whether they are equal for every bucket."""
+    from rollplex.models.moe import Routing
+
+    runner = engine.runner
+    equal = bool(runner.graphs)
+    with torch.no_grad():
+        for bucket, graph in runner.graphs.items():
+            s = runner.static
+            graph.replay()
+            replayed = runner.graph_routing[bucket].routes(layers).clone()
+            routing = Routing()
+            runner._decode_eager(*(s[name][:bucket] for name in ("ids", "positions", "slots", "tables", "lens",
+                                                                   "state_rows")), routing=routing)
+            equal = equal and torch.equal(replayed, routing.routes(layers))
+    return equal
+
+
 def check_gpu_tests(device: str) -> dict:
     """The kernel case files (tests/*_triton_cases.py: paged decode, cascade decode, the sampler, the fused
     decode layer) compiled on the GPU, and the test files with CUDA cases, which skip them on a CPU: none
@@ -1660,12 +1984,15 @@ PROCESS_START_S = 16  # a child's imports (torch, CUDA, transformers) on the dev
 # ops, then the 3B engine and the streamed step), then the kernels' and the models' correctness (the GPU test
 # cases, which compile most of the kernels, early: a cut run must not always lose them), the schedule
 # benchmark, and the optional checks, each started only when the budget left covers it: Qwen3.5 (fla's kernels,
-# its engine, its logprob gap), the attention backends' training passes (FlexAttention's backward), the 3B
+# its engine, its logprob gap), MoE (the grouped GEMM, a 35B-A3B layer slice's training step with routing replay,
+# route recording under graphs; after qwen3_5, whose fla kernels its DeltaNet layer then finds compiled), the
+# attention backends' training passes (FlexAttention's backward), the 3B
 # training timings, LoRA's step, the smaller measurements, then the two benches that read bench_schedules'
 # report. Estimates include the compiles a check pays for when nothing is in Triton's cache (`compile_s`;
 # tools/compile_kernels.py times the hand-written kernels: at most 9 s each, the truncated sampler draw, 2 s a
 # decode kernel, on a 2-core x86 machine). qwen3_5's is a guess, not yet run on a GPU: fla autotunes its chunked
-# kernels' forward and backward (a few dozen compiles) for each head shape and dtype it meets (three here).
+# kernels' forward and backward (a few dozen compiles) for each head shape and dtype it meets (three here). moe's
+# is a guess too (docs/GPU.md): one of those fla shapes, the tiny MoE engine's fused kernels, ~15 s of work.
 CHECKS = {
     "engine_cuda_graphs": Check(check_engine_cuda_graphs, 20, "engine", compile_s=10),
     "engine_throughput_3b": Check(check_engine_throughput_3b, 42, "engine", compile_s=12),
@@ -1680,6 +2007,7 @@ CHECKS = {
     # A process of their own: the memory plan reads free device memory, which no other check's leftovers may hold.
     "bench_schedules": Check(check_bench_schedules, 130, "bench", compile_s=10),
     "qwen3_5": Check(check_qwen3_5, 50, "rest", optional=True, compile_s=35),
+    "moe": Check(check_moe, 60, "rest", optional=True, compile_s=30),
     "train_attention_backends": Check(check_train_attention_backends, 60, "rest", optional=True, compile_s=40),
     "packed_train_3b": Check(check_packed_train_3b, 50, "rest", optional=True, compile_s=10),
     "lora_train_3b": Check(check_lora_train_3b, 10, "rest", optional=True),
