@@ -57,6 +57,11 @@ Rollplex's own (no verl equivalent):
     perf/gpu_util_mean             mean NVML GPU utilisation during the step, percent (GpuMonitor)
     perf/gpu_mem_used_gb_max       peak NVML used memory during the step, GiB, all processes (GpuMonitor)
     perf/live_memory_gb            tensor memory held between steps, GiB (CUDA: every step; CPU: steps that save)
+    moe/aux_loss                   MoE models: the load-balancing loss over the update's response tokens
+                                   (algorithm.moe_aux_loss_coef weighs it into the loss)
+    moe/expert_load_max_over_mean  MoE: the busiest expert's token count over the mean, per layer, averaged
+    moe/routing_agreement          MoE with algorithm.routing_replay: the share of replayed token-layer top-k
+                                   sets that the update's live router picks too
 
 A name ending in _total is a running count, not the step's own: a resumed run counts again from 0.
 """

@@ -83,7 +83,7 @@ class TinySpec:
     # through, each expert's MLP width, and the shared expert's (Qwen3.5-MoE's; 0: none).
     num_experts: int = 8
     num_experts_per_tok: int = 2
-    moe_intermediate_size: int = 32
+    moe_intermediate_size: int = 48
     shared_expert_intermediate_size: int = 32
 
     @classmethod

@@ -111,11 +111,11 @@ def fail_captures_of(monkeypatch, bucket: int, error: Exception) -> list[int]:
         return decode(self, ids, *args, **kwargs)
 
     class FailingStandIn(runner_module._EagerGraph):
-        def __init__(self, runner, inputs, groups):
+        def __init__(self, runner, inputs, groups, routing=None):
             if inputs[0].shape[0] == bucket:
                 attempts.append(bucket)
                 raise error
-            super().__init__(runner, inputs, groups)
+            super().__init__(runner, inputs, groups, routing)
 
     monkeypatch.setattr(ModelRunner, "_decode_eager", decode_failing_in_capture)
     monkeypatch.setattr(runner_module, "_EagerGraph", FailingStandIn)

@@ -23,7 +23,8 @@ class TinyModelConfig(Section):
     _section: ClassVar[str] = "model.tiny"
 
     family: str = "qwen2_5_vl"
-    """Model family: a config.json model_type of rollplex.models.registry.FAMILIES (qwen2_5_vl, qwen3_vl)."""
+    """Model family: a config.json model_type of rollplex.models.registry.FAMILIES (qwen2_5_vl, qwen3_vl,
+    qwen3_vl_moe, qwen3_5, qwen3_5_moe)."""
     hidden_size: int = 64
     """Text decoder hidden size."""
     num_layers: int = 2
@@ -51,7 +52,7 @@ class TinyModelConfig(Section):
     """MoE families (qwen3_vl_moe, qwen3_5_moe): experts in each MoE layer."""
     num_experts_per_tok: int = 2
     """MoE families: experts each token goes through (top-k)."""
-    moe_intermediate_size: int = 32
+    moe_intermediate_size: int = 48
     """MoE families: each expert's MLP width."""
     tie_word_embeddings: bool = False
     """The LM head reads the embedding matrix (as Qwen2.5-VL-3B does)."""
@@ -250,8 +251,21 @@ class AlgorithmConfig(Section):
     """Recompute old log-probs with the trainer instead of using the rollout's."""
     tis_cap: float = 0.0
     """Truncated importance sampling cap for the rollout/trainer mismatch; 0 = off."""
+    routing_replay: Literal["none", "rollout", "old"] = "none"
+    """MoE models: which routes the training forwards replay (the experts are fixed, the weights come from the
+    live router). none = each forward routes itself; rollout (R3) = the experts the rollout engine chose for each
+    token, in the old, reference and update passes; old (R2) = those of the old-logprob pass, in the update (needs
+    recompute_old_logprobs)."""
+    moe_aux_loss_coef: float = -1.0
+    """MoE models: weight of the load-balancing auxiliary loss (Switch Transformer's) in the update; -1 = the
+    checkpoint's router_aux_loss_coef, 0 = off."""
 
     def _check_ranges(self) -> None:
+        self._require(self.moe_aux_loss_coef >= 0 or self.moe_aux_loss_coef == -1, "moe_aux_loss_coef",
+                      ">= 0, or -1 (the checkpoint's)")
+        self._require(self.routing_replay != "old" or self.recompute_old_logprobs, "routing_replay",
+                      "none or rollout unless recompute_old_logprobs is true (old replays the old-logprob pass's "
+                      "routes)")
         self._require(self.clip_low >= 0, "clip_low", ">= 0")
         self._require(self.clip_high >= 0, "clip_high", ">= 0")
         self._require(self.clip_c > 1, "clip_c", "> 1")
@@ -583,6 +597,11 @@ class Config:
         if self.lora.rank > 0 and self.schedule.kind == "disagg":
             raise ConfigError("lora.rank > 0 with schedule.kind disagg: the disaggregated rollout ranks hold a "
                               "copy of the weights of their own, which has no adapters yet; use serial or overlap")
+        if self.algorithm.routing_replay != "none" and self.schedule.kind != "serial":
+            raise ConfigError(f"algorithm.routing_replay {self.algorithm.routing_replay} with schedule.kind "
+                              f"{self.schedule.kind}: routing replay runs with the serial schedule for now (the "
+                              "kept prompt forwards of overlap and the rollout ranks of disagg do not carry routes "
+                              "yet); use schedule.kind serial")
         if self.lora.train_vision and self.parallel.freeze_vision:
             raise ConfigError("lora.train_vision and parallel.freeze_vision both set: the first trains the vision "
                               "tower in full, the second freezes it")

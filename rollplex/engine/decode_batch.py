@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from rollplex.device import to_device
+from rollplex.engine.routes import RouteLog
 from rollplex.engine.sampler import uniforms
 from rollplex.engine.sequence import PromptState, Sequence
 
@@ -79,8 +80,9 @@ class Advanced(NamedTuple):
 
 class DecodeBatch:
     def __init__(self, prompts: list[PromptState], num_rows: int, max_blocks: int, sink_block: int,
-                 stop_ids: set[int], device: torch.device):
+                 stop_ids: set[int], device: torch.device, routes: RouteLog | None = None):
         self.sink_block, self.device = sink_block, device
+        self.routes = routes  # the generation's recorded experts (MoE routing replay), by row like the rest
         self.seqs: list[Sequence] = []
         self.free_rows = list(range(num_rows - 1, -1, -1))  # pop() hands out the lowest row first
         # Host.
@@ -143,6 +145,8 @@ class DecodeBatch:
         for s, row in zip(seqs, rows.tolist()):
             self.joined_tokens[row], self.joined_logprobs[row] = s.token_ids, s.logprobs
             s.attach(self, row)
+        if self.routes is not None:
+            self.routes.joined(seqs, rows.tolist())
         self.seqs += seqs
         self._set_rows(np.concatenate([self.rows, rows]))
         return first
@@ -303,6 +307,8 @@ class DecodeBatch:
         for s, row in zip(seqs, rows):
             s.detach(self.token_ids_of(row), self.logprobs_of(row), self.finish_reason_of(row))
             self.joined_tokens[row], self.joined_logprobs[row] = [], []
+            if self.routes is not None:
+                self.routes.left(s, row)
         self.host_block_tables[rows] = self.sink_block
         self.block_tables[to_device(rows, self.device)] = self.sink_block
         self._set_rows(np.delete(self.rows, indices))

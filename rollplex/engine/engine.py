@@ -59,11 +59,13 @@ from rollplex.engine.nonfinite import NonFiniteLogitsError, first_nonfinite_stag
 from rollplex.engine.recurrent_state import RecurrentStatePool
 from rollplex.device import free_memory, to_device, to_host
 from rollplex.dist import rank
+from rollplex.engine.routes import RouteLog
 from rollplex.engine.runner import ModelRunner
 from rollplex.engine.sampler import SamplingParams, mix_seed, sample
 from rollplex.engine.scheduler import Scheduler, Step
 from rollplex.engine.sequence import PromptState, Request, Sequence
 from rollplex.models.inputs import Group
+from rollplex.models.moe import moe_args
 from rollplex.models.protocol import VisionLanguageModel
 from rollplex.models.rope import mrope_positions
 from rollplex.progress import Progress
@@ -84,6 +86,8 @@ class EngineConfig:
     progress: bool = True  # its own progress line on a terminal's stdout (rank 0), redrawn in place
     shared_prefix_decode: bool = False  # each group's shared prompt blocks read once per decode step (cascade)
     run_ahead: bool = True  # issue decode step N+1 before reading step N's tokens back (module docstring)
+    # MoE models: record each token's experts into its Sample (rollplex.engine.routes), for routing replay
+    record_routes: bool = False
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -224,7 +228,9 @@ class Engine:
         self.runner.start_generation()
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         blocks = BlockManager(self.cache.num_blocks, self.cache.block_size)
-        batch = DecodeBatch(prompts, rows, self.runner.max_blocks, self.cache.sink_block, stop_ids, self.device)
+        self.runner.routes = self._route_log(prompts, rows)
+        batch = DecodeBatch(prompts, rows, self.runner.max_blocks, self.cache.sink_block, stop_ids, self.device,
+                            routes=self.runner.routes)
         scheduler = Scheduler(blocks, batch, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         for p in prompts:
             scheduler.add(p)
@@ -232,7 +238,18 @@ class Engine:
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "dropped_tokens": 0, "steps": 0}
         return scheduler
 
+    def _route_log(self, prompts: list[PromptState], rows: int) -> RouteLog | None:
+        """Where this generation records its routes (`EngineConfig.record_routes`), or None."""
+        if not self.config.record_routes:
+            return None
+        moe = moe_args(self.model)
+        if moe is None:
+            raise ValueError("EngineConfig.record_routes is for MoE models; this model has no expert layers")
+        longest = max((p.max_length - len(p.request.prompt.input_ids) for p in prompts), default=0)
+        return RouteLog(rows, longest, self.model.args.text.num_hidden_layers, moe.num_experts_per_tok, self.device)
+
     def _end(self, scheduler: Scheduler) -> None:
+        self.runner.routes = None  # the samples hold their routes: the log's buffer goes
         self.stats["preemptions"] = scheduler.num_preemptions
         # The first generation's graphs, and new ones for moved weights: inside this generation's time.
         # Failed: captures that ran out of memory, whose buckets decode eagerly.

@@ -63,8 +63,10 @@ from rollplex.engine.cascade import SharedPrefixDecode, StepGroups
 from rollplex.engine.decode_batch import DecodeBatch
 from rollplex.engine.kv_cache import KVCache, PagedAttention
 from rollplex.engine.recurrent_state import DecodeStates, PrefillStates, RecurrentStatePool
+from rollplex.engine.routes import RouteLog
 from rollplex.engine.sequence import Sequence
 from rollplex.models.inputs import VisionEmbeds
+from rollplex.models.moe import Routing, with_routing
 from rollplex.models.protocol import VisionLanguageModel
 from rollplex.ops.attention import PackedSegments
 from rollplex.ops.fused_decode_triton import FUSED_OPS, fused_decode_enabled
@@ -132,6 +134,8 @@ class ModelRunner:
         self.buckets = sorted({b for b in (1, 2, 4, 8) if b <= n} | set(range(16, n + 1, 16)) | {n})
         self.graphs: dict[int, "torch.cuda.CUDAGraph | _EagerGraph"] = {}  # by bucket, captured at first use
         self.graph_logits: dict[int, torch.Tensor] = {}  # each graph's static output
+        self.graph_routing: dict[int, Routing] = {}  # each graph's routes, static outputs too (MoE models)
+        self.routes: RouteLog | None = None  # where a generation records its routes (set by the engine), or None
         self.graph_pool = None  # the CUDA memory pool the graphs share
         self.static: dict[str, torch.Tensor] | None = None  # the graphs' static inputs
         self.captured: GraphAddresses | None = None  # what the graphs read; anything else needs new graphs
@@ -196,7 +200,11 @@ class ModelRunner:
                               prefill=PackedSegments(bounds, True, self.model.attn_backend, dev),
                               backend=self.model.attn_backend, layer_ops=self.layer_ops, states=states)
         prompt_mask = torch.cat([torch.arange(len(s)) < s.num_prompt for s in seqs]).to(dev)
+        routing = Routing() if self.routes is not None else None
+        with_routing(attn, routing)
         hidden = self.model(ids, positions, attn, self._vision_of(seqs), prompt_mask)
+        if routing is not None:
+            self.routes.prefilled(seqs, bounds, routing)
         return self.model.logits(hidden[to_device([b - 1 for b in bounds[1:]], dev)]).float()
 
     def _vision_of(self, seqs: list[Sequence]) -> VisionEmbeds:
@@ -223,7 +231,10 @@ class ModelRunner:
         bucket = self._graph_bucket(batch)
         if bucket is None:
             groups = None if self.cascade is None else self.cascade.step_groups(running)
-            return self._decode_eager(*inputs, groups=groups).float()
+            routing = Routing() if self.routes is not None else None
+            logits = self._decode_eager(*inputs, groups=groups, routing=routing).float()
+            self._record_decoded(running, routing)
+            return logits
         static = self.static
         self._pad_rows(batch, bucket)
         for name, value in zip(("ids", "positions", "slots", "tables", "lens", "state_rows"), inputs):
@@ -238,7 +249,14 @@ class ModelRunner:
         if self.cascade is not None:
             self.cascade.fill_graph_buffers(running)
         self.graphs[bucket].replay()
+        self._record_decoded(running, self.graph_routing.get(bucket))
         return self.graph_logits[bucket][:batch].float()
+
+    def _record_decoded(self, running: DecodeBatch, routing: Routing | None) -> None:
+        """The routes of the step's fed tokens (a graph's: its first rows), into the generation's log."""
+        if routing is not None:
+            lengths = running.step_inputs(self.block_size).lengths
+            self.routes.decoded(running.device_rows, lengths, routing)
 
     def _graph_bucket(self, batch: int) -> int | None:
         """The bucket whose graph a step of `batch` rows replays, captured now if this is its
@@ -276,15 +294,18 @@ class ModelRunner:
                 step.lengths.int(), rows)
 
     def _decode_eager(self, ids, positions, slots, tables, lens, state_rows, cache: KVCache | None = None,
-                      states: RecurrentStatePool | None = None, groups: StepGroups | None = None) -> torch.Tensor:
+                      states: RecurrentStatePool | None = None, groups: StepGroups | None = None,
+                      routing: Routing | None = None) -> torch.Tensor:
         """The decode forward, on the engine's pools or on `cache` and `states` (a graph's captured
-        views of them); with `groups` (the rows sharing prompt blocks), group-shared attention."""
+        views of them); with `groups` (the rows sharing prompt blocks), group-shared attention;
+        with `routing`, the MoE layers' routes kept there."""
         shared_prefix = None if groups is None else groups.attention(tables, lens, self.block_size)
         states = states or self.states
         attn = PagedAttention(cache or self.cache, slots, block_tables=tables, context_lens=lens,
                               backend=self.model.attn_backend, shared_prefix=shared_prefix,
                               layer_ops=self.layer_ops,
                               states=None if states is None else DecodeStates(states, state_rows))
+        with_routing(attn, routing)
         rotary = tuple(self.rotary_table[positions].chunk(2, dim=-1))
         return self.model.logits(self.model.forward_generated(ids, rotary, attn))
 
@@ -303,7 +324,7 @@ class ModelRunner:
     def _drop_graphs(self) -> None:
         """Forget every graph (what they read has moved); each bucket is captured again at its next use,
         those whose capture ran out of memory too: the dropped graphs' memory is given back with them."""
-        self.graphs, self.graph_logits, self.graph_pool = {}, {}, None
+        self.graphs, self.graph_logits, self.graph_routing, self.graph_pool = {}, {}, {}, None
         self.eager_buckets = set()
         self.captured = self.addresses()
 
@@ -334,10 +355,14 @@ class ModelRunner:
         s = self.static
         args = tuple(s[name][:bucket] for name in ("ids", "positions", "slots", "tables", "lens", "state_rows"))
         groups = None if self.cascade is None else self.cascade.graph_groups(bucket)
+        routing = Routing() if self.routes is not None else None
         out_of_memory = None
         try:
-            self._decode_eager(*args, groups=groups)  # warm-up: lazy allocations happen outside the capture
-            self.graphs[bucket], self.graph_logits[bucket] = self._record(args, groups)
+            # Warm-up: lazy allocations happen outside the capture.
+            self._decode_eager(*args, groups=groups, routing=routing)
+            self.graphs[bucket], self.graph_logits[bucket] = self._record(args, groups, routing)
+            if routing is not None:
+                self.graph_routing[bucket] = routing
             self.captures += 1
         except torch.OutOfMemoryError as error:
             # Only its text leaves this block: its traceback holds the failed decode's tensors (some in the
@@ -347,12 +372,13 @@ class ModelRunner:
         if out_of_memory is not None:
             self._decode_bucket_eagerly(bucket, batch, out_of_memory)
 
-    def _record(self, args: tuple[torch.Tensor, ...],
-                groups: StepGroups | None) -> tuple[torch.cuda.CUDAGraph | _EagerGraph, torch.Tensor]:
+    def _record(self, args: tuple[torch.Tensor, ...], groups: StepGroups | None,
+                routing: Routing | None) -> tuple[torch.cuda.CUDAGraph | _EagerGraph, torch.Tensor]:
         """The decode graph over the static inputs `args` (and the cascade's `groups`), and its
-        static output: a CUDA graph, or the stand-in on CPU."""
+        static output: a CUDA graph, or the stand-in on CPU. With `routing`, the MoE layers'
+        routes are static outputs too, kept there."""
         if self.device.type != "cuda":
-            graph = _EagerGraph(self, args, groups)
+            graph = _EagerGraph(self, args, groups, routing)
             return graph, graph.out
         # On the decode stream itself, without torch.cuda.graph's device synchronize and cache emptying
         # first: a bucket may be first used mid-rollout, with prompt work queued on the side stream.
@@ -360,7 +386,7 @@ class ModelRunner:
         graph = torch.cuda.CUDAGraph()
         graph.capture_begin(pool=self.graph_pool, capture_error_mode="thread_local")
         try:
-            logits = self._decode_eager(*args, groups=groups)
+            logits = self._decode_eager(*args, groups=groups, routing=routing)
         except BaseException as error:
             _end_interrupted_capture(graph, error)
             raise
@@ -436,8 +462,9 @@ class _EagerGraph:
     reads of freed memory) is an error. So the runner's buffer filling, padding, bucket choice and recapture
     rule run, and are tested, unchanged."""
 
-    def __init__(self, runner: ModelRunner, inputs: tuple[torch.Tensor, ...], groups: StepGroups | None):
-        self.runner, self.inputs, self.groups = runner, inputs, groups
+    def __init__(self, runner: ModelRunner, inputs: tuple[torch.Tensor, ...], groups: StepGroups | None,
+                 routing: Routing | None = None):
+        self.runner, self.inputs, self.groups, self.routing = runner, inputs, groups, routing
         self.captured = runner.addresses()
         self.out = self._run()
 
@@ -459,4 +486,4 @@ class _EagerGraph:
             states = runner.states.with_data(conv.laid_on(runner.states.conv),
                                              recurrent.laid_on(runner.states.recurrent))
         return runner._decode_eager(*self.inputs, cache=runner.cache.with_data(pool), states=states,
-                                    groups=self.groups)
+                                    groups=self.groups, routing=self.routing)

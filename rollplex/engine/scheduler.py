@@ -178,8 +178,10 @@ class Scheduler:
         (`DecodeBatch.record`, which decides which sequences finish); returns the sequences
         that finished, their samples recorded and blocks freed."""
         finished = self.batch.leave(self.batch.record(advanced, tokens, logprobs))
+        routes = self.batch.routes
         for seq in finished:
-            seq.prompt.samples[seq.sample_index] = Sample(seq.token_ids[seq.num_prompt:], seq.logprobs,
-                                                          seq.finish_reason)
+            seq.prompt.samples[seq.sample_index] = Sample(
+                seq.token_ids[seq.num_prompt:], seq.logprobs, seq.finish_reason,
+                *((seq.prompt.routes, routes.sample_routes(seq)) if routes is not None else ()))
             self.blocks.free(seq.block_table)
         return finished

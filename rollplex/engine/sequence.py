@@ -48,6 +48,7 @@ class PromptState:
     max_length: int  # a sample is done at this length: prompt + max_tokens, at most the model's maximum
     vision: VisionEmbeds | None = None  # filled at the first prefill, reused by recomputes
     samples: list[Sample | None] = field(default_factory=list)
+    routes: torch.Tensor | None = None  # (prompt len, layers, k): its prefill's experts, when recorded (engine.routes)
 
     @property
     def has_vision(self) -> bool:
@@ -76,6 +77,8 @@ class Sequence:
         self._finish_reason: str | None = None
         self.batch: DecodeRows | None = None  # the decode batch that holds its state while it decodes
         self.decode_row = -1  # its row there
+        # Its response tokens' recorded experts, as (first response index, routes) pieces (rollplex.engine.routes).
+        self.route_pieces: list[tuple[int, torch.Tensor]] = []
 
     @property
     def token_ids(self) -> list[int]:

@@ -92,6 +92,11 @@ class Sample:
     token_ids: list[int]
     logprobs: list[float]  # float32 logprob of each token under logits / temperature (greedy: the logits')
     finish_reason: str  # "stop" (EOS or a stop token) or "length" (max_tokens or the model's maximum length)
+    # MoE models with routing replay (rollplex.models.moe): the top-k experts of each token, per decoder layer, as
+    # the forward that fed it routed them: its prompt's (prompt len, layers, k), shared by the group's samples, and
+    # its response's (response len, layers, k) int16, UNRECORDED for a token no forward fed (the last one).
+    prompt_routes: torch.Tensor | None = None
+    routes: torch.Tensor | None = None
 
 
 @dataclass

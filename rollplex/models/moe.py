@@ -67,8 +67,9 @@ class LayerRoutes:
     """One MoE layer's routing in one forward."""
 
     chosen: torch.Tensor  # (tokens, k) int16: the experts each token went to
-    load: torch.Tensor  # (experts,) float32: token-expert pairs routed to each
-    prob_sum: torch.Tensor  # (experts,) float32: router probabilities summed over tokens (differentiable)
+    counted: torch.Tensor  # () float32: the tokens counted in `load` and `prob_sum` (Routing.counted)
+    load: torch.Tensor  # (experts,) float32: the counted tokens' token-expert pairs routed to each
+    prob_sum: torch.Tensor  # (experts,) float32: router probabilities summed over counted tokens (differentiable)
     agreed: torch.Tensor | None  # () float32: replayed tokens whose live top-k set equals the replayed one
     replayed: torch.Tensor | None  # () float32: tokens with a replayed route
 
@@ -77,22 +78,25 @@ class Routing:
     """What one forward's MoE layers do with their routes besides routing (see the module
     docstring). `replay` (tokens, decoder layers, k): recorded expert indices, in the
     forward's token order, that each layer routes by; a token whose row is UNRECORDED
-    routes live. Every layer's chosen indices are kept (`routes`: the recording). A plain
-    class, not a dataclass: FSDP2 rebuilds dataclass arguments of a module call.
+    routes live. Every layer's chosen indices are kept (`routes`: the recording). `counted`
+    (tokens,) bool: the tokens whose routing the load and the auxiliary loss count (an
+    update's response tokens); None: all. A plain class, not a dataclass: FSDP2 rebuilds
+    dataclass arguments of a module call.
 
     Each layer's `LayerRoutes` is stored by layer, so an activation-checkpoint
     recompute overwrites it with the same values rather than counting it twice."""
 
-    def __init__(self, replay: torch.Tensor | None = None):
-        self.replay = replay
+    def __init__(self, replay: torch.Tensor | None = None, counted: torch.Tensor | None = None):
+        self.replay, self.counted = replay, counted
         self.layers: dict[int, LayerRoutes] = {}
 
-    def routes(self) -> torch.Tensor:
-        """The recorded routes (tokens, decoder layers, k) int16, UNRECORDED at the dense layers."""
+    def routes(self, num_layers: int | None = None) -> torch.Tensor:
+        """The recorded routes (tokens, decoder layers, k) int16, UNRECORDED at the dense layers;
+        `num_layers` columns (default: up to the last MoE layer)."""
         if not self.layers:
             raise ValueError("no MoE layer recorded its routes in this forward")
         first = next(iter(self.layers.values())).chosen
-        num_layers = max(self.layers) + 1
+        num_layers = num_layers or max(self.layers) + 1
         out = torch.full((first.shape[0], num_layers, first.shape[1]), UNRECORDED, dtype=torch.int16,
                          device=first.device)
         for layer, routes in self.layers.items():
@@ -105,13 +109,13 @@ class Routing:
 
             aux = E * sum_e f_e * P_e,  f_e = (sum_l load_le) / (T * L),  P_e = (sum_l prob_sum_le) / (T * L)
 
-        with E experts, T tokens, L MoE layers, load_le the token-expert pairs layer l sent to
-        expert e (so sum_e f_e = k) and prob_sum_le the router probabilities of e summed over
-        tokens. Its gradient reaches the router through P only."""
+        with E experts, T counted tokens, L MoE layers, load_le the token-expert pairs layer l
+        sent to expert e (so sum_e f_e = k) and prob_sum_le the router probabilities of e summed
+        over the tokens. Its gradient reaches the router through P only."""
         layers = list(self.layers.values())
-        rows = sum(r.chosen.shape[0] for r in layers)
-        if not layers or rows == 0:
+        if not layers:
             return torch.zeros(())
+        rows = torch.stack([r.counted for r in layers]).sum().clamp(min=1)
         load = torch.stack([r.load for r in layers]).sum(0) / rows
         probs = torch.stack([r.prob_sum for r in layers]).sum(0) / rows
         return num_experts * (load * probs).sum()
@@ -130,6 +134,11 @@ class Routing:
             out["agreed"] = torch.stack([r.agreed for r in compared]).sum()
             out["replayed"] = torch.stack([r.replayed for r in compared]).sum()
         return out
+
+
+def moe_args(model: Any) -> MoEArgs | None:
+    """An MoE model's expert shape (its text args' `moe`); None for a dense model."""
+    return getattr(model.args.text, "moe", None)
 
 
 def with_routing(attn: Any, routing: Routing | None) -> Any:
@@ -237,12 +246,15 @@ class SparseMoE(nn.Module):
 
     def _routes(self, routing: Routing, probs: torch.Tensor, chosen: torch.Tensor,
                 live: torch.Tensor) -> LayerRoutes:
-        flat = chosen.flatten()
+        # Weights, not a boolean index: no host sync (a forward in the decode window must never wait).
+        weight = (torch.ones(chosen.shape[0], device=probs.device) if routing.counted is None
+                  else routing.counted.to(torch.float32))
         load = torch.zeros(probs.shape[-1], dtype=torch.float32, device=probs.device).index_add_(
-            0, flat, torch.ones_like(flat, dtype=torch.float32))
+            0, chosen.flatten(), weight.repeat_interleave(chosen.shape[1]))
         agreed = replayed = None
         if routing.replay is not None:
             recorded = routing.replay[:, self.layer, 0] != UNRECORDED
             same = (live.sort(-1).values == chosen.sort(-1).values).all(-1)
             agreed, replayed = (same & recorded).sum().float(), recorded.sum().float()
-        return LayerRoutes(chosen.detach().to(torch.int16), load, probs.sum(0), agreed, replayed)
+        return LayerRoutes(chosen.detach().to(torch.int16), weight.sum(), load, (probs * weight[:, None]).sum(0),
+                           agreed, replayed)

@@ -64,6 +64,7 @@ from rollplex.train.lora import base_model_view
 from rollplex.train.lora_export import export_peft_adapter
 from rollplex.train.loss import group_advantages
 from rollplex.train.optim import lr_schedule
+from rollplex.train.routes import routes_of
 from rollplex.train.parallelize import parallelize
 
 def _global_range(values: list[float], group: dist.ProcessGroup | None) -> tuple[float, float]:
@@ -204,7 +205,8 @@ class RLTrainer:
         """The engine on the rollout layout of the weights, and the prompt work's planner."""
         cfg = self.cfg
         self.engine = build_engine(self.weights, cfg.rollout, self.memory.kv_pool_blocks,
-                                   self.memory.batch.longest_sequence, engine_group)
+                                   self.memory.batch.longest_sequence, engine_group,
+                                   record_routes=cfg.algorithm.routing_replay == "rollout")
         self.engine.progress = self.progress
         tp_group = self.weights.engine_tp_group if cfg.rollout.tp > cfg.parallel.tp else None
         self.rollout_runner = RolloutRunner(self.engine, self.weights, self.model, self.tokenizer, cfg.rollout,
@@ -430,15 +432,18 @@ class RLTrainer:
                                                                 cfg.trainer.log_samples))
 
     def _logprobs(self, model: VisionLanguageModel, state: StepState, kinds: tuple[PromptKind, ...],
-                  by_group: dict[int, list[torch.Tensor]]) -> None:
+                  by_group: dict[int, list[torch.Tensor]], pass_kind: str) -> None:
         """Fill `by_group` with the logprobs under `model` of every group it lacks, chunk by chunk:
         suffix-only passes where a prompt item of one of `kinds` kept the chunk's prompts, full
-        passes otherwise."""
+        passes otherwise; an MoE model's routed as algorithm.routing_replay says for `pass_kind`
+        ("old" or "ref", rollplex.train.routes.routes_of)."""
+        routes = routes_of(self.cfg.algorithm.routing_replay, pass_kind)
         groups = state.rollout.groups
         for c, chunk in enumerate(update_chunks(len(groups), self.cfg.algorithm.updates_per_batch)):
             indices = range(chunk.start, chunk.stop)
             done = frozenset(p for p, g in enumerate(indices) if g in by_group)
-            computed = iter(self.actor.logprobs(model, groups[chunk], state.kept(kinds, c), skip=done))
+            computed = iter(self.actor.logprobs(model, groups[chunk], state.kept(kinds, c), skip=done,
+                                                routes=routes))
             for p, g in enumerate(indices):
                 responses = [next(computed) for _ in groups[g].samples]
                 if p not in done:

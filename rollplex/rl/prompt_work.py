@@ -60,11 +60,13 @@ import torch
 import torch.distributed as dist
 
 from rollplex.dist import all_reduce_values
-from rollplex.models.inputs import Prompt, VisionEmbeds
+from rollplex.models.inputs import Group, Prompt, VisionEmbeds
 from rollplex.models.protocol import VisionLanguageModel
 from rollplex.rl.memory import MemoryPlan, admitted, kept_prompt_state
 from rollplex.rl.schedules.prompt_items import PromptKind
+from rollplex.train import routes as route_layouts
 from rollplex.train.kept_prefix import KeptPrefix, PromptChunk, prepare_prompts, prompt_forward
+from rollplex.train.routes import RouteMode, routes_of
 
 
 @dataclass
@@ -81,6 +83,7 @@ class PromptWork:
     # Whether an out-of-memory error in this item may drop it on this rank alone: only when its forward
     # issues no collectives (a peer would wait in one forever otherwise).
     may_drop_alone: bool = True
+    groups: slice = field(default_factory=lambda: slice(0))  # its prompts' groups among the step's (their routes, for routing replay)
     result: KeptPrefix | None = None
     inputs: PromptChunk | None = field(default=None, repr=False)  # from prepare()
     _slices: Iterator[KeptPrefix | None] | None = field(default=None, repr=False)
@@ -149,6 +152,21 @@ class PromptWorkScheduler:
 
     def result(self, kind: PromptKind, chunk: int) -> KeptPrefix | None:
         return next((w.result for w in self.admitted if w.kind == kind and w.chunk == chunk), None)
+
+    def replay_routes(self, groups: list[Group], routing_replay: str) -> None:
+        """Before the items run (after the rollout: serial-prefix), give each item that replays
+        routes (rollplex.train.routes.routes_of: its forward is the old pass's prompt, or the
+        reference's) its prompts' routes from `groups`, the step's groups."""
+        for item in self.admitted:
+            if routes_of(routing_replay, _PASS_OF[item.kind]) is RouteMode.REPLAY:
+                item.inputs.routes = route_layouts.prompts(groups[item.groups])
+
+    def record_routes(self, groups: list[Group], routing_replay: str) -> None:
+        """After the items ran, store the prompt routes of each item that records them (R2's old pass)
+        in its groups' samples."""
+        for item in self.admitted:
+            if routes_of(routing_replay, _PASS_OF[item.kind]) is RouteMode.RECORD and item.result is not None:
+                route_layouts.store_prompts(groups[item.groups], item.result.routing)
 
     def between_steps(self, running: int) -> None:
         """Called by the engine after each step: a slice at full decode batch, up
@@ -230,6 +248,10 @@ class PromptWorkScheduler:
                         t.record_stream(self.main_stream)
 
 
+# The pass whose prompt each kind of item computes: the actor item's forward is the first chunk's old pass's too.
+_PASS_OF = {PromptKind.REF: "ref", PromptKind.OLD: "old", PromptKind.ACTOR: "old"}
+
+
 def update_chunks(n_groups: int, updates: int) -> list[slice]:
     """The groups of each of a batch's `updates` optimizer steps (contiguous, as even as possible)."""
     return [slice(i * n_groups // updates, (i + 1) * n_groups // updates) for i in range(updates)]
@@ -269,7 +291,7 @@ class PromptWorkPlanner:
             model = self.ref if spec.kind == PromptKind.REF else self.actor
             items.append(PromptWork(spec.kind, spec.chunk, model, ps,
                                     VisionEmbeds.concat(vision[chunk]) if spec.reuses_vision else None,
-                                    spec.keep_graph, estimate, may_drop_alone=alone))
+                                    spec.keep_graph, estimate, may_drop_alone=alone, groups=chunk))
         return items
 
     def scheduler(self, items: list[PromptWork], pool_bytes: int) -> PromptWorkScheduler:

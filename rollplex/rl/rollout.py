@@ -89,15 +89,17 @@ def balanced_share(examples: list, ranks: int, rank: int) -> list:
 
 
 def build_engine(weights: SharedWeights, r: RolloutConfig, num_blocks: int, max_model_len: int,
-                 group: dist.ProcessGroup | None = None) -> Engine:
+                 group: dist.ProcessGroup | None = None, record_routes: bool = False) -> Engine:
     """The engine on the rollout layout of the weights: built inside `for_rollout`,
     where it reads its KV head count and dtype off the parameters (outside, FSDP's
     dp shard of k_proj holds a fraction of the heads). Every rank of `group` (None:
     the world) gets the same KV pool size, the smallest any of them can hold, so that
     the ranks of a TP group schedule alike: the memory plan's `num_blocks`, allocated
     here and kept for the run (the plan counts it in every phase), since the decode
-    graphs read it by address."""
+    graphs read it by address. `record_routes`: an MoE model's samples carry the experts the
+    engine routed each token to (routing replay R3)."""
     config = EngineConfig.from_config(r, num_blocks, max_model_len)
+    config.record_routes = record_routes
     with weights.for_rollout() as engine_model:
         engine = Engine(engine_model, config)
         if dist.get_world_size(group) > 1:

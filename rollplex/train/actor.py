@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from rollplex.device import to_device
 from rollplex.dist import all_reduce_values
 from rollplex.models.inputs import Group, VisionEmbeds
+from rollplex.models.moe import Routing, moe_args
 from rollplex.models.packing import TrainBatch, pack_groups
 from rollplex.models.protocol import VisionLanguageModel
 from rollplex.train.flops import forward_flops, suffix_flops
@@ -31,18 +32,22 @@ from rollplex.train.kept_prefix import KeptPrefix, SuffixUnit, suffix_hidden
 from rollplex.train.logprob_head import token_logprobs
 from rollplex.train.loss import agg_loss, kl_penalty, policy_loss
 from rollplex.train.optim import OptimizerOffload, global_grad_norm
+from rollplex.train import routes as route_layouts
+from rollplex.train.routes import RouteMode, routes_of
 
 if TYPE_CHECKING:
     from rollplex.config import Config
 
 
 def response_logprobs(model: VisionLanguageModel, batch: TrainBatch, vision: VisionEmbeds | None = None,
-                      with_entropy: bool = False, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      with_entropy: bool = False, temperature: float = 1.0,
+                      routing: Routing | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob (float32) of every response token of the batch, flat in target
     order, and optionally the entropy of each predicting distribution, both at
     `temperature` (token_logprobs). Logits are computed only at the positions
-    that predict a response token."""
-    hidden = model.forward_packed(batch.packed, vision)
+    that predict a response token. An MoE model's layers route through `routing`
+    (rollplex.models.moe) when given."""
+    hidden = model.forward_packed(batch.packed, vision, routing)
     return token_logprobs(model, hidden[batch.target_index], batch.target_ids, with_entropy, temperature)
 
 
@@ -84,6 +89,8 @@ class ActorConfig:
     temperature: float = 1.0  # the rollout's sampling temperature (> 0): every logprob pass divides the logits by it
     max_response_len: int = 256  # the generation limit, for seq-mean-token-sum-norm
     offload_optimizer: bool = False  # keep AdamW's state in host memory except during the step
+    routing_replay: str = "none"  # MoE models: algorithm.routing_replay (rollplex.train.routes.routes_of)
+    moe_aux_loss_coef: float = -1.0  # MoE models: the load-balancing loss's weight; -1: the checkpoint's
 
     @classmethod
     def from_config(cls, cfg: Config, micro_batch_tokens: int) -> ActorConfig:
@@ -97,7 +104,8 @@ class ActorConfig:
                    kl_coef=a.kl_coef, kl_kind=a.kl_kind, entropy_coef=a.entropy_coef, tis_cap=a.tis_cap,
                    # A greedy rollout (0) returns untempered logprobs (rollplex.engine.sampler): so does the trainer.
                    temperature=cfg.rollout.temperature or 1.0,
-                   max_response_len=cfg.rollout.max_tokens, offload_optimizer=cfg.parallel.offload_optimizer)
+                   max_response_len=cfg.rollout.max_tokens, offload_optimizer=cfg.parallel.offload_optimizer,
+                   routing_replay=a.routing_replay, moe_aux_loss_coef=a.moe_aux_loss_coef)
 
 
 @dataclass
@@ -144,6 +152,7 @@ class PolicyUpdate:
         # anyway: a pass never reads a value back, so one streamed in the decode window never holds the host.
         zero = functools.partial(torch.zeros, (), dtype=torch.float64, device=actor.model.device)
         self.sums = {k: zero() for k in ("pg_loss", "kl_loss", "entropy", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}
+        self.moe = MoEMetrics(actor.model.device) if moe_args(actor.model) is not None else None
         self.probs_diff_sum, self.probs_diff_max, self.flops = zero(), zero(), 0.0
         self.nonfinite = torch.zeros((), dtype=torch.long, device=actor.model.device)
         self.grad_scale = 1.0
@@ -155,7 +164,8 @@ class PolicyUpdate:
         the dp ranks' micro-batch counts equal)."""
         actor, cfg = self.actor, self.actor.config
         ids = _response_ids(units)
-        lp, entropy, lens, pass_flops = actor._pass(actor.model, units, self.kept, cfg.entropy_coef > 0)
+        lp, entropy, lens, pass_flops, routing = actor._pass(actor.model, units, self.kept, cfg.entropy_coef > 0,
+                                                            routes_of(cfg.routing_replay, "update"))
         self.flops += 3 * pass_flops  # forward + backward (2x)
         if weight:  # not the zero-weight repeat
             self.nonfinite += lp.detach().isfinite().logical_not().sum()
@@ -182,6 +192,8 @@ class PolicyUpdate:
         share = mask.sum().double() / norm.global_tokens * weight
         for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
             self.sums[k] += getattr(m, k).detach().double() * share
+        if self.moe is not None and weight:
+            loss = loss + self.moe.add(routing, actor.aux_loss_coef, self._aux_share(mask, norm))
         if self.measures_diff and weight:
             diff = torch.where(mask, (lp2d.detach().exp() - pad(batch.rollout_logprobs).exp()).abs(), 0.0)
             self.probs_diff_sum += diff.sum().double() / norm.global_tokens
@@ -189,12 +201,21 @@ class PolicyUpdate:
         # FSDP averages gradients over dp ranks; the losses are already globally normalised sums.
         (loss * weight * actor.dp_size).backward()
 
+    def _aux_share(self, mask: torch.Tensor, norm: LossNorm) -> torch.Tensor:
+        """A micro-batch's share of the step's MoE auxiliary loss: its response tokens' (token-mean) or
+        responses' (the seq-mean modes) part of the step's, as its policy loss is normalised, so that a
+        step started with unit normalisers (`apply_norm`) weighs it alike."""
+        count = mask.sum() if self.actor.config.loss_agg_mode == "token-mean" else mask.any(-1).sum()
+        return count.double() / norm.loss_divisor(self.actor.config.loss_agg_mode)
+
     def apply_norm(self, norm: LossNorm) -> None:
         """Normalise a step aggregated with unit normalisers: its sums now, its gradients
         (`grad_scale`) once they are all in."""
         divisor = norm.loss_divisor(self.actor.config.loss_agg_mode)
         for k in ("pg_loss", "kl_loss", "entropy"):
             self.sums[k] /= divisor
+        if self.moe is not None:
+            self.moe.aux_loss /= divisor
         for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
             self.sums[k] /= norm.global_tokens
         self.probs_diff_sum /= norm.global_tokens
@@ -250,6 +271,8 @@ class PolicyUpdate:
         if self.measures_diff:
             metrics["training/rollout_probs_diff_mean"] = self.probs_diff_sum.item()
             metrics["training/rollout_probs_diff_max"] = self.probs_diff_max.item()
+        if self.moe is not None:
+            metrics.update(self.moe.as_metrics(actor.dp_size))
         metrics.update({"actor/grad_norm": grad_norm, "actor/lr": actor.lr_schedule.get_last_lr()[0],
                         "actor/skipped_steps_total": float(actor.skipped_steps),
                         "training/nonfinite_logprobs": nonfinite})
@@ -292,6 +315,10 @@ class Actor:
         self.skipped_in_a_row = 0  # optimizer steps skipped since the last one taken (trainer.max_skipped_steps)
         self.skip_cause = ""  # why the latest optimizer step was skipped, the same on every rank; "" if it was taken
         self.offload = OptimizerOffload(self.optimizer) if config.offload_optimizer else None
+        moe = moe_args(model)
+        # -1: the checkpoint's router_aux_loss_coef (transformers adds it to the loss when asked for router logits).
+        self.aux_loss_coef = (0.0 if moe is None else moe.router_aux_loss_coef if config.moe_aux_loss_coef < 0
+                              else config.moe_aux_loss_coef)
         # Called with (done, total) after each micro-batch of an update or a logprob pass: the RL loop shows it
         # (rollplex.progress); a pass can run for minutes.
         self.on_micro_batch: Callable[[int, int], None] = lambda done, total: None
@@ -363,18 +390,20 @@ class Actor:
     @torch.no_grad()
     def logprobs(self, model: VisionLanguageModel, groups: list[Group], kept: KeptPrefix | None = None,
                  positions: list[int] | None = None, skip: frozenset[int] = frozenset(), agree: bool = True,
-                 to_host: bool = True) -> list[torch.Tensor | None]:
+                 to_host: bool = True, routes: RouteMode = RouteMode.LIVE) -> list[torch.Tensor | None]:
         """Per-response logprobs under `model` (the actor, or the reference model), None
         for the responses of groups at the positions in `skip`; suffix-only passes when the
         groups' prompts were kept by `model` (`positions`: their indices there, as
         `micro_batches` takes them). Without `agree` the passes issue no collective of
         their own (the decode window's: the model is whole on this rank then); without
-        `to_host` the logprobs stay on the device, so that the host never waits for them."""
+        `to_host` the logprobs stay on the device, so that the host never waits for them. An MoE
+        model's passes route as `routes` says (rollplex.train.routes)."""
         out: list[torch.Tensor | None] = [None] * sum(len(g.responses) for g in groups)
         batches = self.micro_batches(groups, positions, skip, agree)
         for done, mb in enumerate(batches, 1):
             units = mb or self._fallback_units(groups)
-            lp, _, lens, _ = self._pass(model, units, kept, with_entropy=False)
+            lp, _, lens, _, _ = self._pass(model, units, kept, with_entropy=False,
+                                           routes=routes if mb else RouteMode.LIVE)
             self.on_micro_batch(done, len(batches))
             if not mb:
                 continue
@@ -382,21 +411,35 @@ class Actor:
                 out[i] = piece.float().cpu() if to_host else piece.float()
         return out
 
-    def _pass(self, model: VisionLanguageModel, units: list[_Unit], kept: KeptPrefix | None,
-              with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None, list[int], float]:
+    def _pass(self, model: VisionLanguageModel, units: list[_Unit], kept: KeptPrefix | None, with_entropy: bool,
+              routes: RouteMode = RouteMode.LIVE) -> tuple[torch.Tensor, torch.Tensor | None, list[int], float,
+                                                           Routing | None]:
         """Logprobs (and entropy) of the units' response tokens, their response
-        lengths and the pass's forward FLOPs: a suffix-only pass over kept prompts,
-        or a packed pass that computes the prompts too."""
+        lengths, the pass's forward FLOPs and, for an MoE model, its `Routing` (routed as
+        `routes` says): a suffix-only pass over kept prompts, or a packed pass that
+        computes the prompts too."""
         lens = [len(r) for u in units for r in u.group.responses]
+        groups = [u.group for u in units]
+        share = self.config.share_prefix and kept is None
+        routing = _routing(model, groups, kept is not None, share, routes)
         if kept is not None:
-            hidden = suffix_hidden(model, kept, [SuffixUnit(u.index, u.group) for u in units])
+            hidden = suffix_hidden(model, kept, [SuffixUnit(u.index, u.group) for u in units], routing)
             targets = to_device([t for u in units for r in u.group.responses for t in r], model.device)
             flops = suffix_flops(model.args, [(kept.prompt_lens[u.index], [len(r) for r in u.group.responses])
                                               for u in units])
-            return *token_logprobs(model, hidden, targets, with_entropy, self.config.temperature), lens, flops
-        batch = batch_to(pack_groups(model.args, [u.group for u in units], self.config.share_prefix), model.device)
-        return (*response_logprobs(model, batch, with_entropy=with_entropy, temperature=self.config.temperature),
-                lens, forward_flops(model.args, batch))
+            out = (*token_logprobs(model, hidden, targets, with_entropy, self.config.temperature), lens, flops)
+        else:
+            batch = batch_to(pack_groups(model.args, groups, share), model.device)
+            if routing is not None and batch.packed.prompt_mask is not None:
+                routing.counted = ~batch.packed.prompt_mask  # the aux loss and load count the responses
+            out = (*response_logprobs(model, batch, with_entropy=with_entropy, temperature=self.config.temperature,
+                                      routing=routing), lens, forward_flops(model.args, batch))
+        if routes is RouteMode.RECORD and routing is not None:
+            if kept is not None:
+                route_layouts.store_responses(groups, routing)
+            else:
+                route_layouts.store_packed(groups, share, routing)
+        return (*out, routing)
 
     def update(self, batch: PolicyBatch) -> dict[str, float]:
         """One optimizer step on the batch; returns verl-named metrics (`PolicyUpdate.finish`)."""
@@ -496,6 +539,60 @@ def _max_over_ranks(rows: list[list[float]], grads: list[torch.Tensor]) -> list[
             flat = all_reduce_values(flat, dist.ReduceOp.MAX, mesh.get_group(dim))
     width = len(rows[0])
     return [flat[i:i + width] for i in range(0, len(flat), width)]
+
+
+def _routing(model: VisionLanguageModel, groups: list[Group], suffix: bool, share_prefix: bool,
+             routes: RouteMode) -> Routing | None:
+    """The `Routing` a pass of an MoE model over `groups` runs with (None for a dense model): replaying
+    the samples' routes in the pass's layout (its responses after kept prompts, or pack_groups'), or live."""
+    if moe_args(model) is None:
+        return None
+    if routes is not RouteMode.REPLAY:
+        return Routing()
+    replay = route_layouts.responses(groups) if suffix else route_layouts.packed(groups, share_prefix)
+    if replay is None:
+        raise ValueError("routing replay: the samples carry no recorded routes (algorithm.routing_replay rollout "
+                         "needs the engine to record them, old the old-logprob pass)")
+    return Routing(replay.to(model.device))
+
+
+class MoEMetrics:
+    """An update's `moe/*` metrics, summed over its micro-batches on the device."""
+
+    def __init__(self, device: torch.device):
+        zero = functools.partial(torch.zeros, (), dtype=torch.float64, device=device)
+        self.aux_loss, self.load_ratio, self.layers, self.agreed, self.replayed = (zero() for _ in range(5))
+
+    def add(self, routing: Routing, coef: float, share: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's routing: its metrics added, and its auxiliary loss term (coef * aux *
+        `share`, its part of the step's) returned for the loss."""
+        aux = routing.aux_loss(routing_experts(routing)).to(share.device)
+        self.aux_loss += aux.detach().double() * share
+        sums = routing.metrics()
+        if sums:
+            self.load_ratio += sums["load_max_over_mean"].double()
+            self.layers += sums["layers"].double()
+        if "agreed" in sums:
+            self.agreed += sums["agreed"].double()
+            self.replayed += sums["replayed"].double()
+        return coef * aux * share if coef else aux.new_zeros(())
+
+    def as_metrics(self, dp_size: int) -> dict[str, float]:
+        """moe/aux_loss (this rank's share, as the other losses), moe/expert_load_max_over_mean (the mean
+        over layers and micro-batches of the busiest expert's load over the mean load), and
+        moe/routing_agreement (the fraction of replayed token-layer top-k sets the live router picks too);
+        the last two as this rank's share (1 / `dp_size`) of their mean over the dp ranks, which sum them."""
+        out = {"moe/aux_loss": self.aux_loss.item()}
+        if self.layers.item():
+            out["moe/expert_load_max_over_mean"] = (self.load_ratio / self.layers).item() / dp_size
+        if self.replayed.item():
+            out["moe/routing_agreement"] = (self.agreed / self.replayed).item() / dp_size
+        return out
+
+
+def routing_experts(routing: Routing) -> int:
+    """The experts of a routing's layers (every MoE layer has as many)."""
+    return next(iter(routing.layers.values())).load.shape[0]
 
 
 def count_nonfinite(logprobs: list[torch.Tensor] | None) -> int:

@@ -39,6 +39,7 @@ import torch
 
 from rollplex.device import to_device
 from rollplex.models.inputs import Group, Prompt, VisionEmbeds, VisionSlots
+from rollplex.models.moe import Routing, moe_args, with_routing
 from rollplex.models.packing import pack_sequences
 from rollplex.models.protocol import VisionLanguageModel
 from rollplex.models.rope import generated_positions
@@ -64,6 +65,7 @@ class KeptPrefix:
     conv_states: dict[int, torch.Tensor] = field(default_factory=dict)
     recurrent_states: dict[int, torch.Tensor] = field(default_factory=dict)
     graph_outputs: list[torch.Tensor] = field(default_factory=list)  # set by boundary(): tensors with the graph
+    routing: Routing | None = None  # an MoE model's: how the prompt forward routed (rollplex.models.moe)
 
     @property
     def starts(self) -> list[int]:
@@ -160,6 +162,9 @@ class PromptChunk:
     cached_vision: VisionEmbeds | None  # the prompts' cached features, or None: the forward runs the tower
     tower_inputs: Any  # the tower's inputs when it runs (the family's `prepare_vision`), or None
     flops: float
+    # MoE models: the routes the forward replays (tokens, layers, k), set once known (rollplex.train.routes); None:
+    # it routes live. Either way the forward's `Routing` comes with its KeptPrefix.
+    routes: torch.Tensor | None = None
 
 
 def prepare_prompts(model: VisionLanguageModel, prompts: list[Prompt],
@@ -193,10 +198,12 @@ def prompt_forward(model: VisionLanguageModel, chunk: PromptChunk) -> Iterator[K
     h = model.embed_prompts(chunk.input_ids, vision, chunk.slots)
     yield None
     capture = _CapturePrompt(chunk.attention, chunk.cu_seqlens)
+    routing = Routing(chunk.routes) if moe_args(model) is not None else None
+    with_routing(capture, routing)
     for h in model.layer_by_layer(h, chunk.position_ids, capture, vision, chunk.slots):
         yield None
     yield KeptPrefix(capture.keys, capture.values, h[chunk.last], chunk.lengths, chunk.rope_deltas, chunk.flops,
-                     conv_states=capture.conv_states, recurrent_states=capture.recurrent_states)
+                     conv_states=capture.conv_states, recurrent_states=capture.recurrent_states, routing=routing)
 
 
 @dataclass
@@ -207,9 +214,11 @@ class SuffixUnit:
     group: Group
 
 
-def suffix_hidden(model: VisionLanguageModel, kept: KeptPrefix, units: list[SuffixUnit]) -> torch.Tensor:
+def suffix_hidden(model: VisionLanguageModel, kept: KeptPrefix, units: list[SuffixUnit],
+                  routing: Routing | None = None) -> torch.Tensor:
     """Hidden states that predict each response token, in response order (a
-    response's first token is predicted by its prompt's last hidden state)."""
+    response's first token is predicted by its prompt's last hidden state). An MoE
+    model's layers route the response tokens through `routing` when given."""
     device = model.device
     starts = kept.starts
     ids, positions, groups, rows, offset = [], [], [], [], 0
@@ -224,6 +233,7 @@ def suffix_hidden(model: VisionLanguageModel, kept: KeptPrefix, units: list[Suff
             offset += len(r)
     mixing = KeptPrefixAttention(kept.keys, kept.values, groups, model.attn_backend, conv_states=kept.conv_states,
                                  recurrent_states=kept.recurrent_states, group_prompts=[u.prompt for u in units])
+    with_routing(mixing, routing)
     hidden = model.forward_generated(to_device(torch.cat(ids), device), to_device(torch.cat(positions, dim=1), device),
                                      mixing)
     return torch.cat([piece for prompt, start, n in rows

@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from rollplex.config.sections import LoRAConfig
+from rollplex.models.moe import SparseMoE
 from rollplex.models.registry import family_of
 
 ADAPTER_NAMES = ("lora_A", "lora_B")
@@ -86,15 +87,17 @@ def selected_layers(model: nn.Module, config: LoRAConfig,
                     skip: nn.Module | None = None) -> Iterator[tuple[str, nn.Linear]]:
     """The (name, nn.Linear) pairs that get adapters: named by config.target_modules (a name
     matches a target it equals or ends with after a dot; all-linear: every Linear but the LM
-    head, as PEFT's all-linear), not matched whole by config.exclude_modules and not inside
-    `skip` (the vision tower parallel.freeze_vision freezes)."""
+    head and MoE routers, as PEFT's all-linear, whose transformers models hold no Linear there),
+    not matched whole by config.exclude_modules and not inside `skip` (the vision tower
+    parallel.freeze_vision freezes)."""
     targets = config.target_modules
     exclude = re.compile(config.exclude_modules)
     skipped = set() if skip is None else {id(m) for m in skip.modules()}
+    routers = {id(m.gate) for m in model.modules() if isinstance(m, SparseMoE)}
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or exclude.fullmatch(name) or id(module) in skipped:
             continue
-        if "all-linear" in targets and name != "lm_head" or any(name == t or name.endswith("." + t)
+        if "all-linear" in targets and name != "lm_head" and id(module) not in routers or any(name == t or name.endswith("." + t)
                                                                  for t in targets if t != "all-linear"):
             yield name, module
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from rollplex.dist import local_tensor
 from rollplex.models.inputs import VisionEmbeds, VisionSlots
+from rollplex.models.moe import Routing, with_routing
 from rollplex.models.packing import PackedBatch, pack_padded
 from rollplex.models.protocol import Positions, RecurrentStateShapes, fsdp_entry
 from rollplex.models.qwen_vl.args import QwenVLArgs
@@ -210,8 +211,10 @@ class QwenVL(nn.Module):
             return F.linear(hidden, self.language_model.embed_tokens.weight)
         return self.lm_head(hidden)  # through the module, so a parallel plan's hooks apply
 
-    def forward_packed(self, batch: PackedBatch, vision: VisionEmbeds | None = None) -> torch.Tensor:
-        """Hidden states of a packed batch; encodes its images/videos unless `vision` is given."""
+    def forward_packed(self, batch: PackedBatch, vision: VisionEmbeds | None = None,
+                       routing: Routing | None = None) -> torch.Tensor:
+        """Hidden states of a packed batch; encodes its images/videos unless `vision` is given. An MoE
+        decoder's layers route through `routing` (rollplex.models.moe) when given."""
         if vision is None:
             vision = self.encode_vision(batch.pixel_values, batch.image_grid_thw, batch.pixel_values_videos,
                                         batch.video_grid_thw)
@@ -220,7 +223,7 @@ class QwenVL(nn.Module):
         else:
             # Boundaries on the host (the packed batch keeps them there): no layer waits on the device.
             attn = VarlenAttention(batch.cu_seqlens.tolist(), batch.input_ids.device, backend=self.attn_backend)
-        return self(batch.input_ids, batch.position_ids, attn, vision, batch.prompt_mask)
+        return self(batch.input_ids, batch.position_ids, with_routing(attn, routing), vision, batch.prompt_mask)
 
     @torch.no_grad()
     def hf_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

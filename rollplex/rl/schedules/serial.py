@@ -29,6 +29,10 @@ class SerialPrefix(PromptWorkSchedule):
     prompt_work_phase = True
 
     def after_rollout(self, trainer: RLTrainer, state: StepState) -> None:
-        """The prompt work, on the weights the rollout read (its items are the rollout's prompt forwards)."""
+        """The prompt work, on the weights the rollout read (its items are the rollout's prompt forwards),
+        routing an MoE model's prompts as algorithm.routing_replay says (the rollout's routes are known now)."""
+        replay, groups = trainer.cfg.algorithm.routing_replay, state.rollout.groups
+        state.prompt_work.replay_routes(groups, replay)
         with trainer.weights.for_rollout():
             state.prompt_work.drain()
+        state.prompt_work.record_routes(groups, replay)
