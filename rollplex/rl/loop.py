@@ -359,10 +359,10 @@ class RLTrainer:
         self._advantages(state)
         if cfg.algorithm.recompute_old_logprobs:
             with phase(timer, "old_log_prob"):
-                self._logprobs(self.model, state, (PromptKind.ACTOR, PromptKind.OLD), state.old)
+                self._logprobs(self.model, state, (PromptKind.ACTOR, PromptKind.OLD), state.old, "old")
         if self.ref_model is not None:
             with phase(timer, "ref"):
-                self._logprobs(self.ref_model, state, (PromptKind.REF,), state.ref)
+                self._logprobs(self.ref_model, state, (PromptKind.REF,), state.ref, "ref")
                 # FSDP2 keeps a root unit gathered from its forward to its backward, which a frozen model never
                 # runs: without this its embedding and head would stay gathered for the rest of the run.
                 if isinstance(self.ref_model, FSDPModule):  # not LoRA's base view: FSDP leaves the base alone
