@@ -7,6 +7,13 @@ joins a group of one, so that it trains through the same FSDP path as many
 ("dp_shard", "tp"): FSDP shards over the first, tensor parallelism splits over
 the second (adjacent ranks, so TP stays inside a node).
 
+Expert parallelism (parallel.ep > 1, MoE models, tp 1) has a mesh of its own over
+the same ranks, ("efsdp", "ep") (`build_ep_mesh`, as torchtitan's sparse mesh):
+each group of ep adjacent dp ranks splits the experts over "ep", and FSDP shards
+each rank's experts over "efsdp", the dp ranks that hold the same experts
+(dp_shard / ep of them). The rest of the model is FSDP-sharded over all of
+"dp_shard" as without EP.
+
 Small host-side reductions (counts, metrics) go through `all_reduce_values`,
 which puts them on the device the group's backend takes: NCCL takes only CUDA
 tensors, gloo CPU ones. Python objects (requests, samples) go through
@@ -51,17 +58,25 @@ class ParallelDims:
     world_size: int
     dp_shard: int
     tp: int
+    ep: int = 1  # expert parallelism: a divisor of dp_shard (its groups are ep adjacent dp ranks)
 
     @classmethod
-    def resolve(cls, world_size: int, dp_shard: int, tp: int) -> "ParallelDims":
-        """dp_shard = -1 takes the rest of the world; the product must equal the world size."""
+    def resolve(cls, world_size: int, dp_shard: int, tp: int, ep: int = 1) -> "ParallelDims":
+        """dp_shard = -1 takes the rest of the world; the product must equal the world size; ep must divide
+        dp_shard, at tp 1."""
         if tp < 1 or world_size % tp:
             raise ValueError(f"tp={tp} does not divide the world size {world_size}")
         if dp_shard == -1:
             dp_shard = world_size // tp
         if dp_shard < 1 or dp_shard * tp != world_size:
             raise ValueError(f"dp_shard={dp_shard} x tp={tp} = {dp_shard * tp} != world size {world_size}")
-        return cls(world_size, dp_shard, tp)
+        if ep < 1 or dp_shard % ep:
+            raise ValueError(f"parallel.ep={ep} does not divide the data-parallel size dp_shard={dp_shard} (world "
+                             f"size {world_size} / tp {tp}): each expert-parallel group is ep of the dp ranks")
+        if ep > 1 and tp > 1:
+            raise ValueError(f"parallel.ep={ep} with tp={tp}: MoE experts are not split by TP, so expert "
+                             "parallelism runs at tp 1")
+        return cls(world_size, dp_shard, tp, ep)
 
 
 def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> tuple[int, int, torch.device]:
@@ -127,8 +142,24 @@ def all_gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> l
     return everyone
 
 
+def all_gather_into(output: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Every rank's `local`, in rank order along dim 0, written into `output` (one collective, no staging copy):
+    torch 2.13's all_gather_single, all_gather_into_tensor before it (2.13 deprecates that name)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, local, group=group)
+
+
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (dims.dp_shard, dims.tp), mesh_dim_names=("dp_shard", "tp"))
+
+
+def build_ep_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh | None:
+    """The experts' mesh, ("efsdp", "ep") = (dp_shard / ep, ep), over the same ranks as `build_mesh`'s (tp is 1):
+    rank efsdp * ep + e holds the e-th ep share of the experts, FSDP-sharded over the efsdp ranks that hold the
+    same share. None at ep 1. Collective: every rank builds it."""
+    if dims.ep == 1:
+        return None
+    return init_device_mesh(device_type, (dims.dp_shard // dims.ep, dims.ep), mesh_dim_names=("efsdp", "ep"))
 
 
 class CollectiveInLocalWork(RuntimeError):

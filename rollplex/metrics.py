@@ -54,6 +54,7 @@ Rollplex's own (no verl equivalent):
     weights/bytes_shared           weight bytes the engine reads in place (the trainer's own tensors)
     weights/bytes_viewed           ... reads through a slice/stride view of them
     weights/bytes_rebuilt          ... rebuilds into its own buffer after each optimizer step
+    weights/bytes_rebuilt_experts  of those, experts that expert parallelism split (parallel.ep > 1)
     perf/gpu_util_mean             mean NVML GPU utilisation during the step, percent (GpuMonitor)
     perf/gpu_mem_used_gb_max       peak NVML used memory during the step, GiB, all processes (GpuMonitor)
     perf/live_memory_gb            tensor memory held between steps, GiB (CUDA: every step; CPU: steps that save)

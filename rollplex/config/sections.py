@@ -121,10 +121,20 @@ class ParallelConfig(Section):
     """Do not train the vision encoder."""
     offload_optimizer: bool = False
     """Keep optimizer state in host memory."""
+    ep: int = 1
+    """Expert-parallel degree (MoE models): each group of ep adjacent dp ranks splits every MoE layer's experts
+    ep ways (rank r holds experts [r E/ep, (r+1) E/ep)) and sends each token to the rank holding its experts; FSDP
+    shards each rank's experts over the dp ranks that hold the same ones. Must divide the dp size and the experts'
+    count; 1 = every rank computes every expert."""
 
     def _check_ranges(self) -> None:
         self._require(self.tp >= 1, "tp", ">= 1")
         self._require(self.dp_shard == -1 or self.dp_shard >= 1, "dp_shard", "-1 or >= 1")
+        self._require(self.ep >= 1, "ep", ">= 1")
+        self._require(self.dp_shard == -1 or self.dp_shard % self.ep == 0, "ep",
+                      f"a divisor of dp_shard ({self.dp_shard}): each expert-parallel group is ep of the dp ranks")
+        self._require(self.ep == 1 or self.tp == 1, "ep", "1 when tp > 1 (MoE experts are not split by TP, so MoE "
+                      "models train at tp 1)")
 
 
 @dataclass
@@ -605,3 +615,19 @@ class Config:
         if self.lora.train_vision and self.parallel.freeze_vision:
             raise ConfigError("lora.train_vision and parallel.freeze_vision both set: the first trains the vision "
                               "tower in full, the second freezes it")
+        self._check_expert_parallel()
+
+    def _check_expert_parallel(self) -> None:
+        """What parallel.ep > 1 cannot run with yet. The model's checks (it has MoE layers, ep divides their
+        experts) come when it is split (rollplex.models.expert_parallel.check_ep), the world size's when the mesh
+        is built (rollplex.dist.ParallelDims)."""
+        ep = self.parallel.ep
+        if ep == 1:
+            return
+        if self.schedule.kind == "disagg":
+            raise ConfigError(f"parallel.ep {ep} with schedule.kind disagg: the disaggregated trainer's mesh has no "
+                              "expert-parallel dimension yet; use serial or overlap, or parallel.ep 1")
+        if self.lora.rank > 0:
+            raise ConfigError(f"parallel.ep {ep} with lora.rank {self.lora.rank}: LoRA's frozen base stays whole "
+                              "on every rank, outside FSDP, which expert parallelism does not split yet; use "
+                              "parallel.ep 1")

@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from rollplex.dist import local_tensor
 from rollplex.ops.grouped_mm import grouped_mm, resolve_grouped_mm
 
 __all__ = ["Experts", "LayerRoutes", "MoEArgs", "Routing", "SparseMoE", "routing_of", "sort_by_expert",
@@ -189,10 +190,12 @@ class Experts(nn.Module):
         return torch.zeros_like(x).index_add(0, token_of, out.to(x.dtype))
 
     def swiglu(self, rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-        """Rows sorted by expert, with their experts' cumulative `ends` -> each row through its expert."""
+        """Rows sorted by expert, with their experts' cumulative `ends` -> each row through its expert. Under
+        expert parallelism the weights are DTensors split by expert: this rank's experts are their local tensors,
+        and `ends` counts those experts' rows."""
         backend = resolve_grouped_mm(self.backend, rows.device)
-        gate, up = grouped_mm(rows, self.gate_up_proj, ends, backend).chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up, self.down_proj, ends, backend)
+        gate, up = grouped_mm(rows, local_tensor(self.gate_up_proj), ends, backend).chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate) * up, local_tensor(self.down_proj), ends, backend)
 
 
 class SharedExpert(nn.Module):

@@ -39,7 +39,8 @@ from torch.distributed.fsdp import FSDPModule
 from rollplex.config import Config, config_to_dict, save_config
 from rollplex.data.prefetch import Prefetcher
 from rollplex.data.reward_scoring import LARGE_REWARD, RewardScorer, RewardScores
-from rollplex.dist import ParallelDims, all_gather_objects, all_reduce_values, build_mesh, init_distributed
+from rollplex.dist import (ParallelDims, all_gather_objects, all_reduce_values, build_ep_mesh, build_mesh,
+                           init_distributed)
 from rollplex.metrics import CONFIG_FILE, GpuMonitor, MetricsLogger, Timer, start_run_files
 from rollplex.models import Prompt, VisionEmbeds, from_pretrained
 from rollplex.models.protocol import VisionLanguageModel
@@ -150,7 +151,7 @@ class RLTrainer:
 
     def _parallel_dims(self) -> ParallelDims:
         """The training mesh's sizes: every rank trains."""
-        return ParallelDims.resolve(self.world, self.cfg.parallel.dp_shard, self.cfg.parallel.tp)
+        return ParallelDims.resolve(self.world, self.cfg.parallel.dp_shard, self.cfg.parallel.tp, self.cfg.parallel.ep)
 
     def _open_logger(self) -> None:
         cfg, log = self.cfg, self.cfg.logging
@@ -187,17 +188,17 @@ class RLTrainer:
         precision as many), the reference model alike; the engine reads the same weights."""
         cfg = self.cfg
         mesh = build_mesh(self.dims, self.device.type)
-        self._shard_models(mesh)
+        self._shard_models(mesh, build_ep_mesh(self.dims, self.device.type))
         self.weights = SharedWeights(self.model, cfg.parallel.tp, cfg.rollout.tp)
         self.checkpoint_group = None  # every rank writes its shards
 
-    def _shard_models(self, mesh) -> None:
+    def _shard_models(self, mesh, ep_mesh=None) -> None:
         cfg = self.cfg
         self.dp_rank, self.dp_group = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].get_group()
         parallelize(self.model, mesh, cfg.parallel.activation_checkpointing, cfg.parallel.freeze_vision,
-                    self.compute_dtype, cfg.lora, cfg.trainer.seed)
+                    self.compute_dtype, cfg.lora, cfg.trainer.seed, ep_mesh=ep_mesh)
         if self.ref_model is not None:
-            parallelize(self.ref_model, mesh, compute_dtype=self.compute_dtype)
+            parallelize(self.ref_model, mesh, compute_dtype=self.compute_dtype, ep_mesh=ep_mesh)
         elif cfg.algorithm.kl_coef > 0:
             self.ref_model = base_model_view(self.model, mesh["tp"])
 

@@ -29,6 +29,15 @@ rank:
   Like the gathered parameters, the buffers hold memory during rollout only,
   except LoRA adapters' (rollplex.train.lora): a few MB, rebuilt into buffers kept
   for the run, so that the decode graphs read them at one address.
+Expert parallelism (parallel.ep > 1, rollplex.models.expert_parallel): the
+trainer's gathered experts are this rank's share of every MoE layer's (a DTensor
+Shard(0) over the ep group), the engine's skeleton holds every expert and never
+dispatches tokens (decode issues no collective). Its experts are rebuilt: one
+buffer of the whole layer's shape per weight, filled at each rollout start by an
+all-gather over the ep group straight into it (no whole copy besides), and freed
+after the rollout like the others: the rollout holds the experts whole on every
+rank, once, and no copy outlives it. `SharingReport.bytes_rebuilt_experts` counts
+them (within bytes_rebuilt).
 With LoRA the frozen base is outside FSDP (rollplex.train.parallelize), whole on
 every dp rank in the rollout dtype: the engine reads it in place, never gathered
 nor rebuilt, and it stays put, so the graphs are captured once for the run.
@@ -69,7 +78,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from rollplex.dist import all_reduce_values, full_tensor, local_tensor
+from rollplex.dist import all_gather_into, all_reduce_values, full_tensor, local_tensor
 from rollplex.models.protocol import VisionLanguageModel
 from rollplex.models.registry import family_of
 from rollplex.train.lora import is_adapter, mirror_adapters
@@ -81,11 +90,15 @@ class SharingReport:
     bytes_shared: int = 0  # engine reads the trainer's tensor itself
     bytes_viewed: int = 0  # engine reads a slice / stride view of it
     bytes_rebuilt: int = 0  # engine holds its own buffer, refilled after each update
+    bytes_rebuilt_experts: int = 0  # of bytes_rebuilt: experts split by expert parallelism, gathered whole
     seconds: float = 0.0  # time to make the weights ready for the engine (gather, rebuild)
 
     def as_metrics(self) -> dict[str, float]:  # byte counts stay ints: exact in metrics.jsonl
-        return {"weights/bytes_shared": self.bytes_shared, "weights/bytes_viewed": self.bytes_viewed,
-                "weights/bytes_rebuilt": self.bytes_rebuilt, "timing_s/update_weights": self.seconds}
+        out = {"weights/bytes_shared": self.bytes_shared, "weights/bytes_viewed": self.bytes_viewed,
+               "weights/bytes_rebuilt": self.bytes_rebuilt, "timing_s/update_weights": self.seconds}
+        if self.bytes_rebuilt_experts:
+            out["weights/bytes_rebuilt_experts"] = self.bytes_rebuilt_experts
+        return out
 
 
 @dataclass
@@ -202,6 +215,8 @@ class SharedWeights:
             field = f"bytes_{b.kind}"
             nbytes = math.prod(_local_shape(layout)) * trainer_local.element_size()
             setattr(self.report, field, getattr(self.report, field) + nbytes)
+            if b.kind == "rebuilt" and getattr(trainer_module, "dispatcher", None) is not None:
+                self.report.bytes_rebuilt_experts += nbytes
 
     def _bind(self) -> None:
         """Point shared and viewed parameters at the trainer's gathered tensors, refill rebuilt ones.
@@ -214,8 +229,7 @@ class SharedWeights:
             if b.kind == "rebuilt":
                 if b.buffer.untyped_storage().size() == 0:
                     b.buffer.untyped_storage().resize_(b.buffer.numel() * b.buffer.element_size())
-                # The whole parameter exists only while it is copied: one at a time.
-                b.buffer.copy_(full_tensor(trainer_param)[b.block])
+                _rebuild(b.buffer, trainer_param, b.block)
             else:
                 _set_param(b.engine_module, b.name, local_tensor(trainer_param)[b.block], b.layout)
         # Copied each rollout, so a backend chosen on the trainer's model later still applies.
@@ -237,6 +251,19 @@ def _engine_skeleton(model: VisionLanguageModel, engine_tp: int) -> tuple[Vision
         skeleton, group = apply_tp(skeleton, mesh["tp"]), mesh["tp"].get_group()
     mirror_adapters(model, skeleton)
     return skeleton, group
+
+
+def _rebuild(buffer: torch.Tensor, trainer_param: torch.Tensor, block: tuple[slice, ...]) -> None:
+    """Fill `buffer` with `block` of the trainer's gathered parameter. A parameter split evenly along its first
+    dimension over one mesh dimension, wanted whole (expert parallelism's experts; a column-parallel weight read
+    by an engine at tp 1), is all-gathered straight into the buffer; otherwise the whole parameter is made and its
+    block copied, which holds it whole while it is copied (one parameter at a time)."""
+    if (isinstance(trainer_param, DTensor) and trainer_param.device_mesh.ndim == 1
+            and tuple(trainer_param.placements) == (Shard(0),) and tuple(buffer.shape) == tuple(trainer_param.shape)
+            and buffer.shape[0] % trainer_param.device_mesh.size() == 0):
+        all_gather_into(buffer, trainer_param.to_local().contiguous(), trainer_param.device_mesh.get_group())
+    else:
+        buffer.copy_(full_tensor(trainer_param)[block])
 
 
 def _block_within(trainer_param: torch.Tensor, layout: torch.Tensor) -> tuple[slice, ...] | None:

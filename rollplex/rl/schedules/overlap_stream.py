@@ -32,8 +32,8 @@ timing_s/decode_slowdown beside the prompt-work slices'.
 No streamed pass may issue a collective: each dp rank finishes its groups in its
 own order, so collectives would not line up; on CPU every pass runs under
 `no_collectives` (rollplex.dist), which raises at one. A pass streams only
-where its model is whole on this rank during rollout: the actor's when parallel.tp is 1 (every
-FSDP unit is gathered for the engine and stays so through backward,
+where its model is whole on this rank during rollout: the actor's when parallel.tp and parallel.ep
+are 1 (every FSDP unit is gathered for the engine and stays so through backward,
 rollplex.rl.weights), the reference model's when it is not sharded (one dp
 rank) or when holding it gathered through the window fits the prefix budget
 left after the prompt items (`MemoryPlan.gathered_ref_bytes`; `StreamPlan`
@@ -90,7 +90,8 @@ class StreamPlan:
         (at parallel.tp 1); the reference model's are too when it is not sharded, or when
         holding them gathered fits the budget the prompt items leave. The update streams
         where its gradients and a micro-batch fit what is left after that."""
-        a, whole = cfg.algorithm, cfg.parallel.tp == 1
+        # Under expert parallelism a forward sends its tokens to the ranks holding their experts (all-to-alls).
+        a, whole = cfg.algorithm, cfg.parallel.tp == 1 and cfg.parallel.ep == 1
         left = prefix.budget_left
 
         def fits(size: int) -> bool:
