@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from rollplex.dist import local_tensor
 from rollplex.ops.grouped_mm import grouped_mm, resolve_grouped_mm
 
-__all__ = ["Experts", "LayerRoutes", "MoEArgs", "Routing", "SparseMoE", "routing_of", "sort_by_expert",
+__all__ = ["Experts", "LayerRoutes", "MoEArgs", "Routing", "SparseMoE", "moe_args", "routing_of", "sort_by_expert",
            "with_routing"]
 
 UNRECORDED = -1  # a replayed route row of this value: the token was never routed in the recording (route live)

@@ -216,7 +216,7 @@ class RLTrainer:
         # CUDA's lowest: the engine's decode stream goes first.
         self.side_stream = torch.cuda.Stream(self.device, priority=0) if self.device.type == "cuda" else None
         self.prompt_planner = PromptWorkPlanner(self.memory, self.model, self.ref_model, cfg.parallel.tp,
-                                            self.dims.dp_shard, self.dp_group, self.side_stream)
+                                            self.dims.dp_shard, self.dp_group, self.side_stream, cfg.parallel.ep)
 
     def _build_actor(self) -> None:
         cfg, t = self.cfg, self.cfg.trainer

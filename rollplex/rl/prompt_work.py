@@ -270,6 +270,7 @@ class PromptWorkPlanner:
     dp_shard: int
     dp_group: dist.ProcessGroup | None
     side_stream: torch.cuda.Stream | None  # the trainer's (module docstring); None on CPU
+    ep: int = 1  # parallel.ep: above 1 an MoE forward all-to-alls its tokens over the ep group
 
     def work(self, prompts: list[Prompt], vision: list[VisionEmbeds | None]) -> list[PromptWork]:
         """The step's items for `prompts`, with their cached vision features (None: not encoded)."""
@@ -284,10 +285,10 @@ class PromptWorkPlanner:
             patches = sum(t.shape[0] for p in ps for t in (p.pixel_values, p.pixel_values_videos) if t is not None)
             estimate = kept_prompt_state(self.actor.args, spec, len(ps), sum(len(p.input_ids) for p in ps), patches,
                                     options, tp).total
-            # Collectives in its passes: TP all-reduces; with dp_shard > 1, the sharded reference model's FSDP
-            # gathers in its forward, and the actor item's in the prompt's backward after rollout (a rank
-            # without the item would not run it).
-            alone = tp == 1 and (self.dp_shard == 1 or spec.kind == PromptKind.OLD)
+            # Collectives in its passes: TP all-reduces; expert parallelism's all-to-alls; with dp_shard > 1,
+            # the sharded reference model's FSDP gathers in its forward, and the actor item's in the prompt's
+            # backward after rollout (a rank without the item would not run it).
+            alone = tp == 1 and self.ep == 1 and (self.dp_shard == 1 or spec.kind == PromptKind.OLD)
             model = self.ref if spec.kind == PromptKind.REF else self.actor
             items.append(PromptWork(spec.kind, spec.chunk, model, ps,
                                     VisionEmbeds.concat(vision[chunk]) if spec.reuses_vision else None,
