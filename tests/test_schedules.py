@@ -122,12 +122,12 @@ def test_suffix_passes_never_run_before_their_prompt_work(tmp_path, monkeypatch)
         schedulers.append(result.prompt_work)
         return result
 
-    def checked_pass(self, model, units, kept, with_entropy):
+    def checked_pass(self, model, units, kept, with_entropy, **routes):
         if kept is not None:
             assert not schedulers[-1].queue, "a suffix pass ran while prompt work was still queued"
             assert any(item.result is kept for item in schedulers[-1].admitted)
             suffix_passes.append(kept)
-        return suffix_pass(self, model, units, kept, with_entropy)
+        return suffix_pass(self, model, units, kept, with_entropy, **routes)
 
     trainer.rollout = recording_rollout
     monkeypatch.setattr(Actor, "_pass", checked_pass)

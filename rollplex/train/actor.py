@@ -165,7 +165,7 @@ class PolicyUpdate:
         actor, cfg = self.actor, self.actor.config
         ids = _response_ids(units)
         lp, entropy, lens, pass_flops, routing = actor._pass(actor.model, units, self.kept, cfg.entropy_coef > 0,
-                                                            routes_of(cfg.routing_replay, "update"))
+                                                            routes=routes_of(cfg.routing_replay, "update"))
         self.flops += 3 * pass_flops  # forward + backward (2x)
         if weight:  # not the zero-weight repeat
             self.nonfinite += lp.detach().isfinite().logical_not().sum()
