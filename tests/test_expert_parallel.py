@@ -84,7 +84,8 @@ def ep_block(rank: int, world: int, ep: int, shared: bool, out: str) -> None:
         torch.save(gathered, out)
 
 
-@pytest.mark.parametrize("world,ep,shared", [(2, 2, True), (4, 2, False)])
+# 4 ranks (ep 2 x efsdp 2) in the slow suite: the default suite's time budget.
+@pytest.mark.parametrize("world,ep,shared", [(2, 2, True), pytest.param(4, 2, False, marks=pytest.mark.slow)])
 def test_split_experts_equal_one_process(tmp_path, world, ep, shared):
     """2 ranks (ep 2, each holding half of the experts whole) and 4 ranks (ep 2, each half
     FSDP-sharded over 2 ranks, one rank without tokens): each rank's outputs and input
@@ -296,7 +297,7 @@ def single_process_step(family: str) -> dict:
             "tokens": greedy(model)}
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", pytest.param("qwen3_5_moe", marks=pytest.mark.slow)])
 def test_ep_model_update_equals_one_process(tmp_path, family):
     """A tiny MoE model (Qwen3-VL-MoE; Qwen3.5-MoE, with its shared expert and Gated DeltaNet
     layers), dp 2 x ep 2 on 2 gloo ranks (activation checkpointing on, so each MoE layer
@@ -325,6 +326,7 @@ def test_ep_model_update_equals_one_process(tmp_path, family):
 
 # --------------------------------------------------------------------------- the RL loop
 
+@pytest.mark.slow  # the model update above holds the same equality in the default suite
 def test_rl_loop_with_ep_equals_without(tmp_path):
     """Two RL steps of the tiny Qwen3-VL-MoE on 2 gloo ranks, overlap schedule with streamed
     groups and a reference model: ep 2 (the actor's and the reference model's experts split, the
