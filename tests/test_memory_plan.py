@@ -2,28 +2,33 @@
 their invariants (naive never below Rollplex, each class within its lifetime), it
 decides the sizes a run leaves to it within the device's memory or says what does
 not fit, it counts Qwen3.5's recurrent state and the K/V of its attention layers
-only, and it predicts the first H200 run's measured peaks."""
+only, an MoE model's experts (whole in a sparse layer's unit, split by expert
+parallelism), its sparse layers' activations and routing replay's routes, and it
+predicts the first H200 run's measured peaks."""
 
 import dataclasses
 import functools
 import json
 import math
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 from rollplex.config import LoRAConfig, config_from_dict
-from rollplex.models import qwen3_5
+from rollplex.models import qwen3_5, qwen3_5_moe, qwen3_vl_moe
 from rollplex.models.qwen3_5 import FULL_ATTENTION, LINEAR_ATTENTION
+from rollplex.models.registry import family_of
 from rollplex.models.qwen2_5_vl.hf import hf_config_from_args
 from rollplex.models.qwen2_5_vl import ModelArgs, Qwen2_5_VL, TextArgs, VisionArgs
 from rollplex.models.qwen_vl.tp_plan import decoder_layer_plan
 from rollplex.rl.memory import (GiB, PHASES, PRESETS, TENSOR_CLASSES, UNCOUNTED_FRACTION, BatchShape, MemoryOptions,
                                 MemoryPlanError, ParallelLayout, count_lora, count_params, kv_bytes_per_token,
                                 loop_phase_bytes, micro_batch, plan_memory, kept_prompt_state)
-from rollplex.rl.memory.estimates import decoder_layer_bytes, deltanet_layer_bytes, layer_backward_bytes
+from rollplex.rl.memory.estimates import (decoder_layer_bytes, deltanet_layer_bytes, dispatch_bytes, expert_counts,
+                                          layer_backward_bytes, sparse_mlp_bytes)
 from rollplex.rl.schedules.prompt_items import PromptItem, prompt_work_items
 from rollplex.rl.schedules.registry import build_schedule
 from rollplex.train.lora import apply_lora, is_adapter
@@ -195,6 +200,137 @@ def test_activations_follow_each_layer_kind():
     flash = dataclasses.replace(options, attention="flash")  # fla's kernel keeps far less than the torch scan
     assert deltanet_layer_bytes(t, size, attention="flash") < deltanet_layer_bytes(t, size)
     assert layer_backward_bytes(args, size, 1, flash) == deltanet_layer_bytes(t, size, attention="flash")
+
+
+# ----------------------------------------------------------------------------- MoE
+
+
+MOE_FAMILIES = ["qwen3_vl_moe", "qwen3_5_moe"]
+
+
+def moe_args(family: str):
+    """The MoE families' tiny shapes: Qwen3-VL-MoE's with 3 layers, the second dense (mlp_only_layers), 8
+    experts of 48, 2 per token; Qwen3.5-MoE's, every layer sparse (2 DeltaNet, 1 attention), 8 experts of 16,
+    2 per token, a shared expert of 24."""
+    return qwen3_vl_moe.tiny_args(layers=3, mlp_only_layers=(1,)) if family == "qwen3_vl_moe" else \
+        qwen3_5_moe.tiny_args()
+
+
+def built_units(args) -> tuple[int, int, int, int]:
+    """The built model's (on the meta device) elements: in all, in FSDP's root unit, in its largest decoder
+    layer, and in one MoE layer's experts (gate_up_proj and down_proj)."""
+    family = family_of(args)
+    with torch.device("meta"):
+        model = family.model_class(args)
+    tower = {id(m) for m in family.vision_tower(model).modules()}
+    units = [block for blocks in family.repeated_blocks(model) for block in blocks]
+    layers = [sum(p.numel() for p in b.parameters()) for b in units if id(b) not in tower]
+    experts = next(m for m in model.modules() if type(m).__name__ == "Experts")
+    total = sum(p.numel() for p in model.parameters())
+    return (total, total - sum(p.numel() for b in units for p in b.parameters()), max(layers),
+            sum(p.numel() for p in experts.parameters()))
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_plans_count_every_expert_and_gather_a_sparse_layer_whole(family):
+    """The plan reads the family's counts: every expert in the weights (the engine gathers them all for the
+    rollout), and a pass gathers FSDP's root unit and the largest layer, a sparse one with all its experts."""
+    args = moe_args(family)
+    total, root, layer, experts = built_units(args)
+    counts, moe = count_params(args), expert_counts(args)
+    assert (counts.total, counts.root, counts.layer_per_tp_rank(1)) == (total, root, layer)
+    assert (moe.per_layer, moe.in_largest_layer) == (experts, experts)
+    assert moe.layers == sum(args.text.moe.is_sparse(i) for i in range(args.text.num_hidden_layers))
+    plan = plan_memory(args, ParallelLayout(dp_shard=2, gpus_per_node=2), BATCH, MemoryOptions(ref_model=True))
+    assert plan.rollplex.phases["rollout"]["params_gathered"] == 2 * total
+    assert plan.rollplex.phases["train"]["params_gathered"] == 2 * (root + layer)
+    assert plan.rollplex.phases["optimizer"]["params_sharded"] == 4 * math.ceil(total / 2)
+    assert all("engine_experts" not in phase and "routes" not in phase for phase in plan.rollplex.phases.values())
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_parallelism_divides_the_experts_a_pass_gathers(family, ep):
+    """ep splits each MoE layer's experts: a pass gathers this rank's 1/ep of a sparse layer's; the master
+    shard, gradients and moments stay the size they are (1/ep of the experts over dp_shard / ep ranks); the
+    rollout holds the trainer's share beside the engine's whole experts (rebuilt from the shares)."""
+    args, options = moe_args(family), MemoryOptions(ref_model=True)
+    _, _, _, experts = built_units(args)
+    whole, split = (plan_memory(args, ParallelLayout(dp_shard=4, gpus_per_node=4, ep=e), BATCH, options).rollplex
+                    for e in (1, ep))
+    moe = expert_counts(args)
+    for cls in ("params_sharded", "optimizer_state", "grads", "ref_params"):
+        assert split.phases["optimizer"][cls] == whole.phases["optimizer"][cls]
+    for phase in ("train", "logprobs"):
+        assert whole.phases[phase]["params_gathered"] - split.phases[phase]["params_gathered"] == \
+            2 * (experts - experts // ep)
+    rollout = split.phases["rollout"]
+    assert rollout["engine_experts"] == 2 * moe.total and "engine_experts" not in whole.phases["rollout"]
+    assert rollout["params_gathered"] == whole.phases["rollout"]["params_gathered"] - 2 * (moe.total - moe.total // ep)
+    assert split.phases["prefix"]["engine_experts"] == 2 * moe.total  # the prompt work runs on the rollout's weights
+
+
+def test_expert_parallel_layouts_that_cannot_split_are_refused():
+    args = moe_args("qwen3_vl_moe")
+    with pytest.raises(ValueError, match="ep 3 does not divide dp_shard 4"):
+        ParallelLayout(dp_shard=4, gpus_per_node=4, ep=3)
+    with pytest.raises(ValueError, match="expert parallelism runs at tp 1"):
+        ParallelLayout(dp_shard=2, tp=2, gpus_per_node=4, ep=2)
+    with pytest.raises(ValueError, match="no MoE layers to split"):
+        plan_memory(small_args(), ParallelLayout(dp_shard=2, gpus_per_node=2, ep=2), BATCH, MemoryOptions())
+    with pytest.raises(ValueError, match="ep 16 does not divide the MoE layers' 8 experts"):
+        plan_memory(args, ParallelLayout(dp_shard=16, gpus_per_node=16, ep=16), BATCH, MemoryOptions())
+
+
+def test_sparse_layers_replace_the_dense_mlp_term():
+    """A sparse layer keeps its MoE block's tensors in place of the SwiGLU's four intermediates; the prompt
+    graph sums each layer by its kind (Qwen3-VL-MoE: 2 sparse, 1 dense; Qwen3.5-MoE: 2 sparse DeltaNet, 1
+    sparse attention); one layer's backward is the largest kind's, with the token exchange's rows in flight
+    under expert parallelism."""
+    size, options = 4, MemoryOptions(param_dtype=torch.float32)
+    vl = moe_args("qwen3_vl_moe")
+    t = vl.text
+    assert decoder_layer_bytes(t, size, sparse=True) - decoder_layer_bytes(t, size) == \
+        sparse_mlp_bytes(t, size) - 4 * t.intermediate_size * size
+    graph = kept_prompt_state(vl, PromptItem("actor", 0, True, True), 2, 100, 0, options).graph
+    final_norm = (4 + size) * t.hidden_size
+    assert graph == 100 * (2 * decoder_layer_bytes(t, size, sparse=True) + decoder_layer_bytes(t, size) + final_norm)
+    assert layer_backward_bytes(vl, size, 1, options) == decoder_layer_bytes(t, size, sparse=True)
+    assert layer_backward_bytes(vl, size, 1, options, ep=2) == \
+        decoder_layer_bytes(t, size, sparse=True) + dispatch_bytes(t, size)
+    hybrid = moe_args("qwen3_5_moe")
+    t = hybrid.text
+    graph = kept_prompt_state(hybrid, PromptItem("actor", 0, True, True), 2, 100, 0, options).graph
+    assert graph == 100 * (2 * deltanet_layer_bytes(t, size, sparse=True) + decoder_layer_bytes(t, size, sparse=True)
+                           + (4 + size) * t.hidden_size)
+    assert sparse_mlp_bytes(t, size) > 4 * t.moe.num_experts_per_tok * t.moe.moe_intermediate_size * size
+
+
+def test_routing_replay_counts_the_route_log_and_the_samples_routes():
+    """Rollout replay (R3): the engine's route log (a row per decode row, each response's tokens and one more)
+    in rollout, and the samples' routes (each prompt once, each response) from the rollout to the step's end;
+    old replay (R2): the samples' routes from the old-logprob pass on; each prompt item that replays keeps its
+    prompts' routes too. All int16, layers x top-k per token."""
+    args, layout = moe_args("qwen3_vl_moe"), ParallelLayout(dp_shard=2, gpus_per_node=2)
+    t = args.text
+    route = t.num_hidden_layers * t.moe.num_experts_per_tok * 2
+    samples = math.ceil(BATCH.prompts / 2) * (BATCH.prompt_len + BATCH.n * BATCH.response_tokens) * route
+    log = 16 * (BATCH.response_tokens + 1) * route
+    base = MemoryOptions(ref_model=True, schedule="serial-prefix", max_num_seqs=16)
+    r3 = plan_memory(args, layout, BATCH, dataclasses.replace(base, routing_replay="rollout")).rollplex.phases
+    assert r3["rollout"]["routes"] == log + samples
+    assert all(r3[p]["routes"] == samples for p in ("prefix", "logprobs", "train", "optimizer"))
+    r2 = plan_memory(args, layout, BATCH, dataclasses.replace(base, routing_replay="old", recompute_old_logprobs=True,
+                                                              updates_per_batch=2)).rollplex.phases
+    assert "routes" not in r2["rollout"] and "routes" not in r2["prefix"]
+    assert all(r2[p]["routes"] == samples for p in ("logprobs", "train", "optimizer"))
+    item, options = PromptItem("ref", 0, False, True), dataclasses.replace(base, routing_replay="rollout")
+    assert kept_prompt_state(args, item, 2, 100, 0, options).kv - kept_prompt_state(args, item, 2, 100, 0, base).kv \
+        == 100 * route
+    with pytest.raises(ValueError, match="routing_replay rollout: routes are an MoE model's"):
+        plan_memory(small_args(), layout, BATCH, options)
+    with pytest.raises(ValueError, match="needs recompute_old_logprobs"):
+        MemoryOptions(routing_replay="old")
 
 
 # ----------------------------------------------------------------------------- LoRA
@@ -484,14 +620,61 @@ def test_cli_preset(capsys):
 
 
 def test_cli_qwen3_vl_sizes(capsys):
-    """Qwen3-VL's named sizes plan like Qwen2.5-VL's; its MoE sizes say they are not supported yet."""
+    """Qwen3-VL's named sizes plan like Qwen2.5-VL's."""
     memory_plan.main(["--model", "qwen3-vl-8b", "--gpus-per-node", "8", "--prompts", "64", "--vision-tokens", "2048",
                       "--ref-model", "--activation-checkpointing"])
     out = capsys.readouterr().out
     assert "model qwen3-vl-8b: 8.77B parameters" in out and "36 layers, hidden 4096, 8 kv heads x 128" in out
     assert "peak per GPU, rollplex" in out
-    with pytest.raises(SystemExit, match="qwen3-vl-30b-a3b: Qwen3-VL MoE is not supported yet"):
-        memory_plan.main(["--model", "qwen3-vl-30b-a3b"])
+
+
+H200 = ["--gpus-per-node", "8", "--device-memory-gib", "140.4"]  # one node of 8 H200s
+BATCH_H200 = BatchShape(prompts=64, n=8, prompt_tokens=256, response_tokens=1024, vision_tokens=1024)  # the tool's
+
+
+H200_LAYOUTS = [ParallelLayout(dp_shard=8, gpus_per_node=8, ep=ep) for ep in (1, 8)]
+H200_OPTIONS = [MemoryOptions(ref_model=True, activation_checkpointing=True, device_memory=int(140.4 * GiB),
+                              **extra) for extra in (
+    dict(), dict(schedule="serial-prefix", routing_replay="rollout"),
+    dict(schedule="serial-prefix", routing_replay="old", recompute_old_logprobs=True, updates_per_batch=2),
+    dict(offload_optimizer=True, max_num_seqs=64, schedule="serial-naive", routing_replay="rollout"))]
+
+
+@pytest.mark.parametrize("name", ["qwen3-vl-30b-a3b", "qwen3.5-35b-a3b"])
+@pytest.mark.parametrize("layout", H200_LAYOUTS)
+@pytest.mark.parametrize("options", H200_OPTIONS)
+def test_moe_presets_plan_within_an_h200(name, layout, options):
+    """Every size the plan decides for the MoE presets on 8 H200s leaves each phase within the usable memory
+    (no warning): the prefix budget leaves room for what admitting prompt work gathers besides its state (the
+    reference's root unit and layer, a slice's layer), which an MoE layer makes large."""
+    if name == "qwen3.5-35b-a3b":  # its 256 rows of recurrent state do not fit beside its weights on one H200
+        options = dataclasses.replace(options, offload_optimizer=True, max_num_seqs=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = plan_memory(PRESETS[name], layout, BATCH_H200, options)
+    assert plan.rollplex.peak <= plan.sizes.usable
+
+
+def test_cli_moe_sizes_on_one_node_of_h200s(capsys):
+    """The MoE presets that roll out on one H200 (the engine holds every expert whole at tp 1) print their
+    plan, with expert parallelism and routing replay; the larger ones say why they cannot."""
+    memory_plan.main(["--model", "qwen3.5-35b-a3b", *H200, "--max-num-seqs", "64", "--offload-optimizer",
+                      "--activation-checkpointing", "--ref-model", "--ep", "8", "--schedule", "serial-prefix",
+                      "--routing-replay", "rollout"])
+    out = capsys.readouterr().out
+    assert "experts: 40 MoE layers of 256 experts of width 512, 8 per token, a shared expert of 512" in out
+    assert "ep 8 (32 experts a rank, FSDP-sharded over 1 rank)" in out and "routing replay rollout" in out
+    experts = expert_counts(PRESETS["qwen3.5-35b-a3b"]).total
+    assert f"  engine_experts        {2 * experts / GiB:9.2f}" in out and "  routes " in out
+    assert "peak per GPU, rollplex" in out and "(fits in 126.4 GiB usable)" in out
+    memory_plan.main(["--model", "qwen3-vl-30b-a3b", *H200, "--activation-checkpointing", "--ref-model"])
+    out = capsys.readouterr().out
+    assert "experts: 48 MoE layers of 128 experts of width 768, 8 per token: 28.99B" in out
+    assert "(fits in 126.4 GiB usable)" in out
+    for model in ("qwen3.5-122b-a10b", "qwen3-vl-235b-a22b"):
+        with pytest.raises(SystemExit, match=r"the rollout holds every weight whole on each GPU \(engine tp 1\).*"
+                                             r"cannot roll out on one GPU of 140.4 GiB"):
+            memory_plan.main(["--model", model, *H200, "--offload-optimizer", "--max-num-seqs", "16"])
 
 
 def test_cli_qwen3_5_sizes(capsys):
@@ -520,8 +703,13 @@ def test_cli_config_json(tmp_path, capsys):
 
 
 def test_cli_says_what_does_not_fit():
-    with pytest.raises(SystemExit, match="error: the KV pool for one prompt's 8 samples needs"):
+    """Weights the engine cannot hold on one GPU are named first (no batch makes room for them); then what
+    leaves no room for one prompt's KV pool."""
+    with pytest.raises(SystemExit, match=r"error: the rollout holds every weight whole on each GPU \(engine tp 1\): "
+                                         r"136.74 GiB, more than the 72.00 GiB usable.*To fit: split the engine"):
         memory_plan.main(["--model", "qwen2.5-vl-72b", "--gpus-per-node", "1", "--prompts", "8"])
+    with pytest.raises(SystemExit, match="error: the KV pool for one prompt's 8 samples needs"):
+        memory_plan.main(["--model", "qwen2.5-vl-32b", "--gpus-per-node", "1", "--prompts", "8"])
 
 
 def test_cli_lora_against_full_fine_tuning(capsys):

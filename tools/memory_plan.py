@@ -10,6 +10,9 @@ micro-batch, prefix budget) where they are not given.
         --activation-checkpointing     # LoRA, and its update beside full fine-tuning's at the same sizes
     python tools/memory_plan.py --model qwen3.5-9b --gpus-per-node 8 --prompts 64 --max-num-seqs 128 \\
         --ref-model --activation-checkpointing   # Gated DeltaNet layers: the engine's recurrent-state pool
+    python tools/memory_plan.py --model qwen3.5-35b-a3b --gpus-per-node 8 --device-memory-gib 140.4 \\
+        --max-num-seqs 64 --offload-optimizer --activation-checkpointing --ref-model --ep 8 \\
+        --schedule serial-prefix --routing-replay rollout    # MoE on one node of 8 H200s
 
 Presets: every family's named sizes (their hub config.json values; the list is in
 --help), or the config.json of any supported family (or the directory holding
@@ -36,6 +39,7 @@ from rollplex.models.loader import read_model_args  # noqa: E402
 from rollplex.models.registry import SIZES_NOT_SUPPORTED, family_of  # noqa: E402
 from rollplex.rl.memory import (GiB, PRESETS, SCHEDULES, BatchShape, MemoryOptions, MemoryPlan,  # noqa: E402
                                 ParallelLayout, format_lora_saving, format_plan, plan_memory)
+from rollplex.rl.memory.inputs import ROUTING_REPLAYS  # noqa: E402
 
 # The published case: Qwen2.5-VL-32B on 4 nodes x 8 GPUs, video RL, reported as ~165 GiB per GPU when
 # nothing is freed and under 80 GiB with phase-aware management. Its batch was not published; ours is
@@ -99,6 +103,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--tp", type=int, default=1, help="trainer tensor parallel size")
     g.add_argument("--dp-shard", type=int, default=None, help="trainer FSDP size (default: GPUs / tp)")
     g.add_argument("--engine-tp", type=int, default=None, help="engine tensor parallel size (default: --tp)")
+    g.add_argument("--ep", type=int, default=1,
+                   help="expert parallel size (parallel.ep, MoE models at tp 1): each group of ep dp ranks splits "
+                        "every MoE layer's experts")
     g = p.add_argument_group("batch")
     g.add_argument("--prompts", type=int, default=64, help="prompts per step, over all GPUs")
     g.add_argument("--n", type=int, default=8, help="samples per prompt")
@@ -121,6 +128,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="training attention kernels (flash: flash-attn, and fla's for Gated DeltaNet layers)")
     g.add_argument("--max-num-seqs", type=int, default=MemoryOptions.max_num_seqs,
                    help="the engine's decode batch (rollout.max_num_seqs): its recurrent-state pool has a row each")
+    g.add_argument("--routing-replay", choices=ROUTING_REPLAYS, default="none",
+                   help="MoE models: algorithm.routing_replay (rollout: the engine logs every token's experts, the "
+                        "samples carry them to the update; old: the old-logprob pass records them)")
     g = p.add_argument_group("LoRA (the lora config section; rank 0: full fine-tuning)")
     default = LoRAConfig()
     g.add_argument("--lora-rank", type=int, default=default.rank, help="adapter rank r")
@@ -154,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     world = a.nodes * a.gpus_per_node
     try:
         layout = ParallelLayout(dp_shard=a.dp_shard or world // a.tp, tp=a.tp, engine_tp=a.engine_tp or a.tp,
-                                nodes=a.nodes, gpus_per_node=a.gpus_per_node)
+                                nodes=a.nodes, gpus_per_node=a.gpus_per_node, ep=a.ep)
         batch = BatchShape(prompts=a.prompts, n=a.n, prompt_tokens=a.prompt_tokens,
                            response_tokens=a.response_tokens, vision_tokens=a.vision_tokens)
         lora = LoRAConfig(rank=a.lora_rank, target_modules=a.lora_target, exclude_modules=a.lora_exclude,
@@ -166,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
                                 lora=lora, schedule=a.schedule, updates_per_batch=a.updates_per_batch, attention=a.attention,
                                 max_num_seqs=a.max_num_seqs, micro_batch_tokens=a.micro_batch_tokens,
                                 kv_pool=a.kv_pool, prefix_budget=a.prefix_budget,
-                                device_memory=int(a.device_memory_gib * GiB))
+                                device_memory=int(a.device_memory_gib * GiB), routing_replay=a.routing_replay)
         args = load_model_args(a.model)
         for tp in {layout.tp, layout.engine_tp}:  # a split the family cannot make would fail the run at its start
             family_of(args).check_tp(args, tp)

@@ -4,11 +4,14 @@ functions the plan sums. Exact (closed formulas on the model's shape):
 parameters, gradients, optimizer state, KV pool (over the layers that keep K/V:
 `ModelFamily.kv_layers`), the engine's recurrent-state pool (Qwen3.5's Gated
 DeltaNet layers: `ModelFamily.recurrent_state_bytes` per row), prompt K/V and
-prompt states, vision embeddings, and LoRA's adapters (`count_lora`: counted on a
-meta-device model of the family with the adapters apply_lora puts on it).
+prompt states, vision embeddings, LoRA's adapters (`count_lora`: counted on a
+meta-device model of the family with the adapters apply_lora puts on it), the routed
+experts' elements an MoE model's expert parallelism splits (`expert_counts`), and
+routing replay's routes (`route_bytes_per_token`).
 Estimated, from the tensors the model's code saves for backward (checked against
 CPU measurements in tests/test_memory.py): activations, by layer kind (an
-attention layer's, or a Gated DeltaNet layer's), the prefix graph, and the
+attention layer's, or a Gated DeltaNet layer's; its MLP a dense SwiGLU's or a sparse
+MoE block's), the prefix graph, and the
 transient working memory of the engine and the prompt slices (`workspace`) and of
 the logprob and training passes (`activations`).
 
@@ -22,6 +25,7 @@ output (the estimate counts Qwen2.5-VL's attention); q/k norms of Qwen3-VL likew
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -29,14 +33,17 @@ import torch
 
 from rollplex.config.sections import LoRAConfig
 from rollplex.models.family import FamilyArgs, ParamCounts
+from rollplex.models.qwen3_5.args import FULL_ATTENTION
 from rollplex.models.registry import family_of
 from rollplex.rl.memory.inputs import BatchShape, MemoryOptions
-from rollplex.rl.schedules.prompt_items import PromptItem
+from rollplex.rl.schedules.prompt_items import PromptItem, PromptKind
 from rollplex.train.logprob_head import logits_chunk_tokens
 from rollplex.train.lora import LoRALinear, apply_lora
 
 FP32 = 4  # bytes: RMSNorm and the loss work in float32 whatever the model's dtype
 DELTA_CHUNK = 64  # tokens per chunk of the gated delta rule (rollplex.ops.gated_delta's chunk_size, and fla's)
+INDEX = 8  # bytes: an int64 index (an MoE block's chosen experts, its token-expert pairs' order and tokens)
+ROUTE = 2  # bytes: an expert index as routes are kept, int16 (rollplex.models.moe.LayerRoutes, the route log)
 
 
 # ----------------------------------------------------------------------------- exact counts
@@ -219,6 +226,69 @@ def kv_pool_need(args: FamilyArgs, batch: BatchShape, prompts: int, options: Mem
     return (blocks + 1) * options.block_size * kv_bytes_per_token(args, options.param_dtype, tp)
 
 
+# ----------------------------------------------------------------------------- experts (MoE)
+
+
+def moe_of(args: FamilyArgs) -> Any:
+    """The decoder's experts (rollplex.models.moe.MoEArgs, the text args' `moe`); None for a dense model."""
+    return getattr(args.text, "moe", None)
+
+
+def sparse_layers(args: FamilyArgs) -> list[bool]:
+    """Which decoder layers have a sparse MoE block as their MLP (MoEArgs.is_sparse; none in a dense model)."""
+    moe = moe_of(args)
+    return [moe is not None and moe.is_sparse(i) for i in range(args.text.num_hidden_layers)]
+
+
+@dataclass(frozen=True)
+class ExpertCounts:
+    """The routed experts' elements (each MoE layer's `Experts`: gate_up_proj and down_proj), which expert
+    parallelism splits ep ways (rollplex.models.expert_parallel); the router and the shared expert are
+    ordinary weights, FSDP-sharded over every dp rank. `count_params` counts every expert in the model's
+    total and in its decoder layers' figures: with ep 1 a sparse layer's FSDP unit gathers all of them."""
+
+    per_layer: int  # one MoE layer's experts
+    layers: int  # MoE layers
+    in_largest_layer: int  # the experts of the decoder layer ParamCounts' layer figures are (the largest unit)
+
+    @property
+    def total(self) -> int:
+        return self.per_layer * self.layers
+
+
+def expert_counts(args: FamilyArgs) -> ExpertCounts:
+    """The routed experts' elements (`ExpertCounts`); all zero for a dense model. The largest decoder layer is
+    a sparse one unless a dense layer's SwiGLU (intermediate_size) outweighs the experts."""
+    moe, t = moe_of(args), args.text
+    sparse = sum(sparse_layers(args))
+    if moe is None or not sparse:
+        return ExpertCounts(0, 0, 0)
+    per_layer = moe.num_experts * 3 * t.hidden_size * moe.moe_intermediate_size
+    dense_mlp = 3 * t.hidden_size * t.intermediate_size if sparse < t.num_hidden_layers else 0
+    return ExpertCounts(per_layer, sparse, per_layer if per_layer >= dense_mlp else 0)
+
+
+def route_bytes_per_token(args: FamilyArgs) -> int:
+    """One token's routes over every decoder layer, as routing replay keeps them (int16 per layer and expert
+    chosen: the engine's route log, a sample's routes, a pass's replayed routes). 0 for a dense model."""
+    moe = moe_of(args)
+    return 0 if moe is None else args.text.num_hidden_layers * moe.num_experts_per_tok * ROUTE
+
+
+def route_log_bytes(args: FamilyArgs, max_num_seqs: int, batch: BatchShape) -> int:
+    """The engine's route log during a rollout with routing replay (rollplex.engine.routes.RouteLog): a row per
+    decode row (max_num_seqs, or a larger group), each a response's tokens and one more, int16 per layer and
+    expert chosen, on the device; freed when the rollout ends (the samples keep their pieces)."""
+    return max(max_num_seqs, batch.n) * (batch.response_tokens + 1) * route_bytes_per_token(args)
+
+
+def sample_routes_bytes(args: FamilyArgs, batch: BatchShape, prompts: int) -> int:
+    """The routes `prompts` prompts' samples carry from the pass that recorded them to the end of the step
+    (rollplex.models.inputs.Sample: a group's prompt routes once, its samples share them, and each response's),
+    on the device."""
+    return prompts * (batch.prompt_len + batch.n * batch.response_tokens) * route_bytes_per_token(args)
+
+
 # ----------------------------------------------------------------------------- activations
 
 
@@ -237,16 +307,71 @@ def _attention_bytes(q_dim: int, kv_dim: int, size: int, attention: str) -> int:
     return (3 * q_dim + 2 * kv_dim if attention == "torch" else 2 * q_dim + 2 * kv_dim) * size
 
 
-def _norms_and_mlp_bytes(t: Any, size: int, tp: int, frozen: bool) -> int:
+def sparse_mlp_bytes(t: Any, size: int) -> int:
+    """Per token, what a sparse MoE block (rollplex.models.moe.SparseMoE) keeps for backward, read off its code
+    and measured on CPU (tests/test_memory.py: exact in float32 and bfloat16, either grouped GEMM backend):
+    - the router: softmax's float32 probabilities over the E experts, the k experts chosen (int64: the gather's
+      index), with norm_topk_prob the chosen weights and their sum in float32 (the division's operands), and
+      the routes the forward's `Routing` records (int16);
+    - per routed pair (k per token): the token's row gathered (hidden: the first GEMM's input), gate_up's output
+      (2 x moe_intermediate: silu reads its gate half, the product its up half), silu's output and the product
+      (the second GEMM's input), the experts' output (hidden: the weighting reads it) and the weighted rows
+      (hidden: index_add keeps its source), the pair's weight, and two int64 indices (the pairs' order and
+      each pair's token);
+    - the shared expert (Qwen3.5-MoE's), as a dense SwiGLU: its four intermediates, its output and its gate.
+    Under expert parallelism (rollplex.models.expert_parallel) the rows a rank receives replace the gathered
+    rows and the rows sent back replace the experts' output: the same bytes where the ranks receive alike,
+    plus two int64 indices (16 bytes) a pair, not counted (about 0.1%). A rank that receives more pairs than
+    its tokens send keeps that much more."""
+    m = t.moe
+    k, h, width = m.num_experts_per_tok, t.hidden_size, m.moe_intermediate_size
+    router = m.num_experts * FP32 + k * (INDEX + ROUTE) + ((k + 1) * FP32 if m.norm_topk_prob else 0)
+    pair = (3 * h + 4 * width + 1) * size + 2 * INDEX
+    shared = m.shared_expert_intermediate_size
+    return router + k * pair + ((4 * shared + h + 1) * size if shared else 0)
+
+
+def sparse_mlp_forward_bytes(t: Any, size: int, ep: int = 1) -> int:
+    """Per token, a sparse MoE block's working memory in a forward without a graph (measured on CPU with the
+    grouped GEMM, the GPU's backend: tests/test_memory.py): the router's float32 probabilities and three int64
+    indices per pair, and the most of, per pair: the gathered row, gate_up's output, the product and the
+    experts' output (or silu's output, when wider); the gathered row, the experts' output and the weighted
+    rows; or the router's logits and their float32 softmax. With expert parallelism (ep > 1) the rows in
+    flight add up: the rows sent, received and regrouped beside the experts' intermediates, then the rows
+    sent, received, the experts' output, its reordered copy and the rows it came back as (two more indices a
+    pair). The shared expert runs after the routed pairs, on far fewer bytes."""
+    m = t.moe
+    k, h, width = m.num_experts_per_tok, t.hidden_size, m.moe_intermediate_size
+    if ep == 1:
+        pair = size * max(2 * h + 3 * width, h + 4 * width, 3 * h)
+    else:
+        pair = size * max(3 * h + 3 * width + max(width, h), 5 * h) + 2 * INDEX
+    shared = size * max(h + 3 * m.shared_expert_intermediate_size, 4 * h)
+    return m.num_experts * FP32 + 3 * k * INDEX + max(k * pair, m.num_experts * (size + FP32), shared)
+
+
+def dispatch_bytes(t: Any, size: int) -> int:
+    """Per token, what expert parallelism's token exchange holds beyond a sparse layer's saved tensors at its
+    peak in a forward with a graph (the rows sent, received, the experts' output and its reordered copy in
+    flight, less the weighted rows not made yet): (3k - 1) rows of hidden (measured on CPU through a
+    one-rank group: tests/test_memory.py)."""
+    return (3 * t.moe.num_experts_per_tok - 1) * t.hidden_size * size
+
+
+def _norms_and_mlp_bytes(t: Any, size: int, tp: int, frozen: bool, sparse: bool = False) -> int:
     """Per token, what every decoder layer keeps for backward beside its token mixer: its two norms
-    (`frozen`: LoRA's base) and the SwiGLU's gate, silu(gate), up and their product."""
-    return 2 * _norm_bytes(t.hidden_size, size, frozen) + 4 * (t.intermediate_size // tp) * size
+    (`frozen`: LoRA's base) and its MLP: the SwiGLU's gate, silu(gate), up and their product, or a
+    sparse layer's MoE block (`sparse_mlp_bytes`, which MoE families run at tp 1)."""
+    mlp = sparse_mlp_bytes(t, size) if sparse else 4 * (t.intermediate_size // tp) * size
+    return 2 * _norm_bytes(t.hidden_size, size, frozen) + mlp
 
 
-def decoder_layer_bytes(t: Any, size: int, tp: int = 1, attention: str = "torch", frozen: bool = False) -> int:
-    """Bytes per token an attention decoder layer keeps for backward: its norms and SwiGLU, and its attention."""
+def decoder_layer_bytes(t: Any, size: int, tp: int = 1, attention: str = "torch", frozen: bool = False,
+                        sparse: bool = False) -> int:
+    """Bytes per token an attention decoder layer keeps for backward: its norms and MLP (`sparse`: an MoE
+    block), and its attention."""
     q, kv = t.num_attention_heads * t.head_dim // tp, t.num_key_value_heads * t.head_dim // tp
-    return _norms_and_mlp_bytes(t, size, tp, frozen) + _attention_bytes(q, kv, size, attention)
+    return _norms_and_mlp_bytes(t, size, tp, frozen, sparse) + _attention_bytes(q, kv, size, attention)
 
 
 def _delta_rule_saved_bytes(t: Any, size: int, tp: int, attention: str) -> int:
@@ -266,29 +391,41 @@ def _delta_rule_saved_bytes(t: Any, size: int, tp: int, attention: str) -> int:
     return (2 * keys + heads * value_dim) * size + heads * (FP32 + size + DELTA_CHUNK * size)
 
 
-def deltanet_layer_bytes(t: Any, size: int, tp: int = 1, attention: str = "torch", frozen: bool = False) -> int:
+def deltanet_layer_bytes(t: Any, size: int, tp: int = 1, attention: str = "torch", frozen: bool = False,
+                         sparse: bool = False) -> int:
     """Bytes per token a Gated DeltaNet decoder layer (rollplex.models.qwen3_5.deltanet) keeps for backward:
-    its norms and SwiGLU as an attention layer's; the convolution's input as in_proj_qkv wrote it, its padded
-    copy and its pre-SiLU output; q and k in float32 before their L2 norm; beta and the decay (sigmoid's output,
-    softplus's float32 input and output); the delta rule's (`_delta_rule_saved_bytes`); the gated norm (an
-    RMSNorm over the value heads, silu(z)'s float32 input and output) and out_proj's input."""
+    its norms and MLP (`sparse`: an MoE block) as an attention layer's; the convolution's input as in_proj_qkv
+    wrote it, its padded copy and its pre-SiLU output; q and k in float32 before their L2 norm; beta and the
+    decay (sigmoid's output, softplus's float32 input and output); the delta rule's (`_delta_rule_saved_bytes`);
+    the gated norm (an RMSNorm over the value heads, silu(z)'s float32 input and output) and out_proj's input."""
     keys = t.linear_num_key_heads // tp * t.linear_key_head_dim
     values, heads = t.linear_num_value_heads // tp * t.linear_value_head_dim, t.linear_num_value_heads // tp
     convolution = 3 * (2 * keys + values) * size
     gates = 2 * keys * FP32 + heads * (size + 2 * FP32)
     gated_norm = _norm_bytes(values, size, frozen) + 2 * values * FP32 + values * size
-    return _norms_and_mlp_bytes(t, size, tp, frozen) + convolution + gates + \
+    return _norms_and_mlp_bytes(t, size, tp, frozen, sparse) + convolution + gates + \
         _delta_rule_saved_bytes(t, size, tp, attention) + gated_norm
 
 
-def _layer_kinds(args: FamilyArgs, size: int, tp: int, attention: str, frozen: bool) -> list[tuple[int, int]]:
-    """(layers, bytes per token each keeps for backward) of each layer kind the decoder has (`layer_counts`)."""
-    attention_layers, recurrent_layers = layer_counts(args)
+def _keeps_kv(args: FamilyArgs) -> list[bool]:
+    """Which decoder layers are attention layers (keep K/V: `layer_counts`); the rest are Gated DeltaNet
+    layers, which only Qwen3.5's hybrid decoders have, by their `layer_types`."""
+    attention, recurrent = layer_counts(args)
+    if not recurrent:
+        return [True] * args.text.num_hidden_layers
+    kv = [kind == FULL_ATTENTION for kind in args.text.layer_types]
+    if sum(kv) != attention:
+        raise ValueError(f"layer_types has {sum(kv)} {FULL_ATTENTION} layers, the family keeps K/V in {attention}")
+    return kv
+
+
+def _layer_kinds(args: FamilyArgs, size: int, tp: int, attention: str, frozen: bool) -> list[tuple[int, int, bool]]:
+    """(layers, bytes per token each keeps for backward, sparse) of each layer kind the decoder has: its mixer's
+    (attention or Gated DeltaNet: `layer_counts`) with its MLP's (a SwiGLU or a sparse MoE block: `sparse_layers`)."""
     kinds = []
-    if attention_layers:
-        kinds.append((attention_layers, decoder_layer_bytes(args.text, size, tp, attention, frozen)))
-    if recurrent_layers:  # only then do the text args have the DeltaNet's sizes
-        kinds.append((recurrent_layers, deltanet_layer_bytes(args.text, size, tp, attention, frozen)))
+    for (kv, sparse), n in Counter(zip(_keeps_kv(args), sparse_layers(args))).items():
+        layer = decoder_layer_bytes if kv else deltanet_layer_bytes  # only then do the args have the DeltaNet's sizes
+        kinds.append((n, layer(args.text, size, tp, attention, frozen, sparse), sparse))
     return kinds
 
 
@@ -312,12 +449,14 @@ def _lora(args: FamilyArgs, options: MemoryOptions) -> LoRACounts | None:
     return count_lora(args, options.lora, options.freeze_vision) if options.lora.rank > 0 else None
 
 
-def layer_backward_bytes(args: FamilyArgs, size: int, tp: int, options: MemoryOptions) -> int:
+def layer_backward_bytes(args: FamilyArgs, size: int, tp: int, options: MemoryOptions, ep: int = 1) -> int:
     """Per token, the largest decoder layer kind's saved tensors (`_layer_kinds`) with its adapters'
-    (LoRA): what its backward holds, and under activation checkpointing recomputes."""
+    (LoRA): what its backward holds, and under activation checkpointing recomputes; a sparse layer's
+    with expert parallelism (ep > 1) also the token exchange's rows in flight (`dispatch_bytes`)."""
     lora = _lora(args, options)
     extra = lora.decoder_saved(size, tp, largest_layer=True) if lora else 0
-    return max(per_token for _, per_token in _layer_kinds(args, size, tp, options.attention, lora is not None)) + extra
+    return max(per_token + (dispatch_bytes(args.text, size) if sparse and ep > 1 else 0)
+               for _, per_token, sparse in _layer_kinds(args, size, tp, options.attention, lora is not None)) + extra
 
 
 def _decoder_saved(args: FamilyArgs, size: int, tp: int, options: MemoryOptions) -> int:
@@ -328,8 +467,8 @@ def _decoder_saved(args: FamilyArgs, size: int, tp: int, options: MemoryOptions)
     if options.activation_checkpointing:
         layers = t.num_hidden_layers * t.hidden_size * size
     else:
-        layers = sum(n * per_token for n, per_token in _layer_kinds(args, size, tp, options.attention,
-                                                                    lora is not None)) + \
+        layers = sum(n * per_token for n, per_token, _ in _layer_kinds(args, size, tp, options.attention,
+                                                                       lora is not None)) + \
             (lora.decoder_saved(size, tp) if lora else 0)
     return layers + (FP32 + size) * t.hidden_size
 
@@ -359,14 +498,18 @@ def _delta_rule_forward_bytes(t: Any, size: int, tp: int, attention: str) -> int
     return layer + size * heads * (key_dim + 3 * value_dim + DELTA_CHUNK + key_dim * value_dim // DELTA_CHUNK)
 
 
-def _layer_forward_bytes(args: FamilyArgs, size: int, tp: int, attention: str) -> int:
+def _layer_forward_bytes(args: FamilyArgs, size: int, tp: int, attention: str, ep: int = 1) -> int:
     """Per token, the working memory of one decoder layer's forward without a
-    graph: the residual, its norm in float32, and the larger of three SwiGLU
-    intermediates and, in a decoder with recurrent layers, a DeltaNet mixer's."""
-    t = args.text
-    mlp = 3 * t.intermediate_size // tp * size
+    graph: the residual, its norm in float32, and the largest of three SwiGLU
+    intermediates (where a layer is dense), a sparse MoE block's (where one is:
+    `sparse_mlp_forward_bytes`, its token exchange's with ep > 1: the trainer's
+    passes; the engine never dispatches) and, in a decoder with recurrent layers,
+    a DeltaNet mixer's."""
+    t, sparse = args.text, sparse_layers(args)
+    mlp = 3 * t.intermediate_size // tp * size if not all(sparse) else 0
+    moe = sparse_mlp_forward_bytes(t, size, ep) if any(sparse) else 0
     mixer = _delta_rule_forward_bytes(t, size, tp, attention) if layer_counts(args)[1] else 0
-    return (FP32 + size) * t.hidden_size + max(mlp, mixer)
+    return (FP32 + size) * t.hidden_size + max(mlp, moe, mixer)
 
 
 def _vision_forward_bytes(args: FamilyArgs, size: int) -> int:
@@ -414,6 +557,8 @@ def kept_prompt_state(args: FamilyArgs, item: PromptItem, prompts: int, tokens: 
     t, size, family = args.text, options.param_dtype.itemsize, family_of(args)
     kv = tokens * kv_bytes_per_token(args, options.param_dtype, tp) + \
         prompts * (t.hidden_size * size + family.recurrent_state_bytes(args, tp))
+    if replays_routes(options.routing_replay, item.kind):  # the prompts' recorded routes, kept with its inputs
+        kv += tokens * route_bytes_per_token(args)
     if not item.keep_graph:
         return KeptPromptState(kv, 0)
     shared_kv = 0 if options.attention == "torch" or options.activation_checkpointing else \
@@ -422,6 +567,12 @@ def kept_prompt_state(args: FamilyArgs, item: PromptItem, prompts: int, tokens: 
     if not (item.reuses_vision or options.freeze_vision):
         graph += patches * _vision_saved(args, size, options)
     return KeptPromptState(kv, graph)
+
+
+def replays_routes(routing_replay: str, kind: PromptKind | str) -> bool:
+    """Whether a prompt-work item of `kind` replays the samples' recorded routes (rollplex.train.routes.routes_of):
+    every pass under rollout replay (R3); the actor's, the update's prompt, under old replay (R2)."""
+    return routing_replay == "rollout" or (routing_replay == "old" and kind == PromptKind.ACTOR)
 
 
 def admitted(estimates: list[int], budget: int | None) -> list[bool]:
@@ -472,24 +623,30 @@ def micro_batch(args: FamilyArgs, batch: BatchShape, budget: int, groups: int, s
 
 
 def micro_batch_bytes(args: FamilyArgs, mb: MicroBatch, batch: BatchShape, options: MemoryOptions, tp: int,
-                      grad: bool) -> int:
+                      grad: bool, ep: int = 1) -> int:
     """Peak working memory of one micro-batch's pass: with gradients, every token's
     saved activations (the vision tower's too when it trains), then the larger of
     the logits' peak and one layer's backward; without, the larger of one layer's
     forward and the logits. The torch path also keeps, per response and layer, its
-    copy of the prompt's K/V (`PrefixedSegments`)."""
+    copy of the prompt's K/V (`PrefixedSegments`). An MoE model's pass also keeps
+    its routes: every sparse layer's chosen experts (int16; in a pass with gradients,
+    with the layer's saved tensors), and with routing replay the replayed routes
+    of its tokens. `ep`: expert parallelism's token exchange in its sparse layers."""
     t, size = args.text, options.param_dtype.itemsize
+    moe = moe_of(args)
+    routes = mb.tokens * route_bytes_per_token(args) if options.routing_replay != "none" else 0
     logits = _logits_bytes(args, mb.responses, grad, options)
     if grad:  # the head's gradient of the response tokens' hidden states, written chunk by chunk
         logits += mb.responses * t.hidden_size * size
     if not grad:
         vision = mb.patches * _vision_forward_bytes(args, size)
-        return max(mb.tokens * _layer_forward_bytes(args, size, tp, options.attention), logits, vision) + \
-            mb.tokens * t.hidden_size * size
-    saved = mb.tokens * _decoder_saved(args, size, tp, options)
+        records = mb.tokens * sum(sparse_layers(args)) * moe.num_experts_per_tok * ROUTE if moe else 0
+        return max(mb.tokens * _layer_forward_bytes(args, size, tp, options.attention, ep), logits, vision) + \
+            mb.tokens * t.hidden_size * size + records + routes
+    saved = mb.tokens * _decoder_saved(args, size, tp, options) + routes
     if not options.freeze_vision:
         saved += mb.patches * _vision_saved(args, size, options)
     if options.attention == "torch" and options.share_prefix:
         saved += mb.sequences * batch.prompt_len * family_of(args).kv_layers(args) * \
             2 * t.num_key_value_heads * t.head_dim // tp * size
-    return saved + max(logits, mb.tokens * layer_backward_bytes(args, size, tp, options))
+    return saved + max(logits, mb.tokens * layer_backward_bytes(args, size, tp, options, ep))

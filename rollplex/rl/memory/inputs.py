@@ -19,18 +19,23 @@ GiB = 1 << 30
 UNCOUNTED_FRACTION = 0.1
 
 SCHEDULES = ("overlap", "serial-prefix", "serial-naive")
+ROUTING_REPLAYS = ("none", "rollout", "old")  # algorithm.routing_replay's values
 
 
 @dataclass
 class ParallelLayout:
     """Where the trainer and the engine live. The trainer's mesh is dp_shard x tp
-    over all GPUs; the engine runs world / engine_tp replicas of engine_tp GPUs."""
+    over all GPUs; the engine runs world / engine_tp replicas of engine_tp GPUs.
+    `ep` (parallel.ep, MoE models at tp 1): each group of ep dp ranks splits every
+    MoE layer's experts ep ways, and FSDP shards each rank's experts over the
+    dp_shard / ep ranks holding the same ones (rollplex.models.expert_parallel)."""
 
     dp_shard: int = 1
     tp: int = 1
     engine_tp: int = 1
     nodes: int = 1
     gpus_per_node: int = 1
+    ep: int = 1
 
     def __post_init__(self):
         if self.dp_shard * self.tp != self.world:
@@ -38,6 +43,17 @@ class ParallelLayout:
                              f"({self.nodes} nodes x {self.gpus_per_node})")
         if self.world % self.engine_tp:
             raise ValueError(f"engine_tp {self.engine_tp} does not divide the {self.world} GPUs")
+        if self.ep < 1 or self.dp_shard % self.ep:
+            raise ValueError(f"ep {self.ep} does not divide dp_shard {self.dp_shard}: each expert-parallel group is "
+                             "ep of the dp ranks")
+        if self.ep > 1 and self.tp > 1:
+            raise ValueError(f"ep {self.ep} with tp {self.tp}: expert parallelism runs at tp 1")
+
+    @classmethod
+    def of(cls, dims, engine_tp: int) -> "ParallelLayout":
+        """A run's layout: its trainer's mesh (rollplex.dist.ParallelDims, parallel.ep among them) on one node of
+        all its ranks, and its engine's TP size."""
+        return cls(dims.dp_shard, dims.tp, engine_tp, 1, dims.world_size, getattr(dims, "ep", 1))
 
     @property
     def world(self) -> int:
@@ -113,10 +129,18 @@ class MemoryOptions:
     device_memory: int = 80 * GiB  # one GPU's memory
     # The logprob head's tokens per chunk (rollplex.train.logprob_head); None: the head's own for the vocabulary.
     logits_chunk_tokens: int | None = None
+    # MoE models: algorithm.routing_replay (none, rollout: the engine logs every token's experts and the samples
+    # carry them to the update, old: the old-logprob pass records them), which the plan counts as `routes`.
+    routing_replay: str = "none"
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule {self.schedule!r}: expected one of {', '.join(SCHEDULES)}")
+        if self.routing_replay not in ROUTING_REPLAYS:
+            raise ValueError(f"routing_replay {self.routing_replay!r}: expected one of {', '.join(ROUTING_REPLAYS)}")
+        if self.routing_replay == "old" and not self.recompute_old_logprobs:
+            raise ValueError("routing_replay old replays the old-logprob pass's routes: it needs "
+                             "recompute_old_logprobs")
         if self.lora.rank > 0 and self.lora.train_vision and self.freeze_vision:
             raise ValueError("lora.train_vision trains the vision tower in full, freeze_vision freezes it: set one")
 
@@ -145,7 +169,7 @@ class MemoryOptions:
                    attention=attention, block_size=cfg.rollout.block_size, max_num_seqs=cfg.rollout.max_num_seqs,
                    micro_batch_tokens=cfg.trainer.max_tokens_per_micro_batch or None,
                    kv_pool=cfg.rollout.kv_cache_memory or None, prefix_budget=s.prefix_memory_budget or None,
-                   device_memory=device_memory)
+                   device_memory=device_memory, routing_replay=getattr(cfg.algorithm, "routing_replay", "none"))
 
 
 def usable_bytes(options: MemoryOptions) -> int:

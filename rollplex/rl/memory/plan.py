@@ -17,6 +17,13 @@ The plan also decides the sizes a run leaves to it (`size_memory`): the KV
 pool, the prefix budget and the training micro-batch, from the device's memory
 less a headroom for what it does not count (`UNCOUNTED_FRACTION`).
 
+MoE models (the text args' `moe`): every expert counts in the weights, so a sparse
+layer's FSDP unit gathers all of its experts; with expert parallelism (layout.ep > 1)
+a pass gathers this rank's share of them (1/ep), and the rollout holds the trainer's
+share beside the engine's whole experts, rebuilt from the shares for the rollout
+(`engine_experts`, rollplex.rl.weights). With routing replay the engine's route log
+and the routes the samples carry are `routes`.
+
 With LoRA (options.lora.rank > 0) FSDP shards, gathers and trains the adapters
 only (and the vision tower with lora.train_vision); the frozen base is held whole
 on every dp rank in the compute dtype (`params_frozen`), read in place by the
@@ -36,18 +43,19 @@ import torch
 from rollplex.engine.engine import EngineConfig
 from rollplex.models.family import FamilyArgs
 from rollplex.models.registry import family_of
-from rollplex.rl.memory.estimates import (FP32, LoRACounts, MicroBatch, ParamCounts, KeptPromptState,
+from rollplex.rl.memory.estimates import (FP32, ExpertCounts, LoRACounts, MicroBatch, ParamCounts, KeptPromptState,
                                           _layer_forward_bytes, _vision_forward_bytes, admitted, count_lora,
-                                          count_params, kv_bytes_per_token, kv_pool_need, layer_backward_bytes,
-                                          micro_batch, micro_batch_bytes, kept_prompt_state, state_pool_bytes)
+                                          count_params, expert_counts, kv_bytes_per_token, kv_pool_need,
+                                          layer_backward_bytes, micro_batch, micro_batch_bytes, kept_prompt_state,
+                                          moe_of, route_log_bytes, sample_routes_bytes, state_pool_bytes)
 from rollplex.rl.memory.inputs import (GiB, UNCOUNTED_FRACTION, BatchShape, MemoryOptions, ParallelLayout,
                                        usable_bytes)
 from rollplex.rl.schedules.prompt_items import PromptItem, PromptKind, prompt_work_items
 
 PHASES = ("rollout", "prefix", "logprobs", "train", "optimizer")
 TENSOR_CLASSES = ("params_sharded", "params_frozen", "engine_adapters", "optimizer_state", "ref_params",
-                  "params_gathered", "grads", "kv_pool", "state_pool", "vision_embeds", "prompt_kv", "prefix_graph",
-                  "workspace", "activations")
+                  "params_gathered", "engine_experts", "grads", "kv_pool", "state_pool", "routes", "vision_embeds",
+                  "prompt_kv", "prefix_graph", "workspace", "activations")
 PREFILL_TOKENS = EngineConfig.max_num_batched_tokens  # the engine's prefill tokens per step (the loop's setting)
 
 
@@ -113,6 +121,7 @@ class MemoryPlan:
     prefix_budget: int  # the step's, for this batch's KV pool
     model_name: str = ""
     lora: LoRACounts | None = None  # the adapters (options.lora.rank > 0)
+    experts: ExpertCounts = ExpertCounts(0, 0, 0)  # the routed experts (MoE models), which layout.ep splits
 
     def streamed_update_bytes(self) -> int:
         """What the first update's passes hold in the decode window when finished groups stream
@@ -147,6 +156,8 @@ class _Shapes:
                  params: ParamCounts):
         self.args, self.layout, self.batch, self.o, self.params = args, layout, batch, options, params
         self.lora = count_lora(args, options.lora, options.freeze_vision) if options.lora.rank > 0 else None
+        self.experts = expert_counts(args)
+        _check_experts(args, layout, options)
         # What FSDP shards (fp32 masters, gathered in the compute dtype): every weight, or LoRA's trained ones.
         self.sharded = self.lora.trained(options.lora.train_vision) if self.lora else params
         self.size = options.param_dtype.itemsize
@@ -162,7 +173,8 @@ class _Shapes:
         """Held all step: master weights, AdamW moments (unless offloaded), the reference weights,
         the engine's KV pool and recurrent-state pool (allocated once per run: the decode graphs read
         them by address), and with LoRA the frozen base and the engine's adapter buffers (kept for the
-        run, for the same graphs)."""
+        run, for the same graphs). Expert parallelism leaves a rank's shard the same size: its
+        experts, 1/ep of them, are FSDP-sharded over dp_shard / ep ranks, the rest over dp_shard."""
         o, lay = self.o, self.layout
         out = dict(params_sharded=math.ceil(self.sharded.per_tp_rank(lay.tp) / lay.dp_shard) * o.master_dtype.itemsize,
                    optimizer_state=0 if o.offload_optimizer else self.moments(), kv_pool=int(o.kv_pool),
@@ -192,13 +204,26 @@ class _Shapes:
     def grads(self) -> int:
         return self.trainable_shard() * self.o.grad_dtype.itemsize
 
+    def experts_not_held(self, experts: int) -> int:
+        """Of `experts` routed-expert elements, those a rank's gathered FSDP units lack under expert
+        parallelism: all but its 1/ep share (none at ep 1)."""
+        return experts - experts // self.layout.ep
+
+    def engine_experts(self) -> int:
+        """The engine's own buffers of every expert, whole, rebuilt from the ep ranks' shares by an all-gather at
+        each rollout start and freed after it (rollplex.rl.weights); none at ep 1, where the engine reads the
+        trainer's gathered experts."""
+        return self.experts.total * self.size if self.layout.ep > 1 else 0
+
     def engine_weights(self) -> int:
-        """The weights the engine reads in rollout. With LoRA: the trainer's gathered units (the
+        """The trainer's weights gathered in rollout, which the engine reads (every weight; under expert
+        parallelism this rank's share of the experts, which the engine holds whole beside them:
+        `engine_experts`). With LoRA: the trainer's gathered units (the
         adapters, the vision tower with lora.train_vision); the base in place, but where the engine's
         TP layout differs from a split trainer's (its blocks rebuilt, for the rollout)."""
         lay = self.layout
         if not self.lora:
-            return self.params.per_tp_rank(lay.engine_tp) * self.size
+            return (self.params.per_tp_rank(lay.engine_tp) - self.experts_not_held(self.experts.total)) * self.size
         rebuilt = self.frozen(lay.engine_tp) if lay.tp > 1 and lay.engine_tp != lay.tp else 0
         return (self.sharded.per_tp_rank(lay.tp) + rebuilt) * self.size
 
@@ -219,7 +244,10 @@ class _Shapes:
         if ref and self.o.ref_is_base:
             return 0
         units = self.params if ref else self.sharded
-        return (units.root_per_tp_rank(self.layout.tp) + units.layer_per_tp_rank(self.layout.tp)) * dtype.itemsize
+        layer = units.layer_per_tp_rank(self.layout.tp)
+        if units is self.params:  # a sparse layer's unit: all its experts, this rank's share under expert parallelism
+            layer -= self.experts_not_held(self.experts.in_largest_layer)
+        return (units.root_per_tp_rank(self.layout.tp) + layer) * dtype.itemsize
 
     def vision_embeds(self) -> int:
         """The rollout's cached vision features (schedules with prompt work), kept to the step's end."""
@@ -251,7 +279,21 @@ class _Shapes:
         vision = 0 if all(i.reuses_vision for i in no_graph) else \
             self.chunk_prompts * self.patches * _vision_forward_bytes(self.args, self.size)
         tokens = self.chunk_prompts * self.batch.prompt_len
-        return max(tokens * _layer_forward_bytes(self.args, self.size, self.layout.tp, self.o.attention), vision)
+        layer = _layer_forward_bytes(self.args, self.size, self.layout.tp, self.o.attention, self.layout.ep)
+        return max(tokens * layer, vision)
+
+    def route_log(self) -> int:
+        """The engine's route log, during a rollout that records routes (routing replay rollout)."""
+        return route_log_bytes(self.args, self.o.max_num_seqs, self.batch) if self.o.routing_replay == "rollout" \
+            else 0
+
+    def sample_routes(self, phase: str) -> int:
+        """The routes the rank's samples carry in `phase` (one of PHASES): from the rollout with routing replay
+        rollout, from the old-logprob pass with old, to the step's end."""
+        since = {"rollout": "rollout", "old": "logprobs"}.get(self.o.routing_replay)
+        if since is None or PHASES.index(phase) < PHASES.index(since):
+            return 0
+        return sample_routes_bytes(self.args, self.batch, self.prompts_per_rank)
 
     def kept_prompt_state(self, admitted: list[bool], graphs: bool = True) -> dict[str, int]:
         states = [s for s, a in zip(self.states, admitted) if a]
@@ -264,7 +306,8 @@ class _Shapes:
 
     def pass_bytes(self, kept: bool, grad: bool) -> int:
         """A micro-batch's working memory (`micro_batch_bytes`) at the options' token budget."""
-        return micro_batch_bytes(self.args, self.micro_batch(kept), self.batch, self.o, self.layout.tp, grad)
+        return micro_batch_bytes(self.args, self.micro_batch(kept), self.batch, self.o, self.layout.tp, grad,
+                                 self.layout.ep)
 
     def micro_batches(self, kept: bool) -> int:
         """Micro-batches of an optimizer step: its chunk's response tokens over a micro-batch's."""
@@ -276,17 +319,19 @@ def _rollout_phases(s: _Shapes, admitted: list[bool], base: dict[str, int]) -> d
     """Rollout, and the prompt work: in the decode window beside the KV pool (overlap, the
     engine's steps and the slices alternating), or after rollout without it (serial)."""
     rollout = dict(base, params_gathered=s.engine_weights(), vision_embeds=s.vision_embeds(),
-                   workspace=s.engine_workspace())
+                   workspace=s.engine_workspace(), **_some(engine_experts=s.engine_experts(),
+                                                           routes=s.route_log() + s.sample_routes("rollout")))
     if not s.o.share_prefix:
         return {"rollout": rollout}
     # The reference model's root unit stays gathered from its prompt forward to its logprob passes.
     ref_admitted = any(a and i.kind == PromptKind.REF for i, a in zip(s.items, admitted))
     ref_root = s.pass_weights(s.o.ref_dtype, ref=True) if ref_admitted else 0
-    work = dict(s.kept_prompt_state(admitted), params_gathered=s.prefix_weights() + ref_root)
+    work = dict(s.kept_prompt_state(admitted), params_gathered=s.prefix_weights() + ref_root,
+                **_some(engine_experts=s.engine_experts()))
     if s.o.schedule == "overlap":
         prefix = dict(rollout, **work, workspace=max(rollout["workspace"], s.slice_workspace(admitted)))
-    else:
-        prefix = dict(base, **work, workspace=s.slice_workspace(admitted))
+    else:  # after rollout: its route log is gone
+        prefix = dict(base, **work, workspace=s.slice_workspace(admitted), **_some(routes=s.sample_routes("prefix")))
     return {"rollout": rollout, "prefix": prefix}
 
 
@@ -298,7 +343,8 @@ def _logprobs(s: _Shapes, admitted: list[bool], base: dict[str, int]) -> dict[st
         return {}
     kept = bool(s.items) and all(admitted)
     return dict(base, params_gathered=s.pass_weights(o.ref_dtype if o.ref_model else o.param_dtype, o.ref_model),
-                **s.kept_prompt_state(admitted), activations=s.pass_bytes(kept, grad=False))
+                **s.kept_prompt_state(admitted), activations=s.pass_bytes(kept, grad=False),
+                **_some(routes=s.sample_routes("logprobs")))
 
 
 def _train(s: _Shapes, admitted: list[bool], base: dict[str, int]) -> dict[str, int]:
@@ -314,6 +360,7 @@ def _train(s: _Shapes, admitted: list[bool], base: dict[str, int]) -> dict[str, 
     o, grads = s.o, s.grads()
     root_grads = s.root_weights(o.param_dtype)
     actor = next((st for i, st, a in zip(s.items, s.states, admitted) if a and i.kind == PromptKind.ACTOR), None)
+    base = dict(base, **_some(routes=s.sample_routes("train")))
 
     def update(state: dict[str, int], kept: bool) -> list[dict[str, int]]:
         in_pass = dict(base, **state, params_gathered=s.pass_weights(o.param_dtype),
@@ -323,7 +370,7 @@ def _train(s: _Shapes, admitted: list[bool], base: dict[str, int]) -> dict[str, 
 
     candidates = update(s.kept_prompt_state(admitted), actor is not None)
     if actor is not None:
-        layer = layer_backward_bytes(s.args, s.size, s.layout.tp, o)
+        layer = layer_backward_bytes(s.args, s.size, s.layout.tp, o, s.layout.ep)
         candidates.append(dict(base, **s.kept_prompt_state(admitted), params_gathered=s.pass_weights(o.param_dtype),
                                grads=grads, activations=actor.kv + s.chunk_prompts * s.batch.prompt_len * layer))
     if o.updates_per_batch > 1:
@@ -337,12 +384,36 @@ def _phases(s: _Shapes, admitted: list[bool]) -> dict[str, dict[str, int]]:
     phases = _rollout_phases(s, admitted, base)
     phases["logprobs"] = _logprobs(s, admitted, base)
     phases["train"] = _train(s, admitted, base)
-    phases["optimizer"] = dict(base, grads=s.grads(), optimizer_state=s.moments())
+    phases["optimizer"] = dict(base, grads=s.grads(), optimizer_state=s.moments(),
+                               **_some(routes=s.sample_routes("optimizer")))
     return {p: phases.get(p, {}) for p in PHASES}
 
 
 def _total(phase: dict[str, int]) -> int:
     return sum(phase.values())
+
+
+def _some(**classes: int) -> dict[str, int]:
+    """The classes that hold bytes: those a model or an option may not have (experts, routes) are left out
+    of a phase rather than listed at 0."""
+    return {c: b for c, b in classes.items() if b}
+
+
+def _check_experts(args: FamilyArgs, layout: ParallelLayout, options: MemoryOptions) -> None:
+    """Expert parallelism and routing replay need an MoE model, and ep must divide its experts (as
+    rollplex.models.expert_parallel.check_ep and the engine's route log refuse otherwise)."""
+    moe = moe_of(args)
+    if layout.ep > 1:
+        if moe is None or not expert_counts(args).layers:
+            raise ValueError(f"parallel.ep {layout.ep}: the model has no MoE layers to split by expert; use ep 1")
+        if moe.num_experts % layout.ep:
+            raise ValueError(f"parallel.ep {layout.ep} does not divide the MoE layers' {moe.num_experts} experts")
+        if options.lora.rank > 0:
+            raise ValueError(f"parallel.ep {layout.ep} with lora.rank {options.lora.rank}: expert parallelism does "
+                             "not split LoRA's frozen base yet")
+    if options.routing_replay != "none" and moe is None:
+        raise ValueError(f"algorithm.routing_replay {options.routing_replay}: routes are an MoE model's; this "
+                         "model has no experts")
 
 
 # ----------------------------------------------------------------------------- sizing
@@ -399,6 +470,32 @@ def _size_pool(s: _Shapes, usable: int) -> int:
     return min(kv_pool_need(s.args, s.batch, s.prompts_per_engine, s.o, s.layout.engine_tp), usable - _total(held))
 
 
+def _require_engine_weights(s: _Shapes, usable: int) -> None:
+    """Raise when the weights the rollout holds on each GPU (the engine's: every weight of its TP share, the
+    trainer's gathered units, and under expert parallelism the engine's whole experts beside the trainer's
+    share) alone do not fit, whatever the batch: no KV pool, batch or dp_shard makes room for them."""
+    weights = s.engine_weights() + s.engine_experts()
+    if weights <= usable:
+        return
+    lay, experts = s.layout, s.experts.total * s.size
+    share = s.experts.total // lay.ep * s.size if lay.ep > 1 else 0
+    held = "every weight whole" if lay.engine_tp == 1 else \
+        f"its 1/{lay.engine_tp} share of the split weights and the rest whole"
+    what = (f"the rollout holds {held} on each GPU (engine tp {lay.engine_tp}): {_fmt(weights - share)}"
+            + (f", {_fmt(experts)} of them the routed experts" if experts else "")
+            + (f", and beside them this rank's 1/{lay.ep} share of the experts, gathered by the trainer's FSDP units "
+               f"({_fmt(share)}): {_fmt(weights)} in all" if share else "")
+            + f", more than the {_fmt(usable)} usable (the device's memory less {UNCOUNTED_FRACTION:.0%})")
+    if experts:
+        why = ("MoE families roll out at tensor parallel 1 and the engine holds every expert whole (expert "
+               "parallelism and expert tensor parallelism in the engine are not built yet), so this model "
+               f"cannot roll out on one GPU of {s.o.device_memory / GiB:.1f} GiB. To fit: a smaller model, or a GPU "
+               "with more memory (trainer.device_memory)")
+    else:
+        why = "To fit: split the engine over more GPUs (rollout.tp), or give a larger trainer.device_memory"
+    raise MemoryPlanError(f"{what}. {why}")
+
+
 def _require_one_sequence_trains(train: dict[str, int], tokens: int, usable: int) -> None:
     """Raise, naming what holds the memory, when the train phase at one sequence of `tokens` does not fit."""
     if _total(train) > usable:
@@ -440,6 +537,7 @@ def size_memory(args: FamilyArgs, layout: ParallelLayout, batch: BatchShape, opt
     params = params or count_params(args)
     usable = usable_bytes(options)
     trial = replace(options, kv_pool=0.0, prefix_budget=0.0, micro_batch_tokens=batch.longest_sequence)
+    _require_engine_weights(_Shapes(args, layout, batch, trial, params), usable)
     kv_pool = _size_pool(_Shapes(args, layout, batch, trial, params), usable) if options.kv_pool is None else \
         _bytes(options.kv_pool, options.device_memory)
     trial = replace(trial, kv_pool=float(kv_pool))
@@ -448,9 +546,13 @@ def size_memory(args: FamilyArgs, layout: ParallelLayout, batch: BatchShape, opt
         raise MemoryPlanError(f"trainer.max_tokens_per_micro_batch {micro} is smaller than the longest sequence, "
                               f"{batch.longest_sequence} tokens (the actor never splits one): raise it, or set 0 "
                               "for the memory plan's")
-    fixed = _phases(_Shapes(args, layout, batch, replace(trial, micro_batch_tokens=micro), params),
-                    [False] * len(prompt_work_items(options)) if options.share_prefix else [])
+    shapes = _Shapes(args, layout, batch, replace(trial, micro_batch_tokens=micro), params)
+    fixed = _phases(shapes, [False] * len(shapes.items))
     prefix_room = usable - _total(fixed["prefix"]) + fixed["prefix"]["kv_pool"] if fixed["prefix"] else 0
+    if shapes.items:  # what admitting prompt work holds besides its state: the reference's root unit, a slice's layer
+        admitted_all = _phases(shapes, [True] * len(shapes.items))["prefix"]
+        prefix_room -= sum(max(0, admitted_all.get(c, 0) - fixed["prefix"].get(c, 0))
+                           for c in ("params_gathered", "workspace"))
     budget = None if options.prefix_budget is None else _bytes(options.prefix_budget, options.device_memory)
     return MemorySizes(usable, kv_pool, micro, prefix_room, usable - _total(fixed["train"]), budget)
 
@@ -479,7 +581,8 @@ def plan_memory(args: FamilyArgs, layout: ParallelLayout, batch: BatchShape, opt
     everything = {c: max(rollplex.phases[p].get(c, 0) for p in PHASES) for c in TENSOR_CLASSES}
     naive = SchedulePlan("naive", {p: dict(everything) for p in PHASES if rollplex.phases[p]})
     return MemoryPlan(args, layout, batch, resolved, sizes, params, naive, rollplex, shapes.prompts_per_rank,
-                      shapes.items, shapes.states, admits, budget, model_name, shapes.lora)
+                      shapes.items, shapes.states, admits, budget, model_name, shapes.lora,
+                      shapes.experts)
 
 
 def effective_options(args: FamilyArgs, options: MemoryOptions) -> MemoryOptions:

@@ -4,7 +4,7 @@ schedules, their peaks, and what is exact, estimated or not counted."""
 from __future__ import annotations
 
 from rollplex.models.registry import family_of
-from rollplex.rl.memory.estimates import layer_counts
+from rollplex.rl.memory.estimates import layer_counts, moe_of, route_bytes_per_token
 from rollplex.rl.memory.inputs import GiB, UNCOUNTED_FRACTION
 from rollplex.rl.memory.plan import TENSOR_CLASSES, MemoryPlan
 
@@ -21,13 +21,15 @@ def _header(plan: MemoryPlan) -> list[str]:
         f"model {plan.model_name or '(config)'}: {p.total / 1e9:.2f}B parameters ({p.vision / 1e9:.2f}B vision, "
         f"{p.tp_split / 1e9:.2f}B split by tp), {t.num_hidden_layers} layers{_recurrent_layers(plan)}, "
         f"hidden {t.hidden_size}, {t.num_key_value_heads} kv heads x {t.head_dim}",
-        f"layout: {lay.nodes} node(s) x {lay.gpus_per_node} GPUs; trainer dp_shard {lay.dp_shard} x tp {lay.tp}; "
-        f"engine tp {lay.engine_tp} ({lay.engine_replicas} replicas)",
+        *_experts_line(plan),
+        f"layout: {lay.nodes} node(s) x {lay.gpus_per_node} GPUs; trainer dp_shard {lay.dp_shard} x tp {lay.tp}"
+        f"{_ep(plan)}; engine tp {lay.engine_tp} ({lay.engine_replicas} replicas)",
         f"batch: {b.prompts} prompts x n {b.n}; prompt {b.prompt_tokens} text + {b.vision_tokens} vision tokens "
         f"({b.vision_patches(args)} patches); response {b.response_tokens} tokens",
         f"options: schedule {o.schedule}, {o.updates_per_batch} update(s) per batch, activation checkpointing "
         f"{o.activation_checkpointing}, freeze vision {o.freeze_vision}, optimizer offload {o.offload_optimizer}, "
-        f"ref model {o.ref_model}, old prefix {o.recompute_old_logprobs}, {o.param_dtype}, {o.attention} attention",
+        f"ref model {o.ref_model}, old prefix {o.recompute_old_logprobs}, {o.param_dtype}, {o.attention} attention"
+        + (f", routing replay {o.routing_replay}" if moe_of(args) is not None else ""),
         *_lora_line(plan),
         f"sizes within {z.usable / GiB:.1f} GiB ({o.device_memory / GiB:.1f} GiB less {UNCOUNTED_FRACTION:.0%} "
         f"uncounted): KV pool {z.kv_pool / GiB:.2f} GiB, micro-batch {z.micro_batch_tokens} tokens, prefix budget "
@@ -46,6 +48,54 @@ def _recurrent_layers(plan: MemoryPlan) -> str:
     state = family_of(plan.args).recurrent_state_bytes(plan.args, plan.layout.engine_tp)
     return (f" ({attention} with K/V, {recurrent} Gated DeltaNet: {state / 2 ** 20:.1f} MiB of recurrent state per "
             f"sequence on an engine rank, {plan.options.max_num_seqs} + 1 rows in the engine's state pool)")
+
+
+def _experts_line(plan: MemoryPlan) -> list[str]:
+    """The experts of an MoE model: how many, how wide, in which layers, and their share of the weights."""
+    moe, e = moe_of(plan.args), plan.experts
+    if moe is None:
+        return []
+    shared = (f", a shared expert of {moe.shared_expert_intermediate_size}"
+              if moe.shared_expert_intermediate_size else "")
+    return [f"experts: {e.layers} MoE layers of {moe.num_experts} experts of width {moe.moe_intermediate_size}, "
+            f"{moe.num_experts_per_tok} per token{shared}: {e.total / 1e9:.2f}B routed-expert parameters "
+            f"({e.total / plan.params.total:.0%} of the model), {e.per_layer / 1e9:.2f}B in each MoE layer"
+            + (f", of which a rank gathers its 1/{plan.layout.ep} in a pass" if plan.layout.ep > 1 else
+               ", all gathered with its layer's FSDP unit in a pass")]
+
+
+def _ep(plan: MemoryPlan) -> str:
+    lay, moe = plan.layout, moe_of(plan.args)
+    if lay.ep == 1:
+        return ", ep 1" if moe is not None else ""
+    over = lay.dp_shard // lay.ep
+    return f", ep {lay.ep} ({moe.num_experts // lay.ep} experts a rank, FSDP-sharded over {over} rank{'s' * (over > 1)})"
+
+
+def _moe_notes(plan: MemoryPlan) -> list[str]:
+    """What the plan counts for an MoE model, where it is one."""
+    if moe_of(plan.args) is None:
+        return []
+    lay = plan.layout
+    ep = (f"With ep {lay.ep} a pass gathers this rank's 1/{lay.ep} of a sparse layer's experts, and the rollout "
+          "holds this rank's share beside the engine's own whole experts (engine_experts: rebuilt from the shares "
+          "by an all-gather at each rollout start, freed after it); the master shard, gradients and moments are "
+          "the same size as at ep 1 (1/ep of the experts over dp_shard/ep ranks). "
+          if lay.ep > 1 else "Expert parallelism (--ep) would split a pass's gathered experts, not the rollout's. ")
+    return [
+        "experts (MoE): exact: every expert is counted in the weights, gradients and moments; a sparse layer's FSDP "
+        f"unit gathers all its experts; the engine holds every expert whole in rollout (it runs at tp 1). {ep}"
+        "Estimated per token and sparse layer (replacing the dense SwiGLU's 4 x intermediate; measured on CPU in "
+        "tests/test_memory.py): the router's float32 probabilities over the experts, and per routed pair (k per "
+        "token) the gathered row, gate_up's output (2 x width), silu's output and the product, the experts' "
+        "output and the weighted rows (hidden each), its weight and two int64 indices; the shared expert as a dense "
+        "SwiGLU; with ep > 1 the token exchange's rows in flight in a pass's working memory. Routing replay "
+        f"(routes): the engine's route log (max_num_seqs x (response + 1) x {route_bytes_per_token(plan.args)} "
+        "bytes: layers x k int16) in rollout, and the samples' routes (prompt once, each response) to the step's "
+        "end. Not counted: an expert-parallel rank receiving more rows than its tokens send (routing imbalance), "
+        "FSDP's prefetch of the next layer's unit and a layer's unsharded gradients in backward (an MoE layer's "
+        "are large: left to the headroom).",
+    ]
 
 
 def _recurrent_notes(plan: MemoryPlan) -> list[str]:
@@ -111,6 +161,7 @@ def format_plan(plan: MemoryPlan) -> str:
         "forward, logits: 2 rows); workspace = the engine's "
         "prefill layer or decode logits and sampling, or a prompt slice's layer.",
         *_recurrent_notes(plan),
+        *_moe_notes(plan),
         "naive = the same tensors with nothing ever freed: each class at its largest, in every phase "
         "(so optimizer offload does not apply to it).",
         f"not counted (the {UNCOUNTED_FRACTION:.0%} headroom): allocator fragmentation, library workspaces, "
