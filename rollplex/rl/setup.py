@@ -243,7 +243,7 @@ def plan_run_memory(cfg: Config, path: Path, examples: list, dims: ParallelDims,
     options = MemoryOptions.from_config(cfg, memory_layout, compute_dtype, memory,
                                         resolve_backend(cfg.model.attn_backend, device))
     engine_tp = cfg.rollout.tp if dims.world_size % cfg.rollout.tp == 0 else dims.tp
-    layout = ParallelLayout(dims.dp_shard, dims.tp, engine_tp, 1, dims.world_size)
+    layout = ParallelLayout.of(dims, engine_tp)
     return plan_memory(args, layout, batch, options)
 
 

@@ -53,7 +53,7 @@ class ParallelLayout:
     def of(cls, dims, engine_tp: int) -> "ParallelLayout":
         """A run's layout: its trainer's mesh (rollplex.dist.ParallelDims, parallel.ep among them) on one node of
         all its ranks, and its engine's TP size."""
-        return cls(dims.dp_shard, dims.tp, engine_tp, 1, dims.world_size, getattr(dims, "ep", 1))
+        return cls(dims.dp_shard, dims.tp, engine_tp, 1, dims.world_size, dims.ep)
 
     @property
     def world(self) -> int:
