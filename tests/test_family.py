@@ -26,7 +26,7 @@ def test_nothing_outside_a_family_package_imports_it():
     rollplex.models.family: the registry is the one module that imports the packages. A family
     package (one that defines a FAMILY, registered or not yet) may build on another's code."""
     packages = {init.parent.name for init in (ROOT / "models").glob("*/__init__.py")
-                if "FAMILY = ModelFamily(" in init.read_text()}
+                if "\nFAMILY = " in init.read_text()}  # a ModelFamily, or another family's with changes
     assert set(FAMILIES) <= packages
     offenders = []
     for path in ROOT.rglob("*.py"):

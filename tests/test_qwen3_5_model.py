@@ -29,8 +29,8 @@ from rollplex.models.qwen3_5.mixing import SharedPrefixHybridAttention
 from rollplex.models.registry import FAMILIES, family_of_config
 from rollplex.ops.attention import GroupLayout
 from rollplex.train.actor import response_logprobs
-from test_qwen3_vl_model import (assert_close, hf_logits, image_and_video_prompt, image_tokens, mm_types, pixels,
-                                 randomize, video_tokens)
+from test_qwen3_vl_model import (assert_close, cached_pair, hf_logits, image_and_video_prompt, image_tokens, mm_types,
+                                 pixels, randomize, video_tokens)
 
 IMG, VID, VSTART, VEND = 90, 91, 92, 93  # tiny_args's image pad, video pad, vision start and end
 LIN, FULL = LINEAR_ATTENTION, FULL_ATTENTION
@@ -74,21 +74,16 @@ def load(path, **kw) -> Qwen3_5:
     return from_pretrained(path, dtype=torch.float32, attn_backend="torch", family=FAMILY, **kw)
 
 
-_PAIRS: dict[tuple, tuple] = {}
-
-
 def make_pair(tmp_path_factory, seed: int = 1, **kw):
-    """(folder, transformers model, our model loaded from the folder transformers wrote), cached per shape."""
-    key = (seed, *sorted(kw.items()))
-    if key not in _PAIRS:
+    """A pair (test_qwen3_vl_model.cached_pair) of hf_config(**kw)'s shape, its weights drawn from `seed`."""
+    def build():
         torch.manual_seed(seed)
-        hf = Qwen3_5ForConditionalGeneration(hf_config(**kw)).eval()
+        hf = Qwen3_5ForConditionalGeneration(hf_config(**kw))
         randomize(hf, seed)
         adapt_to_qwen3_5(hf, seed)
-        path = tmp_path_factory.mktemp("qwen3_5")
-        hf.save_pretrained(path)
-        _PAIRS[key] = path, hf, load(path)
-    return _PAIRS[key]
+        return hf
+
+    return cached_pair(tmp_path_factory, ("qwen3_5", seed, *sorted(kw.items())), build, load)
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ from rollplex.models.registry import FAMILIES, NOT_SUPPORTED_YET, family_of, fam
 from rollplex.tiny import TinySpec, make_tiny_checkpoint
 from test_qwen3_5_model import (FULL, LIN, PATTERN, adapt_to_qwen3_5, long_text, shared_prefix_groups,
                                 shared_prefix_loss_and_grads, vision_kw)
-from test_qwen3_vl_model import (IMG, VEND, VID, VSTART, assert_close, hf_logits, image_and_video_prompt,
+from test_qwen3_vl_model import (IMG, VEND, VID, VSTART, assert_close, cached_pair, hf_logits, image_and_video_prompt,
                                  image_tokens, mm_types, pixels, randomize, video_tokens)
 
 EXPERTS, EXPERT_WIDTH, SHARED_WIDTH = 8, 16, 24  # tiny_args's
@@ -71,22 +71,17 @@ def load(path, **kw) -> Qwen3_5Moe:
     return from_pretrained(path, dtype=torch.float32, attn_backend="torch", family=FAMILY, **kw)
 
 
-_PAIRS: dict[tuple, tuple] = {}
-
-
 def make_pair(tmp_path_factory, seed: int = 1, **kw):
-    """(folder, transformers model, our model loaded from the folder transformers wrote), cached per shape."""
-    key = (seed, *sorted(kw.items()))
-    if key not in _PAIRS:
+    """A pair (test_qwen3_vl_model.cached_pair) of hf_config(**kw)'s shape, its weights drawn from `seed`."""
+    def build():
         torch.manual_seed(seed)
-        hf = Qwen3_5MoeForConditionalGeneration(hf_config(**kw)).eval()
+        hf = Qwen3_5MoeForConditionalGeneration(hf_config(**kw))
         randomize(hf, seed)
         adapt_to_qwen3_5(hf, seed)
         draw_experts(hf, seed)
-        path = tmp_path_factory.mktemp("qwen3_5_moe")
-        hf.save_pretrained(path)
-        _PAIRS[key] = path, hf, load(path)
-    return _PAIRS[key]
+        return hf
+
+    return cached_pair(tmp_path_factory, ("qwen3_5_moe", seed, *sorted(kw.items())), build, load)
 
 
 @pytest.fixture(scope="module")
@@ -392,7 +387,7 @@ def test_protocol_and_counts():
     experts = sum(layer.mlp.experts.gate_up_proj[0].numel() + layer.mlp.experts.down_proj[0].numel()
                   for layer in model.language_model.layers)
     assert linear_params(args).decoder == linears + 2 * experts  # top-2
-    assert FAMILY.kv_layers(args) == 1
+    assert FAMILY.kv_layers(args) == [2]
     assert FAMILY.recurrent_state_bytes(args, 1) == FAMILIES["qwen3_5"].recurrent_state_bytes(args, 1) > 0
 
 

@@ -10,6 +10,8 @@ it: every frame group after its timestamp text, in a vision start / end of its o
 """
 
 import math
+from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -71,16 +73,27 @@ def load(path) -> Qwen3_VL:
 _PAIRS: dict[tuple, tuple] = {}
 
 
-def make_pair(tmp_path_factory, seed: int = 1, **kw):
-    """(folder, transformers model, our model loaded from the folder transformers wrote), cached per shape."""
-    key = (seed, *sorted(kw.items()))
+def cached_pair(tmp_path_factory, key: tuple, build: Callable[[], torch.nn.Module],
+                load: Callable[[Path], torch.nn.Module]) -> tuple:
+    """(folder, transformers model, our model `load`ed from the folder transformers wrote) of the transformers
+    model `build()` makes, cached by `key` (its family's name first, then its seed and shape): every family's
+    parity tests make their pairs so."""
     if key not in _PAIRS:
-        hf = Qwen3VLForConditionalGeneration(hf_config(**kw)).eval()
-        randomize(hf, seed)
-        path = tmp_path_factory.mktemp("qwen3_vl")
+        hf = build().eval()
+        path = tmp_path_factory.mktemp(key[0])
         hf.save_pretrained(path)
         _PAIRS[key] = path, hf, load(path)
     return _PAIRS[key]
+
+
+def make_pair(tmp_path_factory, seed: int = 1, **kw):
+    """A pair (`cached_pair`) of hf_config(**kw)'s shape, its weights drawn by `randomize` from `seed`."""
+    def build():
+        hf = Qwen3VLForConditionalGeneration(hf_config(**kw))
+        randomize(hf, seed)
+        return hf
+
+    return cached_pair(tmp_path_factory, ("qwen3_vl", seed, *sorted(kw.items())), build, load)
 
 
 @pytest.fixture(scope="module")

@@ -28,8 +28,8 @@ from rollplex.models.qwen_vl.layers import SwiGLU
 from rollplex.models.registry import FAMILIES, NOT_SUPPORTED_YET, SIZES_NOT_SUPPORTED, family_of_config
 from rollplex.ops.attention import VarlenAttention
 from rollplex.tiny import TinySpec, make_tiny_checkpoint
-from test_qwen3_vl_model import (IMG, VEND, VID, VSTART, assert_close, groups, hf_logits, image_and_video_prompt,
-                                 image_tokens, pixels, randomize, video_tokens)
+from test_qwen3_vl_model import (IMG, VEND, VID, VSTART, assert_close, cached_pair, groups, hf_logits,
+                                 image_and_video_prompt, image_tokens, pixels, randomize, video_tokens)
 
 EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 
@@ -68,20 +68,15 @@ def load(path) -> Qwen3_VL_MoE:
     return from_pretrained(path, dtype=torch.float32, attn_backend="torch")
 
 
-_PAIRS: dict[tuple, tuple] = {}
-
-
 def make_pair(tmp_path_factory, seed: int = 1, **kw):
-    """(folder, transformers model, our model loaded from the folder transformers wrote), cached per shape."""
-    key = (seed, *sorted(kw.items()))
-    if key not in _PAIRS:
-        hf = Qwen3VLMoeForConditionalGeneration(hf_config(**kw)).eval()
+    """A pair (test_qwen3_vl_model.cached_pair) of hf_config(**kw)'s shape, its weights drawn from `seed`."""
+    def build():
+        hf = Qwen3VLMoeForConditionalGeneration(hf_config(**kw))
         randomize(hf, seed)
         draw_experts(hf, seed)
-        path = tmp_path_factory.mktemp("qwen3_vl_moe")
-        hf.save_pretrained(path)
-        _PAIRS[key] = path, hf, load(path)
-    return _PAIRS[key]
+        return hf
+
+    return cached_pair(tmp_path_factory, ("qwen3_vl_moe", seed, *sorted(kw.items())), build, load)
 
 
 @pytest.fixture(scope="module")

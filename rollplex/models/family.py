@@ -136,8 +136,8 @@ class ModelFamily:
     # that is no weight's or bias's draw (a Gated DeltaNet's A_log and dt_bias), on the generator's device; None:
     # drawn as a weight or a bias. build_model(init_std=None), the parity tests' init, draws them as those too.
     init_draw: Callable[[str, tuple[int, ...], torch.Generator], torch.Tensor | None] = lambda key, shape, gen: None
-    # Decoder layers that keep K/V in the engine's paged pool and in the kept-prefix passes (args -> count).
-    kv_layers: Callable[[Any], int] = lambda args: args.text.num_hidden_layers
+    # The decoder layers that keep K/V in the engine's paged pool and the kept-prefix passes, ascending (args -> them).
+    kv_layers: Callable[[Any], list[int]] = lambda args: list(range(args.text.num_hidden_layers))
     # (args, tp) -> bytes of one sequence's recurrent state on one TP rank, every layer that keeps one (a
     # Gated DeltaNet's convolution tail and fp32 recurrent state): the engine's state pool holds one per row.
     recurrent_state_bytes: Callable[[Any, int], int] = lambda args, tp: 0

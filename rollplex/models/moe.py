@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from rollplex.dist import local_tensor
 from rollplex.ops.grouped_mm import grouped_mm, resolve_grouped_mm
 
-__all__ = ["Experts", "LayerRoutes", "MoEArgs", "Routing", "SparseMoE", "moe_args", "routing_of", "sort_by_expert",
-           "with_routing"]
+__all__ = ["Experts", "LayerRoutes", "MoEArgs", "Routing", "SparseMoE", "apply_tp", "check_tp", "moe_args",
+           "routing_of", "sort_by_expert", "with_routing"]
 
 UNRECORDED = -1  # a replayed route row of this value: the token was never routed in the recording (route live)
 
@@ -135,6 +135,21 @@ class Routing:
             out["agreed"] = torch.stack([r.agreed for r in compared]).sum()
             out["replayed"] = torch.stack([r.replayed for r in compared]).sum()
         return out
+
+
+def check_tp(args: Any, tp: int) -> None:
+    """An MoE family's `ModelFamily.check_tp`: no TP plan splits the experts yet (the dense plans would split
+    the attention and leave every rank all the experts, most of the weights), so any size but 1 is refused."""
+    if tp != 1:
+        # The caller names the setting and its value (rollplex.rl.setup: "parallel.tp 2: ...").
+        raise ValueError("MoE families run at tensor parallel 1 for now: split the experts over ranks with parallel.ep")
+
+
+def apply_tp(model: nn.Module, tp_mesh: Any) -> nn.Module:
+    """An MoE family's `ModelFamily.apply_tp`: `model` as it is on a TP mesh of one rank (the only size
+    `check_tp` lets through)."""
+    check_tp(model.args, tp_mesh.size())
+    return model
 
 
 def moe_args(model: Any) -> MoEArgs | None:

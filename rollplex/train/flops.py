@@ -52,7 +52,7 @@ def _flops(args: FamilyArgs, tokens: int, targets: int, pairs: int, grids) -> fl
     family = family_of(args)
     linear = family.linear_params(args)
     flops = 2 * linear.decoder * tokens + 2 * t.hidden_size * t.vocab_size * targets
-    flops += 4 * t.head_dim * t.num_attention_heads * family.kv_layers(args) * pairs
+    flops += 4 * t.head_dim * t.num_attention_heads * len(family.kv_layers(args)) * pairs
     for grid in grids:
         if grid is None:
             continue

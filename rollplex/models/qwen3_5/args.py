@@ -202,9 +202,9 @@ def count_params(args: HybridArgs, mlp_params: Callable[[Any], int] = dense_mlp_
                        root=root, root_tp_split=root_split, layer_tp_split=layer_split, layer_replicated=layer_whole)
 
 
-def kv_layers(args: HybridArgs) -> int:
-    """The decoder layers that keep K/V: the full-attention ones."""
-    return args.text.layer_types.count(FULL_ATTENTION)
+def kv_layers(args: HybridArgs) -> list[int]:
+    """The decoder layers that keep K/V: the full-attention ones, ascending."""
+    return [i for i, kind in enumerate(args.text.layer_types) if kind == FULL_ATTENTION]
 
 
 def recurrent_state_bytes(args: HybridArgs, tp: int, dtype_bytes: int = 2) -> int:

@@ -8,43 +8,24 @@ The vision tower, DeepStack, the attention, the processor and most of config.jso
 are Qwen3-VL's (rollplex.models.qwen3_vl), reused from there.
 """
 
-from rollplex.models.family import ModelFamily
-from rollplex.models.qwen3_vl import processor, vision_feature_levels
+from dataclasses import replace
+
+from rollplex.models.qwen3_vl import FAMILY as QWEN3_VL
 from rollplex.models.qwen3_vl_moe import tiny
-from rollplex.models.qwen3_vl_moe.args import (PRESETS, VISION_MLP_WIDTHS, ModelArgs, TextArgs, count_params,
-                                               linear_params, tiny_args, with_experts)
+from rollplex.models.qwen3_vl_moe.args import (PRESETS, ModelArgs, TextArgs, count_params, linear_params, tiny_args,
+                                               with_experts)
 from rollplex.models.qwen3_vl_moe.hf import (ARCHITECTURE, MODEL_TYPE, args_from_hf_config, hf_config_from_args,
                                              hf_key_to_params, param_to_hf_key, stacked_tensor)
 from rollplex.models.qwen3_vl_moe.model import Qwen3_VL_MoE
 from rollplex.models.qwen3_vl_moe.tp_plan import apply_tp, check_tp, repeated_blocks, vision_tower
 
-FAMILY = ModelFamily(
-    name=MODEL_TYPE,
-    hf_architecture=ARCHITECTURE,
-    hf_processor="Qwen3VLProcessor",  # the checkpoints name Qwen3-VL's processor
-    args_class=ModelArgs,
-    model_class=Qwen3_VL_MoE,
-    args_from_hf_config=args_from_hf_config,
-    hf_config_from_args=hf_config_from_args,
-    hf_key_to_params=hf_key_to_params,
-    param_to_hf_key=param_to_hf_key,
-    param_to_hf_module_key=param_to_hf_key,  # the checkpoints name parameters as transformers' model does
-    check_tp=check_tp,
-    apply_tp=apply_tp,
-    repeated_blocks=repeated_blocks,
-    vision_tower=vision_tower,
-    count_params=count_params,
-    linear_params=linear_params,
-    vision_feature_levels=vision_feature_levels,
-    vision_mlp_widths=VISION_MLP_WIDTHS,
-    presets=PRESETS,
-    tiny_args=tiny_args,
-    tiny_spec=tiny.TINY_SPEC,
-    tiny_mrope_section=tiny.mrope_section,
-    tiny_hf_config=tiny.tiny_hf_config,
-    tiny_processor_files=processor.tiny_processor_files,
-    load_processor=processor.load_processor,
-    stacked_tensor=stacked_tensor,
+# Qwen3-VL's family (checkpoint keys, processor, vision tower, DeepStack levels, FSDP units) but for what the
+# experts change: the expert tensors' layouts (stacked_tensor) among them.
+FAMILY = replace(
+    QWEN3_VL, name=MODEL_TYPE, hf_architecture=ARCHITECTURE, args_class=ModelArgs, model_class=Qwen3_VL_MoE,
+    args_from_hf_config=args_from_hf_config, hf_config_from_args=hf_config_from_args, check_tp=check_tp,
+    apply_tp=apply_tp, count_params=count_params, linear_params=linear_params, presets=PRESETS,
+    tiny_args=tiny_args, tiny_spec=tiny.TINY_SPEC, tiny_hf_config=tiny.tiny_hf_config, stacked_tensor=stacked_tensor,
 )
 
 __all__ = [

@@ -33,7 +33,6 @@ import torch
 
 from rollplex.config.sections import LoRAConfig
 from rollplex.models.family import FamilyArgs, ParamCounts
-from rollplex.models.qwen3_5.args import FULL_ATTENTION
 from rollplex.models.registry import family_of
 from rollplex.rl.memory.inputs import BatchShape, MemoryOptions
 from rollplex.rl.schedules.prompt_items import PromptItem, PromptKind
@@ -200,7 +199,7 @@ def layer_counts(args: FamilyArgs) -> tuple[int, int]:
     """(attention layers, recurrent layers) of the decoder: those that keep K/V (ModelFamily.kv_layers: every
     layer but in Qwen3.5), and the rest, which carry a recurrent state instead (Qwen3.5's Gated DeltaNet, the
     only such kind so far)."""
-    attention = family_of(args).kv_layers(args)
+    attention = len(family_of(args).kv_layers(args))
     return attention, args.text.num_hidden_layers - attention
 
 
@@ -209,7 +208,7 @@ def kv_bytes_per_token(args: FamilyArgs, dtype: torch.dtype = torch.bfloat16, tp
     t = args.text
     if t.num_key_value_heads % tp:
         raise ValueError(f"tp {tp} does not divide num_key_value_heads {t.num_key_value_heads}")
-    return 2 * family_of(args).kv_layers(args) * (t.num_key_value_heads // tp) * t.head_dim * dtype.itemsize
+    return 2 * len(family_of(args).kv_layers(args)) * (t.num_key_value_heads // tp) * t.head_dim * dtype.itemsize
 
 
 def state_pool_bytes(args: FamilyArgs, max_num_seqs: int, tp: int = 1) -> int:
@@ -408,15 +407,10 @@ def deltanet_layer_bytes(t: Any, size: int, tp: int = 1, attention: str = "torch
 
 
 def _keeps_kv(args: FamilyArgs) -> list[bool]:
-    """Which decoder layers are attention layers (keep K/V: `layer_counts`); the rest are Gated DeltaNet
-    layers, which only Qwen3.5's hybrid decoders have, by their `layer_types`."""
-    attention, recurrent = layer_counts(args)
-    if not recurrent:
-        return [True] * args.text.num_hidden_layers
-    kv = [kind == FULL_ATTENTION for kind in args.text.layer_types]
-    if sum(kv) != attention:
-        raise ValueError(f"layer_types has {sum(kv)} {FULL_ATTENTION} layers, the family keeps K/V in {attention}")
-    return kv
+    """Which decoder layers are attention layers (keep K/V: ModelFamily.kv_layers); the rest are Gated DeltaNet
+    layers, which only Qwen3.5's hybrid decoders have."""
+    kv = set(family_of(args).kv_layers(args))
+    return [i in kv for i in range(args.text.num_hidden_layers)]
 
 
 def _layer_kinds(args: FamilyArgs, size: int, tp: int, attention: str, frozen: bool) -> list[tuple[int, int, bool]]:
@@ -562,7 +556,7 @@ def kept_prompt_state(args: FamilyArgs, item: PromptItem, prompts: int, tokens: 
     if not item.keep_graph:
         return KeptPromptState(kv, 0)
     shared_kv = 0 if options.attention == "torch" or options.activation_checkpointing else \
-        family.kv_layers(args) * 2 * t.num_key_value_heads * t.head_dim // tp * size
+        len(family.kv_layers(args)) * 2 * t.num_key_value_heads * t.head_dim // tp * size
     graph = tokens * (_decoder_saved(args, size, tp, options) - shared_kv)
     if not (item.reuses_vision or options.freeze_vision):
         graph += patches * _vision_saved(args, size, options)
@@ -647,6 +641,6 @@ def micro_batch_bytes(args: FamilyArgs, mb: MicroBatch, batch: BatchShape, optio
     if not options.freeze_vision:
         saved += mb.patches * _vision_saved(args, size, options)
     if options.attention == "torch" and options.share_prefix:
-        saved += mb.sequences * batch.prompt_len * family_of(args).kv_layers(args) * \
+        saved += mb.sequences * batch.prompt_len * len(family_of(args).kv_layers(args)) * \
             2 * t.num_key_value_heads * t.head_dim // tp * size
     return saved + max(logits, mb.tokens * layer_backward_bytes(args, size, tp, options, ep))
