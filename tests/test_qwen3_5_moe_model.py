@@ -97,33 +97,9 @@ def saved_keys(path) -> set[str]:
 # ----------------------------------------------------------------------------- logits against transformers
 
 
-def test_text_longer_than_a_chunk(pair):
-    _, hf, ours = pair
-    ids = torch.tensor([long_text(150, seed=0)])
-    assert_close(ours.hf_forward(ids), hf_logits(hf, ids))
-
-
-def test_one_image(pair):
-    _, hf, ours = pair
-    pv, grid = pixels(1, 10, 6, seed=0)
-    ids = torch.tensor([[1, 2] + image_tokens(grid) + [4, 5]])
-    assert_close(ours.hf_forward(ids, pixel_values=pv, image_grid_thw=grid),
-                 hf_logits(hf, ids, pixel_values=pv, image_grid_thw=grid))
-
-
-def test_video_of_three_frame_groups(pair):
-    _, hf, ours = pair
-    pv, grid = pixels(3, 4, 8, seed=3)
-    ids = torch.tensor([[1, 2] + video_tokens(grid) + [4, 5]])
-    assert_close(ours.hf_forward(ids, pixel_values_videos=pv, video_grid_thw=grid),
-                 hf_logits(hf, ids, pixel_values_videos=pv, video_grid_thw=grid))
-
-
-def test_image_and_video_with_long_text(pair):
-    _, hf, ours = pair
-    p = image_and_video_prompt(seed=30)
-    ids = torch.cat([p.input_ids, torch.tensor(long_text(70, seed=1))])[None]
-    assert_close(ours.hf_forward(ids, **vision_kw(p)), hf_logits(hf, ids, **vision_kw(p)))
+# Qwen3.5's parity cases on this module's `pair` (pytest gives a test the fixture of the module it collects it in).
+from test_qwen3_5_model import (test_image_and_video_with_long_text, test_one_image,  # noqa: E402, F401
+                                test_text_longer_than_a_chunk, test_video_of_three_frame_groups)
 
 
 def test_top_1_routing(tmp_path_factory):
