@@ -272,7 +272,8 @@ class PolicyUpdate:
             metrics["training/rollout_probs_diff_mean"] = self.probs_diff_sum.item()
             metrics["training/rollout_probs_diff_max"] = self.probs_diff_max.item()
         if self.moe is not None:
-            metrics.update(self.moe.as_metrics(actor.dp_size))
+            replays = routes_of(actor.config.routing_replay, "update") is RouteMode.REPLAY
+            metrics.update(self.moe.as_metrics(actor.dp_size, replays))
         metrics.update({"actor/grad_norm": grad_norm, "actor/lr": actor.lr_schedule.get_last_lr()[0],
                         "actor/skipped_steps_total": float(actor.skipped_steps),
                         "training/nonfinite_logprobs": nonfinite})
@@ -575,18 +576,20 @@ class MoEMetrics:
         if "agreed" in sums:
             self.agreed += sums["agreed"].double()
             self.replayed += sums["replayed"].double()
-        return coef * aux * share if coef else aux.new_zeros(())
+        return coef * aux * share.to(aux.dtype) if coef else aux.new_zeros(())
 
-    def as_metrics(self, dp_size: int) -> dict[str, float]:
+    def as_metrics(self, dp_size: int, replays: bool) -> dict[str, float]:
         """moe/aux_loss (this rank's share, as the other losses), moe/expert_load_max_over_mean (the mean
-        over layers and micro-batches of the busiest expert's load over the mean load), and
-        moe/routing_agreement (the fraction of replayed token-layer top-k sets the live router picks too);
-        the last two as this rank's share (1 / `dp_size`) of their mean over the dp ranks, which sum them."""
-        out = {"moe/aux_loss": self.aux_loss.item()}
-        if self.layers.item():
-            out["moe/expert_load_max_over_mean"] = (self.load_ratio / self.layers).item() / dp_size
-        if self.replayed.item():
-            out["moe/routing_agreement"] = (self.agreed / self.replayed).item() / dp_size
+        over layers and micro-batches of the busiest expert's load over the mean load) and, when the update
+        `replays` routes, moe/routing_agreement (the fraction of replayed token-layer top-k sets the live
+        router picks too); the last two as this rank's share (1 / `dp_size`) of their mean over the dp ranks,
+        which sum them. Every rank gives the same keys (the ranks reduce them as one list); one that trained
+        no token gives 0."""
+        mean = lambda total, count: (total / count).item() / dp_size if count.item() else 0.0  # noqa: E731
+        out = {"moe/aux_loss": self.aux_loss.item(),
+               "moe/expert_load_max_over_mean": mean(self.load_ratio, self.layers)}
+        if replays:
+            out["moe/routing_agreement"] = mean(self.agreed, self.replayed)
         return out
 
 
