@@ -15,6 +15,7 @@ module's buffers, so casting the model to bf16 never rounds them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -261,6 +262,31 @@ def generated_positions(start: int, end: int, rope_delta: int,
     after a prompt whose rope delta is `rope_delta`: generated tokens are text,
     so each one's position is its index + the delta, the same on all three axes."""
     return (torch.arange(start, end, device=device) + rope_delta).expand(3, -1)
+
+
+def response_positions(n_prompt: int, rope_delta: int, length: int, observations: Sequence,
+                       device: torch.device | str | None = None) -> tuple[torch.Tensor, int]:
+    """M-RoPE positions (3, length) of a response's first `length` tokens after a prompt of
+    `n_prompt` tokens whose rope delta is `rope_delta`, and the rope delta after them. A sampled
+    token is text (`generated_positions`, with the delta so far); an observation
+    (rollplex.models.inputs.Observation) takes its own positions shifted to the position where it
+    starts, after which the delta grows by its own. The same positions as `mrope_positions` gives
+    the whole trajectory (text after vision continues from the largest position + 1), computed
+    a piece at a time, as the engine continues an episode."""
+    parts, index, end = [], n_prompt, n_prompt + length
+    for o in observations:
+        start = n_prompt + o.start
+        if start >= end:
+            break
+        parts.append(generated_positions(index, start, rope_delta, device))
+        parts.append((o.positions.to(device) + start + rope_delta)[:, :end - start])
+        rope_delta += o.rope_delta
+        index = start + len(o)
+    if index < end:
+        parts.append(generated_positions(index, end, rope_delta, device))
+    if not parts:
+        return torch.zeros(3, 0, dtype=torch.long, device=device), rope_delta
+    return torch.cat(parts, dim=1), rope_delta
 
 
 def _grid_list(grid_thw: torch.Tensor | None) -> list[list[int]]:
