@@ -88,6 +88,34 @@ class BlockManager:
             copy = (src, dst)
         return block_table[-1] * self.block_size + idx % self.block_size, copy
 
+    def blocks_to_extend(self, block_table: list[int], start: int, end: int) -> int:
+        """How many free blocks `extend(block_table, start, end)` takes."""
+        index = start // self.block_size
+        shared = index < len(block_table) and self.ref_counts[block_table[index]] > 1
+        return max(0, self.blocks_needed(end) - len(block_table)) + shared
+
+    def extend(self, block_table: list[int], start: int, end: int) -> tuple[int, int] | None:
+        """Room for tokens [start, end) of a sequence whose table covers at least the `start`
+        tokens before them (a multi-turn episode's next turn, written after its earlier ones).
+        Returns the (src_block, dst_block) copy to make first when token `start`'s block was
+        shared (copy-on-write), else None. `block_table` is updated in place; raises
+        NoFreeBlocks, changing nothing, when too few blocks are free."""
+        if len(block_table) < self.blocks_needed(start):
+            raise ValueError(f"block table of {len(block_table)} blocks does not cover the {start} tokens before "
+                             f"token {start} (block_size {self.block_size})")
+        needed = self.blocks_to_extend(block_table, start, end)
+        if needed > self.num_free:
+            raise NoFreeBlocks(f"need {needed} blocks for tokens [{start}, {end}), {self.num_free} free")
+        copy = None
+        index = start // self.block_size
+        if index < len(block_table) and self.ref_counts[block_table[index]] > 1:
+            src, dst = block_table[index], self._take()
+            self.ref_counts[src] -= 1
+            block_table[index] = dst
+            copy = (src, dst)
+        block_table += [self._take() for _ in range(self.blocks_needed(end) - len(block_table))]
+        return copy
+
     def free(self, block_table: list[int]) -> None:
         """Drop this sequence's references; blocks nobody uses any more become free."""
         # Check everything before changing anything, so a bad call leaves no half-freed table.

@@ -135,7 +135,9 @@ class DecodeBatch:
         self.finish_codes[rows] = RUNNING
         self.just_joined[rows] = True
         self.joined_since_step = True
-        self.rope_deltas[rows] = [s.prompt.rope_delta for s in seqs]
+        self.rope_deltas[rows] = [s.rope_delta for s in seqs]
+        # An observation's vision may move a multi-turn sample's positions past its prompt's bound.
+        self.max_position = max(self.max_position, *(s.prompt.max_length + max(s.rope_delta, 0) for s in seqs))
         self._hash_uniforms(rows, seqs)
         # Columns past a table stay the sink block (reset when a sequence leaves).
         width = max(len(s.block_table) for s in seqs)

@@ -35,6 +35,12 @@ schedules decode kernels ahead of those of lower-priority streams (the RL
 loop's prompt work), which fill the rest of it. `between_steps` and
 `on_finished` run on the caller's stream.
 
+Multi-turn (agentic) rollouts: with `episodes` (rollplex.engine.episodes), a sample
+whose turn ends pauses, holding its KV blocks but no decode row, while its tool runs;
+the engine polls for observations between steps (blocking only when nothing else can
+run), and each observation is prefilled onto the sample's K/V, never its history
+again, before it decodes on (rollplex.engine.scheduler).
+
 A step whose logits hold NaN or inf samples nothing: its sampled logprobs, read
 back with its tokens, are then non-finite, and the engine raises a
 `NonFiniteLogitsError` naming the step, the samples and the first layer whose
@@ -54,6 +60,7 @@ import torch
 
 from rollplex.engine.block_manager import BlockManager
 from rollplex.engine.decode_batch import Advanced, DecodeBatch
+from rollplex.engine.episodes import Episodes
 from rollplex.engine.kv_cache import KVCache
 from rollplex.engine.nonfinite import NonFiniteLogitsError, first_nonfinite_stage
 from rollplex.engine.recurrent_state import RecurrentStatePool
@@ -165,16 +172,18 @@ class Engine:
 
     def generate(self, requests: list[Request], params: SamplingParams | None = None,
                  between_steps: Callable[[int], None] | None = None,
-                 on_finished: Callable[[int, Group], None] | None = None) -> list[Group]:
+                 on_finished: Callable[[int, Group], None] | None = None,
+                 episodes: Episodes | None = None) -> list[Group]:
         """Sample every request's n responses. `between_steps(running)`, when
         given, is called after each engine step's tokens are read back (with the
         next decode step, run ahead, already issued) with the number of sequences
         still decoding: the RL loop's prompt-work scheduler runs its work there.
         `on_finished(index, group)`, before it, with each request whose samples
-        have all finished in that step (the RL loop streams their work)."""
+        have all finished in that step (the RL loop streams their work).
+        `episodes`: multi-turn samples, whose turns end and observations come from it."""
         params = params or SamplingParams()
         prompts = [self._prepare(i, r, params) for i, r in enumerate(requests)]
-        scheduler = self._start(prompts, params)
+        scheduler = self._start(prompts, params, episodes)
         self.progress.generation(sum(r.n for r in requests))
         try:
             self._run_steps(scheduler, params, between_steps, on_finished)
@@ -188,15 +197,19 @@ class Engine:
         """generate's steps, until every sample is finished."""
         in_flight: _Issued | None = None  # a step issued, its tokens not yet read back
         while scheduler.has_work():
+            # Samples whose observations came back; when nothing can run, wait for one.
+            ended = self._resume_episodes(scheduler, wait=in_flight is None and not scheduler.can_step())
             # Every device write of a step (the decode batch's rows and block tables, the step's inputs, the
             # model and the sampler) goes on the decode stream: on the caller's, it would queue behind the
             # prompt work's kernels, which the decode stream's priority exists to pass.
             with self.runner.on_decode_stream():
                 issued = None
-                if in_flight is None or self._may_run_ahead(in_flight, scheduler):
+                if scheduler.can_step() and (in_flight is None or self._may_run_ahead(in_flight, scheduler)):
                     issued = self._issue(scheduler.schedule(), scheduler.batch, params)
                 finished = None if in_flight is None else self._finish(in_flight, scheduler)
             in_flight = issued
+            if ended:
+                finished = (finished or []) + ended
             if finished is None:
                 continue
             self.progress.samples(len(finished), self.stats["decode_tokens"])
@@ -210,15 +223,30 @@ class Engine:
             with self.runner.on_decode_stream():
                 self._finish(in_flight, scheduler)
 
+    def _resume_episodes(self, scheduler: Scheduler, wait: bool) -> list[Sequence]:
+        """Queue the paused samples whose observations are ready (with `wait`, after waiting for
+        one); returns those whose episodes ended instead."""
+        if scheduler.episodes is None or not scheduler.paused:
+            return []
+        ready = scheduler.episodes.poll(wait)
+        if wait and not ready:
+            raise RuntimeError(f"{len(scheduler.paused)} samples wait for observations, and waiting for one "
+                               "returned none")
+        ended = [scheduler.resume(key, outcome) for key, outcome in ready]
+        return [seq for seq in ended if seq is not None]
+
     def _may_run_ahead(self, in_flight: _Issued, scheduler: Scheduler) -> bool:
         """Whether the next step may be issued before `in_flight`'s tokens are read back:
         a decode step after a decode step, which those tokens cannot change."""
         return self.config.run_ahead and not in_flight.step.is_prefill and scheduler.can_run_ahead()
 
-    def _start(self, prompts: list[PromptState], params: SamplingParams) -> Scheduler:
+    def _start(self, prompts: list[PromptState], params: SamplingParams, episodes: Episodes | None) -> Scheduler:
         """A new generation: the KV pool (allocated again if it was released), the runner
         told, and a scheduler over a new block manager and decode batch, with every
         prompt waiting."""
+        if episodes is not None and (self.states is not None or self.config.record_routes):
+            raise ValueError("multi-turn rollouts do not yet run on models with recurrent layers (Qwen3.5) nor "
+                             "record MoE routes (algorithm.routing_replay rollout)")
         self.cache.allocate()
         # A group larger than max_num_seqs still runs, alone.
         rows = max([self.config.max_num_seqs] + [p.request.n for p in prompts])
@@ -227,11 +255,13 @@ class Engine:
             self.states.hold_rows(rows)
         self.runner.start_generation()
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        if episodes is not None:
+            stop_ids |= episodes.turn_end_ids
         blocks = BlockManager(self.cache.num_blocks, self.cache.block_size)
         self.runner.routes = self._route_log(prompts, rows)
         batch = DecodeBatch(prompts, rows, self.runner.max_blocks, self.cache.sink_block, stop_ids, self.device,
                             routes=self.runner.routes)
-        scheduler = Scheduler(blocks, batch, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        scheduler = Scheduler(blocks, batch, self.config.max_num_seqs, self.config.max_num_batched_tokens, episodes)
         for p in prompts:
             scheduler.add(p)
         # dropped_tokens: sampled by sequences that had finished at the step before (run-ahead).
@@ -251,6 +281,7 @@ class Engine:
     def _end(self, scheduler: Scheduler) -> None:
         self.runner.routes = None  # the samples hold their routes: the log's buffer goes
         self.stats["preemptions"] = scheduler.num_preemptions
+        self.stats["released_episodes"] = scheduler.num_released_episodes
         # The first generation's graphs, and new ones for moved weights: inside this generation's time.
         # Failed: captures that ran out of memory, whose buckets decode eagerly.
         (self.stats["graph_captures"], self.stats["graph_capture_s"],
@@ -291,7 +322,8 @@ class Engine:
         """The model's float32 logits for the step: one row per prefilled sequence, or per running one."""
         self.stats["steps"] += 1
         if step.is_prefill:
-            self.stats["prefill_tokens"] += sum(len(s) for s in step.seqs)
+            self.stats["prefill_tokens"] += sum(len(s) - s.num_cached for s in step.seqs)
+            self.cache.copy_blocks(step.copies)  # an episode's next turn writes into a block its group shared
             # The sequences that decode from the prefill start from its states: a group's samples fork its prompt's.
             return self.runner.prefill(step.seqs, step.slots, [s.decode_row for s in step.sampling], step.logit_rows)
         return self.runner.decode(batch, step.copies)
@@ -351,7 +383,7 @@ class Engine:
     def _locate_in_prefill(self, seqs: list[Sequence], slots: list[list[int]], failing: list[int]) -> str:
         """Where the logits of prefilled sequences `failing` (indices into `seqs`) turn
         non-finite: the prefill again, checked on those sequences' tokens."""
-        starts = list(itertools.accumulate([0] + [len(s) for s in seqs]))
+        starts = list(itertools.accumulate([0] + [len(s) - s.num_cached for s in seqs]))
         tokens = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in failing]).to(self.device)
         return first_nonfinite_stage(self.model, lambda: self.runner.prefill(seqs, slots), tokens,
                                      torch.tensor(failing, device=self.device),

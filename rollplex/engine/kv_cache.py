@@ -24,11 +24,13 @@ batch write their (discarded) keys there, so the graph never needs a branch.
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from rollplex.device import to_device
 from rollplex.engine.recurrent_state import DecodeStates, PrefillStates
@@ -109,6 +111,32 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 @dataclass
+class ContextPrefill:
+    """A prefill in which some sequence continues K/V its blocks already hold (a multi-turn
+    episode: its observation after its earlier turns). Each sequence's new tokens, rows
+    [bounds[i], bounds[i + 1]) of the packed batch, attend causally to its whole context, read
+    back from the pool at `slots[i]` (the context's flat slots in token order, the new tokens'
+    last, stored before this runs). Eager torch: observations are a small share of a rollout's
+    tokens, and the K/V copy is one sequence's."""
+
+    bounds: list[int]
+    slots: list[torch.Tensor]  # per sequence: (context tokens,) long
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        kv_heads, head_dim = k_cache.shape[2:]
+        out = torch.empty_like(q)
+        for (a, b), slots in zip(itertools.pairwise(self.bounds), self.slots):
+            k = k_cache.view(-1, kv_heads, head_dim)[slots].transpose(0, 1)
+            v = v_cache.view(-1, kv_heads, head_dim)[slots].transpose(0, 1)
+            if q.shape[1] != kv_heads:  # GQA: torch's kernels take no enable_gqa with a mask on every device
+                k, v = (t.repeat_interleave(q.shape[1] // kv_heads, 0) for t in (k, v))
+            # Bottom-right causal: new token j sees the context up to its own position.
+            visible = torch.ones(b - a, len(slots), dtype=torch.bool, device=q.device).tril(len(slots) - (b - a))
+            out[a:b] = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k, v, attn_mask=visible).transpose(0, 1)
+        return out
+
+
+@dataclass
 class PagedAttention:
     """Attention backend of the engine's model calls.
 
@@ -138,6 +166,8 @@ class PagedAttention:
     layer_ops: FusedLayerOps | None = None  # the decoder layers' fused ops, or None: torch's
     # The step's recurrent layers (rollplex.engine.recurrent_state), where the model has any.
     states: PrefillStates | DecodeStates | None = None
+    # Prefill: where some sequence continues K/V its blocks hold, its new tokens attend to all of its context.
+    context: ContextPrefill | None = None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of rotated q, k: k and v are stored first."""
@@ -170,7 +200,7 @@ class PagedAttention:
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:
         if self.block_tables is None:
-            return self.prefill(q, k, v)
+            return self.prefill(q, k, v) if self.context is None else self.context(q, k_cache, v_cache)
         if self.shared_prefix is not None:
             return self.shared_prefix(q, k_cache, v_cache)
         if self.layer_ops is not None and self.backend == "torch":

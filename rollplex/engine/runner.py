@@ -61,7 +61,7 @@ from rollplex.device import to_device
 from rollplex.dist import local_tensor
 from rollplex.engine.cascade import SharedPrefixDecode, StepGroups
 from rollplex.engine.decode_batch import DecodeBatch
-from rollplex.engine.kv_cache import KVCache, PagedAttention
+from rollplex.engine.kv_cache import ContextPrefill, KVCache, PagedAttention
 from rollplex.engine.recurrent_state import DecodeStates, PrefillStates, RecurrentStatePool
 from rollplex.engine.routes import RouteLog
 from rollplex.engine.sequence import Sequence
@@ -192,14 +192,16 @@ class ModelRunner:
     def _prefill(self, seqs: list[Sequence], slots: list[list[int]], state_rows: list[int],
                  state_sources: list[int]) -> torch.Tensor:
         dev = self.device
-        ids = torch.tensor([t for s in seqs for t in s.token_ids], device=dev)
-        positions = torch.cat([s.positions(0, len(s)) for s in seqs], dim=1)
-        bounds = [0, *itertools.accumulate(len(s) for s in seqs)]
+        # A sequence continuing its episode computes only its tokens past the K/V its blocks hold (num_cached).
+        ids = torch.tensor([t for s in seqs for t in s.token_ids[s.num_cached:]], device=dev)
+        positions = torch.cat([s.positions(s.num_cached, len(s)) for s in seqs], dim=1)
+        bounds = [0, *itertools.accumulate(len(s) - s.num_cached for s in seqs)]
         states = None if self.states is None else PrefillStates(self.states, bounds, state_rows, state_sources)
         attn = PagedAttention(self.cache, torch.tensor([x for sl in slots for x in sl], device=dev),
                               prefill=PackedSegments(bounds, True, self.model.attn_backend, dev),
-                              backend=self.model.attn_backend, layer_ops=self.layer_ops, states=states)
-        prompt_mask = torch.cat([torch.arange(len(s)) < s.num_prompt for s in seqs]).to(dev)
+                              backend=self.model.attn_backend, layer_ops=self.layer_ops, states=states,
+                              context=self._context_of(seqs, bounds))
+        prompt_mask = torch.cat([s.context_mask(s.num_cached, len(s)) for s in seqs]).to(dev)
         routing = Routing() if self.routes is not None else None
         with_routing(attn, routing)
         hidden = self.model(ids, positions, attn, self._vision_of(seqs), prompt_mask)
@@ -207,16 +209,37 @@ class ModelRunner:
             self.routes.prefilled(seqs, bounds, routing)
         return self.model.logits(hidden[to_device([b - 1 for b in bounds[1:]], dev)]).float()
 
+    def _context_of(self, seqs: list[Sequence], bounds: list[int]) -> ContextPrefill | None:
+        """Where some sequence continues K/V its blocks hold (a multi-turn episode's next turn):
+        every sequence's context slots, so that its new tokens attend to all of it; else None."""
+        if all(s.num_cached == 0 for s in seqs):
+            return None
+        bs = self.block_size
+        slots = [to_device([s.block_table[i // bs] * bs + i % bs for i in range(len(s))], self.device)
+                 for s in seqs]
+        return ContextPrefill(bounds, slots)
+
     def _vision_of(self, seqs: list[Sequence]) -> VisionEmbeds:
-        """Vision features of the step's prompts in token order; each prompt's
-        images are encoded the first time it is prefilled and kept."""
+        """Vision features of the step's new tokens in token order: a prompt's images are
+        encoded the first time it is prefilled and kept, as are an observation's."""
+        encode = self.model.encode_vision
+        parts = []
         for s in seqs:
             p = s.prompt
-            if p.has_vision and p.vision is None:
-                q = p.request.prompt
-                p.vision = self.model.encode_vision(q.pixel_values, q.image_grid_thw, q.pixel_values_videos,
-                                                    q.video_grid_thw)
-        return VisionEmbeds.concat([s.prompt.vision for s in seqs])
+            if s.num_cached == 0 and p.has_vision:
+                if p.vision is None:
+                    q = p.request.prompt
+                    p.vision = encode(q.pixel_values, q.image_grid_thw, q.pixel_values_videos, q.video_grid_thw)
+                parts.append(p.vision)
+            for i, o in enumerate(s.observations):
+                if s.num_prompt + o.start < s.num_cached or not o.prompt.has_vision:
+                    continue  # its K/V are in the blocks already, or it has no images
+                if s.observation_vision[i] is None:
+                    q = o.prompt
+                    s.observation_vision[i] = encode(q.pixel_values, q.image_grid_thw, q.pixel_values_videos,
+                                                     q.video_grid_thw)
+                parts.append(s.observation_vision[i])
+        return VisionEmbeds.concat(parts)
 
     # ------------------------------------------------------------------ decode
 

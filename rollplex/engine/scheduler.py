@@ -25,6 +25,13 @@ batch, to sample their first tokens from its logits; each step's sampled tokens
 are issued to the batch when the step runs and recorded when the host has them
 (`finish`), and a sequence that finishes records its sample and frees its blocks.
 
+A multi-turn sample (with `episodes`, rollplex.engine.episodes) whose turn ends
+pauses: it leaves the decode batch, keeps its blocks, and waits in `paused` for its
+observation; `resume` then queues it for a prefill of its new tokens onto the K/V it
+holds (the front of the queue: finishing it frees its blocks). When nothing runs and
+the waiting sequence at the front cannot get its blocks, paused and waiting episodes'
+blocks are given up (youngest first): they are recomputed whole, as after a preemption.
+
 The engine schedules a decode step before the host has read the previous one's
 tokens (`can_run_ahead`) unless the step may need what only those tokens tell:
 a prefill (a sequence that finishes makes room for it), or a preemption (the
@@ -40,8 +47,9 @@ import numpy as np
 
 from rollplex.engine.block_manager import BlockManager, NoFreeBlocks
 from rollplex.engine.decode_batch import Advanced, DecodeBatch
+from rollplex.engine.episodes import Episodes, SampleKey
 from rollplex.engine.sequence import PromptState, Sequence
-from rollplex.models.inputs import Sample
+from rollplex.models.inputs import Observation
 
 
 @dataclass
@@ -55,17 +63,20 @@ class Step:
     first: int = 0  # the running index of sampling[0]
     slots: list[list[int]] = field(default_factory=list)  # prefill: each sequence's KV slot per token
     logit_rows: list[int] | None = None  # prefill: which sequence's logits each of `sampling` samples from
-    copies: list[tuple[int, int]] = field(default_factory=list)  # decode: copy-on-write block copies to make first
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block copies to make first
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, batch: DecodeBatch, max_num_seqs: int,
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int, episodes: Episodes | None = None):
         self.blocks, self.batch = block_manager, batch
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.episodes = episodes
         self.waiting: deque[Sequence] = deque()
+        self.paused: dict[SampleKey, Sequence] = {}  # multi-turn samples waiting for their observations
         self.num_preemptions = 0
+        self.num_released_episodes = 0  # paused or waiting episodes whose blocks were given up (recomputed)
 
     @property
     def running(self) -> list[Sequence]:
@@ -76,6 +87,10 @@ class Scheduler:
         self.waiting.append(Sequence(prompt, -1, prompt.request.prompt.input_ids.tolist()))
 
     def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.paused)
+
+    def can_step(self) -> bool:
+        """Whether a step can be scheduled now (else every unfinished sample waits for an observation)."""
         return bool(self.waiting or self.running)
 
     def can_run_ahead(self) -> bool:
@@ -88,17 +103,17 @@ class Scheduler:
         return self.batch.runs_on() and self.batch.blocks_needed(self.blocks.block_size) <= self.blocks.num_free
 
     def schedule(self) -> Step:
-        prefill = self._schedule_prefill()
+        prefill, copies = self._schedule_prefill()
         if prefill:
-            return self._fork(prefill)
+            return self._fork(prefill, copies)
         return self._schedule_decode()
 
-    def _fork(self, prefill: list[Sequence]) -> Step:
+    def _fork(self, prefill: list[Sequence], copies: list[tuple[int, int]]) -> Step:
         """The prefill step of `prefill`, whose sequences decode from it on: a group
         prompt's n children take over its blocks (shared), a recomputed sequence goes on
         as itself. They join the running batch now; their first tokens are sampled from
         the step's logits."""
-        slots = [self.blocks.slots(s.block_table, 0, len(s)) for s in prefill]
+        slots = [self.blocks.slots(s.block_table, s.num_cached, len(s)) for s in prefill]
         rows, decoding = [], []
         for i, s in enumerate(prefill):
             n = s.prompt.request.n if s.is_group_prompt else 1
@@ -109,30 +124,57 @@ class Scheduler:
             if s.is_group_prompt:
                 self.blocks.free(s.block_table)
         first = self.batch.join(decoding)
-        return Step(prefill, True, decoding, first, slots, rows)
+        return Step(prefill, True, decoding, first, slots, rows, copies)
 
-    def _schedule_prefill(self) -> list[Sequence]:
+    def _schedule_prefill(self) -> tuple[list[Sequence], list[tuple[int, int]]]:
+        """The waiting sequences the next step prefills, and the block copies to make first."""
         batch: list[Sequence] = []
+        copies: list[tuple[int, int]] = []
         tokens = 0
         seqs_after = len(self.running)
+        if self.waiting and not self.running:
+            self._make_room(self.waiting[0])
         while self.waiting:
             seq = self.waiting[0]
+            new_tokens = len(seq) - seq.num_cached
             # A prompt longer than the token budget still runs, alone.
             if not self._fits(seq, seqs_after, bool(batch or self.running)) or (
-                    batch and tokens + len(seq) > self.max_num_batched_tokens):
+                    batch and tokens + new_tokens > self.max_num_batched_tokens):
                 break
-            seq.block_table = self.blocks.allocate(len(seq))
+            if seq.num_cached:  # an episode's next turn, onto the K/V its blocks hold
+                copy = self.blocks.extend(seq.block_table, seq.num_cached, len(seq))
+                copies += [copy] if copy is not None else []
+            else:
+                seq.block_table = self.blocks.allocate(len(seq))
             self.waiting.popleft()
             batch.append(seq)
-            tokens += len(seq)
+            tokens += new_tokens
             seqs_after += seq.prompt.request.n if seq.is_group_prompt else 1
-        return batch
+        return batch, copies
 
     def _fits(self, seq: Sequence, seqs_after: int, accompanied: bool) -> bool:
         """Whether waiting `seq` may be prefilled with `seqs_after` sequences decoding: its
-        group stays within max_num_seqs (or runs alone), and its prompt's blocks are free."""
+        group stays within max_num_seqs (or runs alone), and the blocks it needs are free."""
         group = seq.prompt.request.n if seq.is_group_prompt else 1
-        return (seqs_after + group <= self.max_num_seqs or not accompanied) and self.blocks.can_allocate(len(seq))
+        return (seqs_after + group <= self.max_num_seqs or not accompanied) and self._blocks_for(seq) <= \
+            self.blocks.num_free
+
+    def _blocks_for(self, seq: Sequence) -> int:
+        if seq.num_cached:
+            return self.blocks.blocks_to_extend(seq.block_table, seq.num_cached, len(seq))
+        return self.blocks.blocks_needed(len(seq))
+
+    def _make_room(self, seq: Sequence) -> None:
+        """With nothing running, give up the blocks of paused episodes, then of the other waiting
+        ones (youngest first), until `seq` at the front of the queue fits: they would otherwise hold
+        the pool while each waits for blocks only the others could free. They are recomputed whole."""
+        holders = [s for s in self.paused.values()] + [s for s in self.waiting if s.num_cached and s is not seq]
+        while self._blocks_for(seq) > self.blocks.num_free and holders:
+            victim = holders.pop()
+            if victim.block_table:
+                self.blocks.free(victim.block_table)
+                victim.num_cached = 0
+                self.num_released_episodes += 1
 
     def _schedule_decode(self) -> Step:
         """Room for every running sequence's next token. Where the pool is short, the
@@ -170,18 +212,52 @@ class Scheduler:
         assert self.batch.settled(), "preemption needs every issued token on the host: the engine ran ahead too far"
         (seq,) = self.batch.leave([len(self.running) - 1])
         self.blocks.free(seq.block_table)
+        seq.num_cached = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def finish(self, advanced: Advanced, tokens: np.ndarray, logprobs: np.ndarray) -> list[Sequence]:
         """Record an issued step's tokens and their logprobs, read back to the host
         (`DecodeBatch.record`, which decides which sequences finish); returns the sequences
-        that finished, their samples recorded and blocks freed."""
-        finished = self.batch.leave(self.batch.record(advanced, tokens, logprobs))
+        that finished, their samples recorded and blocks freed. A multi-turn sample whose turn
+        ended and whose episode goes on pauses instead (`paused`)."""
+        done = []
+        for seq in self.batch.leave(self.batch.record(advanced, tokens, logprobs)):
+            if self.episodes is not None and seq.finish_reason == "stop":
+                reason = self.episodes.end_turn(_key(seq), seq.token_ids[seq.num_prompt:])
+                if reason is None:
+                    self.paused[_key(seq)] = seq
+                    continue
+                seq.end_episode(reason)
+            self._record(seq)
+            done.append(seq)
+        return done
+
+    def resume(self, key: SampleKey, outcome: Observation | str) -> Sequence | None:
+        """A paused sample's observation is ready (queued to be prefilled onto its K/V), or its
+        episode ends (`outcome` its finish reason; then returned, its sample recorded). An
+        observation that leaves no room for one more sampled token ends it as "length", not
+        appended: the episode is trained as far as it went."""
+        seq = self.paused.pop(key)
+        if isinstance(outcome, str) or len(seq) + len(outcome) >= seq.prompt.max_length:
+            seq.end_episode(outcome if isinstance(outcome, str) else "length")
+            self._record(seq)
+            return seq
+        seq.continue_with(outcome)
+        self.waiting.appendleft(seq)
+        return None
+
+    def _record(self, seq: Sequence) -> None:
+        """A finished sequence's sample, recorded; its blocks freed."""
+        sample = seq.sample()
         routes = self.batch.routes
-        for seq in finished:
-            seq.prompt.samples[seq.sample_index] = Sample(
-                seq.token_ids[seq.num_prompt:], seq.logprobs, seq.finish_reason,
-                *((seq.prompt.routes, routes.sample_routes(seq)) if routes is not None else ()))
-            self.blocks.free(seq.block_table)
-        return finished
+        if routes is not None:
+            sample.prompt_routes, sample.routes = seq.prompt.routes, routes.sample_routes(seq)
+        if self.episodes is not None:
+            sample.episode = self.episodes.finish(_key(seq), sample.finish_reason)
+        seq.prompt.samples[seq.sample_index] = sample
+        self.blocks.free(seq.block_table)
+
+
+def _key(seq: Sequence) -> SampleKey:
+    return seq.prompt.index, seq.sample_index

@@ -12,6 +12,14 @@ sequence itself while it waits or is done, and its row of the engine's
 at once, with no Python work per sequence). `token_ids`, `logprobs`, `len()`
 and `finish_reason` read whichever owns them, so no reader ever sees a copy
 that is behind.
+
+A multi-turn (agentic) sample pauses when its turn ends: it leaves the decode
+batch but keeps its KV blocks, and when its tool's or environment's observation
+comes back, the observation's tokens are appended and prefilled onto the KV it
+already has (`num_cached`: the tokens whose K/V its blocks hold), its earlier
+turns never computed again. Its M-RoPE positions continue across the turns
+(rollplex.models.rope.response_positions), and only the prompt's and the
+observations' image pads take vision features (`context_mask`).
 """
 
 from __future__ import annotations
@@ -21,8 +29,8 @@ from typing import Protocol
 
 import torch
 
-from rollplex.models.inputs import Prompt, Sample, VisionEmbeds
-from rollplex.models.rope import generated_positions
+from rollplex.models.inputs import Observation, Prompt, Sample, VisionEmbeds
+from rollplex.models.rope import response_positions
 
 
 @dataclass
@@ -79,6 +87,12 @@ class Sequence:
         self.decode_row = -1  # its row there
         # Its response tokens' recorded experts, as (first response index, routes) pieces (rollplex.engine.routes).
         self.route_pieces: list[tuple[int, torch.Tensor]] = []
+        # A multi-turn sample: the observations appended to it so far, each one's vision features once encoded
+        # (by its prefill), and how many of its tokens have their K/V in its blocks when it waits to continue an
+        # episode (0: its next prefill computes every token).
+        self.observations: list[Observation] = []
+        self.observation_vision: list[VisionEmbeds | None] = []
+        self.num_cached = 0
 
     @property
     def token_ids(self) -> list[int]:
@@ -116,14 +130,55 @@ class Sequence:
     def num_prompt(self) -> int:
         return len(self.prompt.request.prompt.input_ids)
 
+    @property
+    def rope_delta(self) -> int:
+        """The rope delta of the tokens it samples next: its prompt's, plus its observations'."""
+        return self.prompt.rope_delta + sum(o.rope_delta for o in self.observations)
+
     def positions(self, start: int, end: int) -> torch.Tensor:
         """M-RoPE positions (3, end - start) of tokens [start, end): the prompt's own,
-        then the generated tokens'."""
+        then the response's (sampled tokens and observations)."""
         p = self.prompt
         n_prompt = self.num_prompt
         parts = []
         if start < n_prompt:
             parts.append(p.positions[:, start:min(end, n_prompt)])
         if end > n_prompt:
-            parts.append(generated_positions(max(start, n_prompt), end, p.rope_delta, p.positions.device))
+            response, _ = response_positions(n_prompt, p.rope_delta, end - n_prompt, self.observations,
+                                             p.positions.device)
+            parts.append(response[:, max(start - n_prompt, 0):])
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+    def context_mask(self, start: int, end: int) -> torch.Tensor:
+        """(end - start,) bool: True at the tokens it did not sample (its prompt's and its
+        observations'), the only ones whose vision pads take vision features."""
+        index = torch.arange(start, end)
+        mask = index < self.num_prompt
+        for o in self.observations:
+            mask |= (index >= self.num_prompt + o.start) & (index < self.num_prompt + o.end)
+        return mask
+
+    def continue_with(self, observation: Observation) -> None:
+        """Its episode goes on: `observation`'s tokens follow the ones it has (a placeholder
+        logprob of 0.0 each) and its next prefill computes them, with its last sampled token
+        (whose K/V no decode step stored), onto the K/V its blocks hold."""
+        assert self.batch is None, "a sequence continues its episode once it has left the decode batch"
+        if observation.start != len(self) - self.num_prompt:
+            raise ValueError(f"an observation starting at response index {observation.start} cannot follow a "
+                             f"response of {len(self) - self.num_prompt} tokens")
+        self.num_cached = len(self) - 1 if self.block_table else 0  # its blocks may have gone to others meanwhile
+        self._token_ids = self._token_ids + observation.prompt.input_ids.tolist()
+        self._logprobs = self._logprobs + [0.0] * len(observation)
+        self._finish_reason = None
+        self.observations.append(observation)
+        self.observation_vision.append(None)
+
+    def end_episode(self, finish_reason: str) -> None:
+        """Its episode ends (it stopped, or waited, outside the decode batch) with `finish_reason`."""
+        assert self.batch is None
+        self._finish_reason = finish_reason
+
+    def sample(self) -> Sample:
+        """Its response as a finished sample."""
+        return Sample(self.token_ids[self.num_prompt:], self.logprobs, self.finish_reason,
+                      observations=list(self.observations))
