@@ -2,46 +2,32 @@
 costs only its samples (scored 0.0 and counted), not the run.
 
 `RewardScorer` scores in this process (`score_all`: the built-in rewards, trusted
-and fast), or in worker processes that score calls in parallel, where the calls
-still running at a batch's time limit are killed and a crash takes down only its
-worker; either way the worker is replaced (user functions, by default). A
-per-sample function (rollplex, verl, EasyR1 sequential) is called once per
-sample, so a failing call costs one; a batch function (EasyR1 batch, TRL) once
-per chunk of the batch, one chunk per worker.
+and fast), or in worker processes (rollplex.worker_processes) that score calls in
+parallel, where the calls still running at a batch's time limit are killed and a
+crash takes down only its worker; either way the worker is replaced (user
+functions, by default). A per-sample function (rollplex, verl, EasyR1 sequential)
+is called once per sample, so a failing call costs one; a batch function (EasyR1
+batch, TRL) once per chunk of the batch, one chunk per worker.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
+import functools
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 import time
-import traceback
 import warnings
-import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from multiprocessing import Pipe
-from multiprocessing.connection import Connection, wait
 from typing import Any, NamedTuple
 
 from rollplex.data.rewards import BATCH_KINDS, Reward, RewardSample, RewardTypeError, score_of
-from rollplex.user_code import carry_user_traceback, last_user_frame, user_traceback
+from rollplex.user_code import user_traceback
+from rollplex.worker_processes import WorkerDied, WorkerPool, describe_error
 
 # One sample's outcome: (score, components, error); a failed sample is (0.0, {}, its error).
 Outcome = tuple[float, dict[str, float], str]
-
-
-def _describe(error: BaseException) -> str:
-    """The error's one line, with where the user's code raised it ("... (reward.py:3 in reward)")."""
-    where = last_user_frame(error)
-    return f"{type(error).__name__}: {error}" + (f" ({where})" if where else "")
 
 
 class CallOutcomes(NamedTuple):
@@ -58,7 +44,7 @@ def _outcome(result: Any, score_key: str) -> Outcome:
     except RewardTypeError:  # the function's mistake, not the sample's: it stops the run (RewardScorer.score)
         raise
     except Exception as e:  # noqa: BLE001 - a result may be anything; its sample pays
-        return 0.0, {}, _describe(e)
+        return 0.0, {}, describe_error(e)
     return score, components, ""
 
 
@@ -69,7 +55,7 @@ def score_chunk(reward: Reward, samples: Sequence[RewardSample], score_key: str 
     try:
         results = reward(samples)
     except Exception as e:  # noqa: BLE001 - a user function may raise anything; its samples pay
-        return CallOutcomes([(0.0, {}, _describe(e))] * len(samples), user_traceback(e))
+        return CallOutcomes([(0.0, {}, describe_error(e))] * len(samples), user_traceback(e))
     return CallOutcomes([_outcome(result, score_key) for result in results])
 
 
@@ -158,38 +144,13 @@ def score_all(reward: Reward, samples: Sequence[RewardSample], score_key: str = 
 # reward of 1e19 overflows it in float32 there, sooner on a larger model, and each such step is skipped.
 LARGE_REWARD = 1e6
 USER_REWARD_WORKERS = 2  # worker processes for a user function when data.reward_workers is -1 (auto)
-_START_TIMEOUT_S = 300.0  # a worker's interpreter start and reward import (which may load a model)
-_STOP_GRACE_S = 1.0  # an idle worker exits on its own once its pipe closes
-_MAX_WAIT_S = 3600.0  # poll() rejects timeouts past ~24 days: a longer limit is waited out hour by hour
 
 
-def _die_with(trainer_pid: int) -> None:
-    """Linux: the kernel kills this worker when the trainer dies, even by SIGKILL while a
-    call hangs here (an idle worker would see its pipe close, a hung one would not)."""
-    with contextlib.suppress(OSError, AttributeError):  # elsewhere: no prctl
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != trainer_pid:  # it died before that took effect
-        os._exit(1)
-
-
-def _serve(fd: int, spec: str, kind: str, score_key: str, kwargs_json: str, trainer_pid: int) -> None:
-    """A worker process: load the reward, say so (("", "", its kind), or (the load error, its
-    traceback, "")), then score chunks of samples until the trainer closes the pipe."""
-    _die_with(trainer_pid)
-    # Ctrl-C and SIGTERM are the trainer's to handle (SLURM and Ctrl-C signal every process): it closes our pipe,
-    # after the step it finishes on SIGTERM, which its rewards still score here.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    conn = Connection(fd)
-    with contextlib.suppress(EOFError, ConnectionError):  # the trainer closed the pipe: we are done
-        try:
-            reward = Reward(spec, kind, json.loads(kwargs_json))
-        except Exception as e:  # noqa: BLE001 - reported to the trainer, which raises it
-            conn.send((_describe(e), "".join(traceback.format_exception(e)), ""))
-            return
-        conn.send(("", "", reward.kind))
-        while True:
-            conn.send(_score_in_worker(reward, conn.recv(), score_key))
+def _reward_worker(spec: str, kind: str, score_key: str, kwargs_json: str) -> tuple[Callable, str]:
+    """A reward worker's setup (rollplex.worker_processes.serve): load the reward; its handler scores a
+    chunk of samples, and the calling convention it found goes back to the trainer."""
+    reward = Reward(spec, kind, json.loads(kwargs_json))
+    return functools.partial(_score_in_worker, reward, score_key=score_key), reward.kind
 
 
 def _score_in_worker(reward: Reward, samples: Sequence[RewardSample], score_key: str) -> CallOutcomes | RewardTypeError:
@@ -201,166 +162,38 @@ def _score_in_worker(reward: Reward, samples: Sequence[RewardSample], score_key:
         return mistake
 
 
-def _exit_reason(code: int) -> str:
-    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+class _RewardWorkers(WorkerPool):
+    """Worker processes that each load the reward `spec` (called as `kind`, a dict result's score
+    its `score_key` entry, `kwargs_json` on every call), kept across batches. A batch's calls share
+    one time limit, `timeout_s`: the calls still running then are killed with their workers, which
+    are replaced, as is a worker that dies in a call; a replacement starts while the others go on
+    scoring."""
 
+    def __init__(self, spec: str, kind: str, score_key: str, kwargs_json: str, size: int, timeout_s: float):
+        super().__init__("rollplex.data.reward_scoring:_reward_worker", (spec, kind, score_key, kwargs_json), size,
+                         f"reward {spec!r}")
+        self.timeout_s = timeout_s
+        self.kind = self.info
 
-@dataclass(frozen=True)
-class _RewardSpec:
-    """What a worker loads: the function, its calling convention, a dict result's score entry
-    and the keyword arguments of every call (JSON)."""
-
-    spec: str
-    kind: str = "auto"
-    score_key: str = ""
-    kwargs_json: str = "{}"
-
-
-@dataclass(eq=False)  # workers are told apart by identity
-class _Worker:
-    """A worker process, the trainer's end of its pipe and what it is doing: starting
-    (until it has loaded the reward, by `start_deadline`), idle, or scoring chunk `task`.
-    `kind` is the calling convention the worker found, once it has started."""
-
-    process: subprocess.Popen
-    conn: Connection
-    start_deadline: float
-    started: bool = False
-    task: int | None = None
-    kind: str = ""
-
-    @classmethod
-    def start(cls, reward: _RewardSpec) -> _Worker:
-        # A fresh interpreter (fork + exec, safe beside CUDA and threads) that imports only the reward: unlike
-        # multiprocessing's spawn, it does not re-import the trainer's main script (torch and all: ~20 s, 450 MB).
-        # It gets this process's sys.path, so that a module:function spec resolves as it does here.
-        conn, child_conn = Pipe()
-        boot = (f"import sys; sys.path[:] = {[str(entry) for entry in sys.path]!r}; "
-                f"from rollplex.data.reward_scoring import _serve; _serve({child_conn.fileno()}, {reward.spec!r}, "
-                f"{reward.kind!r}, {reward.score_key!r}, {reward.kwargs_json!r}, {os.getpid()})")
-        process = subprocess.Popen([sys.executable, "-c", boot], pass_fds=[child_conn.fileno()])
-        child_conn.close()  # the worker holds the only other end: its death reads as EOF here
-        return cls(process, conn, time.monotonic() + _START_TIMEOUT_S)
-
-    @property
-    def idle(self) -> bool:
-        return self.started and self.task is None
-
-    def assign(self, task: int, request: list[RewardSample]) -> None:
-        self.task = task
-        with contextlib.suppress(OSError):  # a worker that died while idle reads as EOF, like one dying in the call
-            self.conn.send(request)
-
-    def finish_start(self, spec: str) -> None:
-        """Read the worker's start message (it is waiting); raise if it could not load the reward."""
-        error_traceback = ""
-        try:
-            error, error_traceback, self.kind = self.conn.recv()
-        except EOFError:
-            error = f"the worker exited ({_exit_reason(self.stop())})"
-        if error:
-            raise carry_user_traceback(ImportError(f"reward {spec!r} in a worker process: {error}"),
-                                       f"Loading reward {spec} in a worker process:", error_traceback)
-        self.started = True
-
-    def stop(self, grace_s: float = 0.0) -> int:
-        """Close the pipe, give the process `grace_s` to exit, kill it if it has not;
-        its exit code."""
-        self.conn.close()
-        try:
-            return self.process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait()
-
-
-def _stop_all(workers: list[_Worker]) -> None:
-    for worker in workers:
-        worker.conn.close()  # all at once: idle workers exit together
-    for worker in workers:
-        worker.stop(_STOP_GRACE_S)
-    workers.clear()
-
-
-class _WorkerPool:
-    """`size` worker processes that each load `reward`, kept across batches. A batch's
-    calls share one time limit, `timeout_s`: the calls still running then are killed
-    with their workers, which are replaced, as is a worker that dies in a call; a
-    replacement starts while the others go on scoring."""
-
-    def __init__(self, reward: _RewardSpec, size: int, timeout_s: float):
-        self.reward, self.spec, self.timeout_s = reward, reward.spec, timeout_s
-        self.workers = [_Worker.start(reward) for _ in range(size)]
-        # Stops the workers on close(), when the pool is collected, or at interpreter exit (a trainer that raised).
-        self.close = weakref.finalize(self, _stop_all, self.workers)
-        try:  # a reward that cannot load fails here, at the trainer's start
-            for worker in self.workers:
-                if not worker.conn.poll(max(0.0, worker.start_deadline - time.monotonic())):
-                    raise TimeoutError(f"reward {self.spec!r}: a worker process did not start in "
-                                       f"{_START_TIMEOUT_S:g} s")
-                worker.finish_start(self.spec)
-        except BaseException:
-            self.close()
-            raise
-        self.kind = self.workers[0].kind
-
-    def score(self, tasks: Sequence[list[RewardSample]]) -> list[CallOutcomes | None]:
+    def score(self, tasks: Sequence[list[RewardSample]]) -> list[CallOutcomes | RewardTypeError | None]:
         """Each task's (a call's samples) outcomes, or None for a task not done within `timeout_s`
         of the first call. One deadline for all: a function that hangs costs the batch one time
         limit, where one per call would cost tasks x limit / workers."""
-        if not self.workers:
-            raise RuntimeError(f"reward {self.spec!r}: the worker processes are closed")
+        self.check_open()
         todo = deque(range(len(tasks)))
-        results: list[CallOutcomes | None] = [None] * len(tasks)
+        results: list[CallOutcomes | RewardTypeError | None] = [None] * len(tasks)
         deadline = math.inf  # set by the first call: waiting for workers to start does not use up the limit
-        while (todo or self._calling()) and time.monotonic() < deadline:
-            for worker in self.workers:
-                if worker.idle and todo:
-                    deadline = min(deadline, time.monotonic() + self.timeout_s)
-                    task = todo.popleft()
-                    worker.assign(task, tasks[task])
-            self._take_messages(tasks, results, deadline)
-        self._kill_calls()
+        while (todo or self.busy()) and time.monotonic() < deadline:
+            for worker in self.idle()[:len(todo)]:
+                deadline = min(deadline, time.monotonic() + self.timeout_s)
+                task = todo.popleft()
+                worker.assign(task, tasks[task])
+            for _, task, reply in self.receive(deadline):
+                died = f"its worker process died ({reply.reason})" if isinstance(reply, WorkerDied) else ""
+                results[task] = CallOutcomes([(0.0, {}, died)] * len(tasks[task])) if died else reply
+        for worker in self.busy():  # their calls ran to the deadline: their samples score 0.0
+            self.replace(worker)
         return results
-
-    def _calling(self) -> list[_Worker]:
-        return [worker for worker in self.workers if worker.task is not None]
-
-    def _take_messages(self, tasks: Sequence[list[RewardSample]], results: list[CallOutcomes | None],
-                       deadline: float) -> None:
-        """Wait for a message from a busy or starting worker, or for `deadline`, and take in those that came."""
-        waiting = [worker for worker in self.workers if not worker.idle]
-        until = min([deadline, *(worker.start_deadline for worker in waiting if not worker.started)])
-        wait([worker.conn for worker in waiting], timeout=min(max(0.0, until - time.monotonic()), _MAX_WAIT_S))
-        for worker in waiting:
-            if worker.conn.poll():  # a message, or EOF: the worker died
-                self._receive(worker, tasks, results)
-            elif not worker.started and time.monotonic() >= worker.start_deadline:
-                raise TimeoutError(f"reward {self.spec!r}: a replacement worker process did not start "
-                                   f"in {_START_TIMEOUT_S:g} s")
-
-    def _receive(self, worker: _Worker, tasks: Sequence[list[RewardSample]],
-                 results: list[CallOutcomes | None]) -> None:
-        """Take the worker's message: that it started, or its task's outcomes."""
-        if not worker.started:
-            worker.finish_start(self.spec)
-            return
-        task, worker.task = worker.task, None
-        try:
-            results[task] = worker.conn.recv()
-        except EOFError:  # a crash in user code: a segfault, os.abort, or a kill from outside
-            died = f"its worker process died ({_exit_reason(worker.stop())})"
-            results[task] = CallOutcomes([(0.0, {}, died)] * len(tasks[task]))
-            self._replace(worker)
-
-    def _kill_calls(self) -> None:
-        """Kill the workers whose calls ran to the deadline (their samples score 0.0), and replace them."""
-        for worker in self._calling():
-            worker.stop()
-            self._replace(worker)
-
-    def _replace(self, worker: _Worker) -> None:
-        self.workers[self.workers.index(worker)] = _Worker.start(self.reward)
 
 
 class RewardScorer:
@@ -393,8 +226,8 @@ class RewardScorer:
         self._warned_large = False  # a score beyond LARGE_REWARD warns once (a run's scorer: once per run)
         self.workers = (0 if ":" not in spec else USER_REWARD_WORKERS) if workers == -1 else workers
         self._reward = Reward(spec, kind, kwargs) if self.workers == 0 else None
-        self._pool = _WorkerPool(_RewardSpec(spec, kind, score_key, json.dumps(kwargs or {})), self.workers,
-                                 timeout_s) if self.workers else None
+        self._pool = _RewardWorkers(spec, kind, score_key, json.dumps(kwargs or {}), self.workers,
+                                    timeout_s) if self.workers else None
         self.kind = self._reward.kind if self._reward else self._pool.kind  # the calling convention in use
 
     def score(self, responses: Sequence[str], answers: Sequence[str], response_ids: Sequence[list[int]] | None = None,

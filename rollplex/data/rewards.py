@@ -6,8 +6,9 @@ Built in: "exact_match" (one-word / short answers, the synthetic tasks), "math"
 (the <think>...</think> answer layout). `load_reward` also loads a user function
 from `module:function` or `path/to/file.py:function` (which imports the modules
 beside it, as a script does); without `:function`, verl's default `compute_score`
-or the module's one public function. Scoring batches, with a failing call costing only
-its samples, is rollplex.data.reward_scoring's.
+or the module's one public function (`load_user_object` loads tools and environments
+the same way). Scoring batches, with a failing call costing only its samples, is
+rollplex.data.reward_scoring's.
 """
 
 from __future__ import annotations
@@ -223,7 +224,8 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 }
 
 
-# The folders of the reward files loaded in this process, each put on sys.path by `_import_beside`.
+# The folders of the user files (rewards, tools, environments) loaded in this process, each put on sys.path by
+# `_import_beside`.
 _REWARD_FOLDERS: set[Path] = set()
 
 
@@ -263,60 +265,76 @@ def _forget_other_reward_folders_modules(folder: Path) -> None:
             del sys.modules[name]
 
 
-def _load_file(path: Path, spec: str):
+def _load_file(path: Path, spec: str, what: str):
     if not path.is_file():
-        raise ImportError(f"reward {spec!r}: file {path} not found")
+        raise ImportError(f"{what} {spec!r}: file {path} not found")
     _import_beside(path.resolve().parent)
-    # A unique module name per file: two reward files both called reward.py must not clash.
+    # A unique module name per file: two user files both called reward.py must not clash.
     name = f"rollplex_reward_{abs(hash(str(path.resolve())))}"
     module_spec = importlib.util.spec_from_file_location(name, path)
     if module_spec is None or module_spec.loader is None:
-        raise ImportError(f"reward {spec!r}: cannot load {path} as a Python module")
+        raise ImportError(f"{what} {spec!r}: cannot load {path} as a Python module")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module  # dataclasses and pickling look modules up here
     try:
         module_spec.loader.exec_module(module)
     except Exception as e:
         del sys.modules[name]
-        raise ImportError(f"reward {spec!r}: importing {path} failed: {type(e).__name__}: {e}") from e
+        raise ImportError(f"{what} {spec!r}: importing {path} failed: {type(e).__name__}: {e}") from e
     return module
 
 
 def load_reward(spec: str) -> RewardFn:
     """A reward function by name ("exact_match", "math", "format") or a user function as
-    `package.module:function` or `path/to/file.py:function` (its folder goes on sys.path,
-    after the standard library and the installed packages, so that the file imports the
-    modules beside it). Without `:function`, the module's `compute_score` (verl's default
-    name), else the one public function defined in it (`_default_function`)."""
+    `package.module:function` or `path/to/file.py:function` (`load_user_object`). Without
+    `:function`, the module's `compute_score` (verl's default name), else the one public
+    function defined in it (`_default_function`)."""
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
-    where, colon, func_name = spec.rpartition(":")
-    if not colon:
-        where = spec
-    elif not where or not func_name:
-        raise ValueError(f"reward {spec!r}: expected 'module:function' or 'path/to/file.py:function'")
-    module = _load_module(where, spec)
-    if not colon:
-        func_name = _default_function(module, where)
-    fn = getattr(module, func_name, None)
-    if fn is None:
-        raise ImportError(f"reward {spec!r}: {where} has no function {func_name!r}")
+    try:
+        fn = load_user_object(spec, "reward", _default_function)
+    except ImportError as e:
+        missing = e.__cause__
+        if ":" not in spec and isinstance(missing, ModuleNotFoundError) and missing.name == spec:
+            # A mistyped built-in, most likely.
+            raise ValueError(f"unknown reward {spec!r}: use a built-in ({', '.join(BUILTIN_REWARDS)}) "
+                             f"or a function as 'module:function' / 'path/to/file.py:function'") from None
+        raise
     if not callable(fn):
+        where, _, func_name = spec.rpartition(":")
         raise TypeError(f"reward {spec!r}: {where}.{func_name} is a {type(fn).__name__}, not a function")
     return fn
 
 
-def _load_module(where: str, spec: str) -> Any:
-    """The module of a user reward: a file (a path, or a name ending in .py) or an importable module."""
+def load_user_object(spec: str, what: str, default: Callable[[Any, str], str] | None = None,
+                     named: str = "function") -> Any:
+    """What a user's `package.module:name` or `path/to/file.py:name` names: a reward function,
+    a tool, an environment class (`what` and `named` say which, in the errors). A file's folder
+    goes on sys.path, after the standard library and the installed packages, so that the file
+    imports the modules beside it. A spec without `:name` takes `default(module, where)`'s name;
+    without a `default`, it is an error."""
+    where, colon, name = spec.rpartition(":")
+    if not colon and default is not None:
+        where = spec
+    elif not where or not name:
+        raise ValueError(f"{what} {spec!r}: expected 'module:name' or 'path/to/file.py:name'")
+    module = _load_module(where, spec, what)
+    if not colon:
+        name = default(module, where)
+    found = getattr(module, name, None)
+    if found is None:
+        raise ImportError(f"{what} {spec!r}: {where} has no {named} {name!r}")
+    return found
+
+
+def _load_module(where: str, spec: str, what: str) -> Any:
+    """The module of a user's code: a file (a path, or a name ending in .py) or an importable module."""
     if where.endswith(".py") or "/" in where or "\\" in where:
-        return _load_file(Path(where), spec)
+        return _load_file(Path(where), spec, what)
     try:
         return importlib.import_module(where)
     except Exception as e:
-        if where == spec and isinstance(e, ModuleNotFoundError) and e.name == where:  # a mistyped built-in, most likely
-            raise ValueError(f"unknown reward {spec!r}: use a built-in ({', '.join(BUILTIN_REWARDS)}) "
-                             f"or a function as 'module:function' / 'path/to/file.py:function'") from None
-        raise ImportError(f"reward {spec!r}: cannot import module {where!r}: {type(e).__name__}: {e}") from e
+        raise ImportError(f"{what} {spec!r}: cannot import module {where!r}: {type(e).__name__}: {e}") from e
 
 
 # The function a reward named without one (`file.py`, `pkg.module`) stands for, when the module has it: verl's
