@@ -62,24 +62,27 @@ def sample_metrics(state: StepState, group: dist.ProcessGroup | None) -> dict[st
     verl's data metrics under its names: critic/score/* and critic/rewards/* (the rewards the advantages
     were computed from, `state.rewards`: the scorer's, clipped by data.reward_clip; the two differ in
     verl only by a KL penalty in the reward, which rollplex puts in the loss instead),
-    critic/advantages/* (the mean over response tokens, as verl's), prompt_length/* and
-    response_length/* (tokens; a prompt's image and video tokens count), response_length/clip_ratio,
+    critic/advantages/* (the mean over the response tokens the policy sampled, as verl's over its
+    response_mask, which leaves a multi-turn sample's tool tokens out), prompt_length/* and
+    response_length/* (tokens; a prompt's image and video tokens count, and so do a multi-turn
+    response's observations, as verl's attention mask counts them), response_length/clip_ratio,
     and, where the prompts come from files, training/epoch (the pass over the training rows that
     the batch's first row comes from, 0 first). A mean is a sum over the ranks over a count over
     them; a max or min is over every rank's samples."""
     rollout, rewards, advantages = state.rollout, state.rewards, state.advantages
     response_lengths = [len(r) for g in rollout.groups for r in g.responses]
+    sampled_lengths = [s.sampled_tokens for g in rollout.groups for s in g.samples]
     # Per sample, as verl's batch holds a prompt once per response (a group's samples are all on this rank).
     prompt_lengths = [len(g.prompt.input_ids) for g in rollout.groups for _ in g.samples]
-    sums = dict(zip(("errors", "timeouts", "samples", "score", "advantage_x_tokens", "response_tokens",
-                     "prompt_tokens", "clipped"), all_reduce_values([
+    sums = dict(zip(("errors", "timeouts", "samples", "score", "advantage_x_tokens", "sampled_tokens",
+                     "response_tokens", "prompt_tokens", "clipped"), all_reduce_values([
         rewards.errors, rewards.timeouts, len(rewards.scores), sum(rewards.scores),
-        sum(a * n for a, n in zip(advantages, response_lengths)), sum(response_lengths), sum(prompt_lengths),
-        sum(reason == "length" for reason in rollout.finish_reasons)], group=group)))
+        sum(a * n for a, n in zip(advantages, sampled_lengths)), sum(sampled_lengths), sum(response_lengths),
+        sum(prompt_lengths), sum(reason == "length" for reason in rollout.finish_reasons)], group=group)))
     samples = sums["samples"]
     metrics = {"reward/errors": sums["errors"], "reward/timeouts": sums["timeouts"],
                "critic/score/mean": sums["score"] / samples,
-               "critic/advantages/mean": sums["advantage_x_tokens"] / sums["response_tokens"],
+               "critic/advantages/mean": sums["advantage_x_tokens"] / sums["sampled_tokens"],
                "prompt_length/mean": sums["prompt_tokens"] / samples,
                "response_length/mean": sums["response_tokens"] / samples,
                "response_length/clip_ratio": sums["clipped"] / samples}

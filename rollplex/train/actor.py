@@ -6,6 +6,11 @@ sample otherwise. A group too large for the budget is split into sub-groups of
 its responses (its prompt is then computed once per sub-group). Every dp rank
 runs the same number of micro-batches, because each one is a round of FSDP
 collectives; a rank with too little work runs a zero-weight repeat.
+
+A multi-turn sample's observation tokens (its tools' answers) are computed in
+every pass and count in its budget, but the loss, KL, entropy, clip fractions,
+the rollout/trainer probability difference, the MoE auxiliary loss and every
+normaliser count only the tokens the policy sampled.
 """
 
 from __future__ import annotations
@@ -119,6 +124,7 @@ class _Unit:
 
     @property
     def tokens(self) -> int:
+        """The tokens its pass computes (a multi-turn response's observations included)."""
         prompts = 1 if self.shared_prompt else len(self.group.responses)
         return prompts * len(self.group.prompt.input_ids) + sum(len(r) for r in self.group.responses)
 
@@ -127,7 +133,7 @@ class _Unit:
 class LossNorm:
     """An optimizer step's global loss normalisers (rollplex.train.loss.agg_loss)."""
 
-    global_tokens: float
+    global_tokens: float  # the tokens the policy sampled (not observations)
     global_seqs: float
     max_response_len: int
 
@@ -168,11 +174,15 @@ class PolicyUpdate:
                                                             routes=routes_of(cfg.routing_replay, "update"))
         self.flops += 3 * pass_flops  # forward + backward (2x)
         if weight:  # not the zero-weight repeat
+            # Every token's, observations' too: the pass computed them all, and a non-finite one there comes from
+            # non-finite logits, which poison the gradient as well.
             self.nonfinite += lp.detach().isfinite().logical_not().sum()
         norm = self.norm or LossNorm(1.0, 1.0, cfg.max_response_len)
         norms = dict(global_tokens=norm.global_tokens, global_seqs=norm.global_seqs,
                      max_response_len=norm.max_response_len)
-        mask = _padded_mask(lens, lp.device)
+        # Each term below counts the sampled tokens only: at observation tokens the old and rollout logprobs may be
+        # the rollout's 0.0 placeholders, which the loss functions never read where the mask is False.
+        mask = _sampled_mask(units, lp.device)
         pad = lambda xs: _pad([xs[i] for i in ids], mask)  # noqa: E731
         lp2d = _pad(list(lp.split(lens)), mask)
         adv = to_device([batch.advantages[i] for i in ids], lp.device)
@@ -424,6 +434,9 @@ class Actor:
         share = self.config.share_prefix and kept is None
         routing = _routing(model, groups, kept is not None, share, routes)
         if kept is not None:
+            if routing is not None:  # the aux loss and load count the tokens the policy sampled
+                routing.counted = to_device(torch.cat([s.sampled_mask() for g in groups for s in g.samples]),
+                                            model.device)
             hidden = suffix_hidden(model, kept, [SuffixUnit(u.index, u.group) for u in units], routing)
             targets = to_device([t for u in units for r in u.group.responses for t in r], model.device)
             flops = suffix_flops(model.args, [(kept.prompt_lens[u.index], [len(r) for r in u.group.responses])
@@ -432,7 +445,7 @@ class Actor:
         else:
             batch = batch_to(pack_groups(model.args, groups, share), model.device)
             if routing is not None and batch.packed.prompt_mask is not None:
-                routing.counted = ~batch.packed.prompt_mask  # the aux loss and load count the responses
+                routing.counted = ~batch.packed.prompt_mask  # the aux loss and load count the sampled tokens
             out = (*response_logprobs(model, batch, with_entropy=with_entropy, temperature=self.config.temperature,
                                       routing=routing), lens, forward_flops(model.args, batch))
         if routes is RouteMode.RECORD and routing is not None:
@@ -464,8 +477,9 @@ class Actor:
             self.model.set_requires_gradient_sync(True)
 
     def _loss_norm(self, batch: PolicyBatch) -> LossNorm:
-        """The batch's global normalisers: its response tokens and responses over every dp rank."""
-        local = [sum(len(r) for g in batch.groups for r in g.responses), len(batch.advantages)]
+        """The batch's global normalisers: the tokens the policy sampled (not its observations) and the
+        responses, over every dp rank."""
+        local = [sum(s.sampled_tokens for g in batch.groups for s in g.samples), len(batch.advantages)]
         tokens, seqs = local if self.dp_size == 1 else all_reduce_values(local, group=self.dp_group)
         return LossNorm(tokens, seqs, self.config.max_response_len)
 
@@ -599,7 +613,8 @@ def routing_experts(routing: Routing) -> int:
 
 
 def count_nonfinite(logprobs: list[torch.Tensor] | None) -> int:
-    """NaN and ±inf values among per-response logprobs (host tensors)."""
+    """NaN and ±inf values among per-response logprobs (host tensors). At observation tokens they are a
+    trainer pass's, or the rollout's 0.0 placeholders: finite, never counted."""
     return int(torch.cat(logprobs).isfinite().logical_not().sum()) if logprobs else 0
 
 
@@ -607,13 +622,16 @@ def _response_ids(units: list[_Unit]) -> list[int]:
     return [u.first + j for u in units for j in range(len(u.group.responses))]
 
 
-def _padded_mask(lens: list[int], device) -> torch.Tensor:
-    return torch.arange(max(lens), device=device)[None, :] < to_device(lens, device)[:, None]
+def _sampled_mask(units: list[_Unit], device: torch.device) -> torch.Tensor:
+    """(responses, longest) bool: True at the tokens the policy sampled, False at observations' tokens and
+    past each response's end. Built on the host: no boolean work on the device that would read it back."""
+    rows = [s.sampled_mask() for u in units for s in u.group.samples]
+    return to_device(torch.nn.utils.rnn.pad_sequence(rows, batch_first=True), device)
 
 
 def _pad(rows: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
     """The rows, float32, as the rows of a (len(rows), longest) matrix zero-padded past each one's
-    length (`mask`'s layout: no boolean-mask indexing, which would read the mask back on CUDA)."""
+    length (`mask`'s layout and device: no boolean-mask indexing, which would read the mask back on CUDA)."""
     return torch.nn.utils.rnn.pad_sequence([to_device(r, mask.device, torch.float32) for r in rows], batch_first=True)
 
 

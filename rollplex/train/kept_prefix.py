@@ -12,7 +12,9 @@ predicts the first response token). `suffix_hidden` later runs only the
 response tokens: each response attends to its prompt's kept K/V and, causally,
 to its own tokens, and continues its prompt's kept recurrent states
 (`KeptPrefixAttention`), the same math as the packed shared-prefix forward, so
-both paths give the same logprobs.
+both paths give the same logprobs. Only a group's initial prompt is kept: a
+multi-turn response's observations are its own, computed in its suffix pass
+(their images through the vision tower there, with gradients when it trains).
 
 For the actor the prompt forward keeps its autograd graph. The suffix passes
 read detached copies of the kept tensors (`KeptPrefix.boundary`), leaves
@@ -40,9 +42,8 @@ import torch
 from rollplex.device import to_device
 from rollplex.models.inputs import Group, Prompt, VisionEmbeds, VisionSlots
 from rollplex.models.moe import Routing, moe_args, with_routing
-from rollplex.models.packing import pack_sequences
+from rollplex.models.packing import concat_vision, pack_sequences, response_inputs
 from rollplex.models.protocol import VisionLanguageModel
-from rollplex.models.rope import generated_positions
 from rollplex.ops.attention import GroupLayout, KeptPrefixAttention, PackedSegments
 from rollplex.ops.gated_delta import PackedSequences, causal_conv1d, chunk_gated_delta_rule
 from rollplex.train.flops import prompt_flops
@@ -217,24 +218,43 @@ class SuffixUnit:
 def suffix_hidden(model: VisionLanguageModel, kept: KeptPrefix, units: list[SuffixUnit],
                   routing: Routing | None = None) -> torch.Tensor:
     """Hidden states that predict each response token, in response order (a
-    response's first token is predicted by its prompt's last hidden state). An MoE
+    response's first token is predicted by its prompt's last hidden state). A
+    multi-turn response's observations take their own positions and, where they
+    hold images or videos, their vision features (`_suffix_forward`). An MoE
     model's layers route the response tokens through `routing` when given."""
     device = model.device
     starts = kept.starts
-    ids, positions, groups, rows, offset = [], [], [], [], 0
+    ids, positions, context, observed_vision, groups, rows, offset = [], [], [], [], [], [], 0
     for u in units:
         n_prompt, delta = kept.prompt_lens[u.prompt], kept.rope_deltas[u.prompt]
-        lens = tuple(len(r) for r in u.group.responses)
-        groups.append(GroupLayout(starts[u.prompt], n_prompt, offset, lens))
-        for r in u.group.responses:
-            ids.append(torch.tensor(r, dtype=torch.long))
-            positions.append(generated_positions(n_prompt, n_prompt + len(r), delta))
-            rows.append((u.prompt, offset, len(r)))
-            offset += len(r)
+        groups.append(GroupLayout(starts[u.prompt], n_prompt, offset, tuple(len(r) for r in u.group.responses)))
+        for s in u.group.samples:
+            response = response_inputs(s.token_ids, s.observations, n_prompt, delta)
+            ids.append(response.input_ids)
+            positions.append(response.position_ids)
+            context.append(response.context_mask)
+            observed_vision += response.vision
+            rows.append((u.prompt, offset, len(s.token_ids)))
+            offset += len(s.token_ids)
     mixing = KeptPrefixAttention(kept.keys, kept.values, groups, model.attn_backend, conv_states=kept.conv_states,
                                  recurrent_states=kept.recurrent_states, group_prompts=[u.prompt for u in units])
     with_routing(mixing, routing)
-    hidden = model.forward_generated(to_device(torch.cat(ids), device), to_device(torch.cat(positions, dim=1), device),
-                                     mixing)
+    hidden = _suffix_forward(model, to_device(torch.cat(ids), device), to_device(torch.cat(positions, dim=1), device),
+                             mixing, observed_vision, torch.cat(context))
     return torch.cat([piece for prompt, start, n in rows
                       for piece in (kept.last_hidden[prompt:prompt + 1], hidden[start:start + n - 1])])
+
+
+def _suffix_forward(model: VisionLanguageModel, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                    mixing: KeptPrefixAttention, observed_vision: list[Prompt],
+                    context_mask: torch.Tensor) -> torch.Tensor:
+    """Final hidden states of a suffix pass's tokens. Text only (every single-turn response, and
+    text observations): the decode forward, plain embeddings. When an observation holds images
+    or videos: the model's full forward over the same tokens and mixing, with their features
+    (encoded here, under the caller's grad mode: the update's pass trains a trainable tower
+    through them) at the observations' pad tokens, `context_mask` marking those (a pad id the
+    policy sampled stays text). For text tokens both forwards compute the same."""
+    if not any(p.has_vision for p in observed_vision):
+        return model.forward_generated(input_ids, position_ids, mixing)
+    vision = model.encode_vision(**concat_vision(observed_vision))
+    return model(input_ids, position_ids, mixing, vision, to_device(context_mask, model.device))
