@@ -2,11 +2,13 @@
 into a folder): the Qwen special tokens in Qwen's order, Qwen's chat template,
 and two vocabularies.
 
-  - ``"words"``: a ~64-token word-level vocabulary (Qwen special tokens, the chat
+  - ``"words"``: a ~70-token word-level vocabulary (Qwen special tokens, the chat
     template's words, colours / directions / shapes / digits for synthetic visual
-    tasks). Small enough that a 2-layer model can actually learn a task.
+    tasks, Qwen's tool-call tags and the `look` task's whole tool call). Small
+    enough that a 2-layer model can actually learn a task.
   - ``"bytes"``: 256 byte tokens (GPT-2 byte-to-unicode alphabet, no merges) plus
-    the specials; it encodes any text, for larger benchmark models.
+    the specials and the reasoning tags; it encodes any text, for larger benchmark
+    models. Tool-call tags are plain bytes there (they round-trip as text).
 """
 
 from __future__ import annotations
@@ -51,6 +53,16 @@ DIRECTION_WORDS: tuple[str, ...] = ("left", "right", "up", "down")
 SHAPE_WORDS: tuple[str, ...] = ("circle", "square", "triangle")
 DIGITS: tuple[str, ...] = tuple(str(i) for i in range(10))
 ANSWER_WORDS: tuple[str, ...] = ("yes", "no")
+# Qwen's Hermes-style tool-use tags (rollplex.agent), ordinary added tokens as in Qwen's vocabulary.
+TOOL_TAGS: tuple[str, ...] = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+# "tool": the chat template's role name of a tool's answer; "look": the built-in look task's tool.
+TOOL_WORDS: tuple[str, ...] = ("tool", "look")
+# The look task's whole tool call (rollplex.agent.look), one token: a from-scratch tiny model cannot find a
+# ~15-token JSON call by chance, as it could not spell a colour letter by letter. It decodes to exactly this
+# text, which the tool-call parser reads like any other call.
+LOOK_CALL = '<tool_call>\n{"name": "look", "arguments": {}}\n</tool_call>'
+# Tags that decoding glues to the word after (opening) or before (closing) them: "<answer>red</answer>".
+_GLUED_TAGS = TAG_TOKENS + TOOL_TAGS
 
 # Qwen2.5-VL's chat template (as shipped in the hub's chat_template.json), verbatim.
 CHAT_TEMPLATE = (
@@ -78,6 +90,8 @@ def word_vocabulary(extra_words: tuple[str, ...] = ()) -> list[str]:
     tokens = [
         *SPECIAL_TOKENS, UNK, *TAG_TOKENS, "\n", *TEMPLATE_WORDS, *PUNCTUATION, *QUESTION_WORDS,
         *COLOUR_WORDS, *DIRECTION_WORDS, *SHAPE_WORDS, *DIGITS, *ANSWER_WORDS,
+        # After the words above, so that every id before them stays where it was.
+        *TOOL_TAGS, *TOOL_WORDS, LOOK_CALL,
     ]  # fmt: skip
     for word in extra_words:
         # The normaliser lowercases input text, so plain words are stored lowercased;
@@ -138,14 +152,15 @@ def words_tokenizer(extra_words: tuple[str, ...] = ()):
             decoders.Replace(" ,", ","),
             decoders.Replace(" !", "!"),
             # "<answer>left</answer>" round-trips (format rewards parse the tags).
-            *(decoders.Replace(f"{t} ", t) for t in TAG_TOKENS if not t.startswith("</")),
-            *(decoders.Replace(f" {t}", t) for t in TAG_TOKENS if t.startswith("</")),
+            *(decoders.Replace(f"{t} ", t) for t in _GLUED_TAGS if not t.startswith("</")),
+            *(decoders.Replace(f" {t}", t) for t in _GLUED_TAGS if t.startswith("</")),
         ]
     )
     # Specials and tags are matched before normalisation/pre-tokenisation; they are
-    # already in the vocabulary, so they keep their ids.
+    # already in the vocabulary, so they keep their ids. Added tokens match leftmost-longest,
+    # so the look call's text is its one token, not "<tool_call>" and pieces.
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in (*TAG_TOKENS, *TOOL_TAGS, LOOK_CALL)])
     # Extra words the pre-tokenizer would split must be matched whole, before it.
     multi = [w for w in extra_words if not _is_single_piece(w)]
     tok.add_tokens([AddedToken(w, special=False, normalized=False) for w in multi])

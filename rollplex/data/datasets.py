@@ -82,6 +82,11 @@ class Example:
     # The pass over the training rows it was drawn in, 0 first (training/epoch); None where there are no passes:
     # validation rows, the synthetic tasks (endless, no example repeats).
     epoch: int | None = None
+    # What the row gives a multi-turn episode (rollplex.agent), passed on unchanged: its tools' context, {tool name:
+    # {keyword: value}}, and its environment's reset() keyword arguments. From a row's columns of these names, else
+    # from verl's extra_info.tools_kwargs / extra_info.interaction_kwargs.
+    tools_kwargs: dict[str, Any] = field(default_factory=dict)
+    interaction_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 class RowSkipped(ValueError):
@@ -273,6 +278,21 @@ def _is_file(name: str) -> bool:
         return False
 
 
+def _episode_kwargs(row: dict[str, Any], key: str) -> dict[str, Any]:
+    """The row's `key` column, else its verl `extra_info[key]`, as it is; {} when it has neither."""
+    extra_info = row.get("extra_info")
+    value = row.get(key)
+    if value is None and isinstance(extra_info, dict):
+        value = extra_info.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _BadRow(f"{key} must hold a dict ({{tool name: kwargs}} for tools_kwargs, keyword arguments for "
+                      f"interaction_kwargs), not {type(value).__name__}",
+                      f"give these rows' {key} (a column or extra_info.{key}) a dict")
+    return value
+
+
 def _detect_layout(row: dict[str, Any], prompt_key: str, path: Path) -> str:
     prompt = row.get(prompt_key, row.get(VERL_PROMPT_KEY))
     if "reward_model" in row or isinstance(prompt, list):
@@ -391,7 +411,9 @@ class PromptDataset:
         if len(inputs.input_ids) > self.max_prompt_length:
             raise _TooLong(f"{len(inputs.input_ids)} tokens > max_prompt_length {self.max_prompt_length}")
         columns = {k: v for k, v in row.items() if k not in (self.image_key, self.video_key)}
-        return Example(prompt=inputs, answer=answer, index=index, columns={**columns, "prompt": prompt})
+        return Example(prompt=inputs, answer=answer, index=index, columns={**columns, "prompt": prompt},
+                       tools_kwargs=_episode_kwargs(row, "tools_kwargs"),
+                       interaction_kwargs=_episode_kwargs(row, "interaction_kwargs"))
 
     def _messages(self, prompt: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         """A row's prompt as chat messages, with data.format_prompt and data.system_prompt applied."""

@@ -1,19 +1,23 @@
 """Prompt + images/videos -> a `Prompt`, the model-ready tensors of a model family.
 
 One entry point, `prepare_prompt`, used by the datasets, the built-in tasks, the
-benchmarks and tests. It renders the chat template, loads and preprocesses images
-and videos (rollplex.data.media) with the run's processor
-(rollplex.data.processor, which holds the pixel and frame budgets), expands every
-image / video pad token into the text the family's processor writes for it
-(`replace_image_token` / `replace_video_token`: Qwen2.5-VL's one pad per merged
-vision token, Qwen3-VL's timestamped frame groups) and tokenizes, giving exactly
-what the family's processor of transformers gives.
+benchmarks and tests. It renders the chat template (`render_chat`, with the tools
+the model may call), loads and preprocesses images and videos (rollplex.data.media)
+with the run's processor (rollplex.data.processor, which holds the pixel and frame
+budgets), expands every image / video pad token into the text the family's
+processor writes for it (`replace_image_token` / `replace_video_token`: Qwen2.5-VL's
+one pad per merged vision token, Qwen3-VL's timestamped frame groups) and tokenizes,
+giving exactly what the family's processor of transformers gives. The second half,
+rendered text + media -> `Prompt` (`prompt_from_rendered`), also makes the tokens of
+a tool's answer in a multi-turn episode (rollplex.agent.observation).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -141,6 +145,59 @@ def _expand_pads(text: str, pad: str, replacements: list[str], kind: str) -> str
     return "".join(out)
 
 
+# Qwen's Hermes-style tools section (Qwen2.5's and Qwen3's chat templates write it into the system message), for a
+# template that renders no tools of its own (Qwen2.5-VL's).
+_HERMES_TOOLS_HEAD = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                      "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+_HERMES_TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+                      "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+                      "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>")
+# The system prompt Qwen2-VL's and Qwen2.5-VL's templates write when the messages have none.
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+
+
+def hermes_tools_section(tools: Sequence[dict[str, Any]]) -> str:
+    """The tools section Qwen's templates write after the system prompt: one JSON schema a line (as their
+    `tool | tojson` writes it, transformers' `json.dumps(..., ensure_ascii=False)`)."""
+    schemas = "".join("\n" + json.dumps(tool, ensure_ascii=False) for tool in tools)
+    return _HERMES_TOOLS_HEAD + schemas + _HERMES_TOOLS_TAIL
+
+
+def _with_tools_section(messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with the Hermes tools section after the system prompt (the default one when there is none)."""
+    section = "\n\n" + hermes_tools_section(tools)
+    if not messages or messages[0].get("role") != "system":
+        return [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT + section}, *messages]
+    system = messages[0]
+    content = system.get("content") or ""
+    if isinstance(content, str):
+        content = content + section
+    else:
+        content = [*content, {"type": "text", "text": section}]
+    return [{**system, "content": content}, *messages[1:]]
+
+
+def render_chat(processor: Any, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                tools: Sequence[dict[str, Any]] | None = None) -> str:
+    """`messages` through the processor's chat template (the tokenizer's when the processor has none), pads not
+    expanded. `tools` (function schemas, transformers' / OpenAI's `{"type": "function", "function": {...}}`) go
+    through the template's tools section; a template that ignores them (it renders the same with and without,
+    as Qwen2.5-VL's does) gets Qwen's Hermes tools section in its system message instead."""
+    renderer = processor if getattr(processor, "chat_template", None) else processor.tokenizer
+
+    def render(conversation: Sequence[dict[str, Any]], **tools_kwargs: Any) -> str:
+        return renderer.apply_chat_template(list(conversation), tokenize=False,
+                                            add_generation_prompt=add_generation_prompt, **tools_kwargs)
+
+    plain = render(messages)
+    if not tools:
+        return plain
+    with_tools = render(messages, tools=list(tools))
+    if with_tools != plain:
+        return with_tools
+    return render(_with_tools_section(list(messages), tools))
+
+
 def prepare_prompt(
     processor: Any,
     messages_or_text: str | Sequence[dict[str, Any]],
@@ -150,6 +207,7 @@ def prepare_prompt(
     add_generation_prompt: bool = True,
     native_fps: float | Sequence[float | None] | None = None,
     system_prompt: str | None = None,
+    tools: Sequence[dict[str, Any]] | None = None,
 ) -> Prompt:
     """Render, load media, preprocess and tokenize one prompt.
 
@@ -167,12 +225,13 @@ def prepare_prompt(
             default: frames are already at `video_fps` and all are kept. A dict video's
             "fps" wins over this.
         system_prompt: only for string prompts; None keeps the template's default.
+        tools: function schemas the model may call, rendered by the chat template's tools
+            section (`render_chat`).
 
     Raises:
         MediaLoadError (a ValueError) naming an image/frame that cannot be decoded;
         PlaceholderMismatch (a ValueError) when placeholders and given media do not match.
     """
-    tokenizer = processor.tokenizer
     if isinstance(messages_or_text, str):
         messages = text_to_messages(messages_or_text, system_prompt)
     else:
@@ -180,37 +239,70 @@ def prepare_prompt(
     image_items, video_items = _media_in_messages(messages)
     image_inputs = _resolve_media("image", image_items, images, IMAGE_PLACEHOLDER)
     video_inputs = _resolve_media("video", video_items, videos, VIDEO_PLACEHOLDER)
+    text = render_chat(processor, messages, add_generation_prompt, tools)
+    return prompt_from_rendered(processor, text, ImageInputs.of(processor, image_inputs), video_inputs,
+                                video_fps, native_fps)
 
-    render = processor if getattr(processor, "chat_template", None) else tokenizer
-    text = render.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
+@dataclass
+class ImageInputs:
+    """Images through the processor's image processor: their patch rows, their grids, and the text each one's pad
+    token becomes in a prompt (`replace_image_token`). Rows follow the images' order."""
+
+    pixel_values: torch.Tensor  # (patches of every image, C*T*p*p)
+    grid_thw: torch.Tensor  # (images, 3) long
+    pad_texts: list[str]
+
+    @classmethod
+    def of(cls, processor: Any, images: Sequence[ImageLike]) -> ImageInputs | None:
+        """`images` (any `load_image` input) preprocessed; None when there are none."""
+        if not images:
+            return None
+        pil_images = [load_image(img, f"image {i}") for i, img in enumerate(images)]
+        out = processor.image_processor(images=pil_images, return_tensors="pt")
+        pad_texts = [processor.replace_image_token(out, i) for i in range(len(pil_images))]
+        return cls(out["pixel_values"], out["image_grid_thw"].long(), pad_texts)
+
+    def select(self, indices: Sequence[int]) -> ImageInputs | None:
+        """Only the images at `indices` (in that order); None for none. The image processor treats each image on its
+        own (an image's rows are its grid's t*h*w patches), so this equals preprocessing those images alone."""
+        if not indices:
+            return None
+        ends = torch.cumsum(self.grid_thw.prod(-1), 0).tolist()
+        starts = [0, *ends[:-1]]
+        rows = torch.cat([self.pixel_values[starts[i]:ends[i]] for i in indices])
+        return ImageInputs(rows, self.grid_thw[list(indices)], [self.pad_texts[i] for i in indices])
+
+
+def prompt_from_rendered(
+    processor: Any,
+    text: str,
+    images: ImageInputs | None = None,
+    videos: Sequence[VideoLike] = (),
+    video_fps: float = 2.0,
+    native_fps: float | Sequence[float | None] | None = None,
+) -> Prompt:
+    """A chat template's rendered `text` (one pad token per image / video) and its media, in pad order, into a
+    `Prompt`: every pad expanded into the text the family's processor writes for it, then tokenized. The prompt's
+    pads and its media match exactly, or PlaceholderMismatch is raised."""
     result = Prompt(input_ids=torch.empty(0, dtype=torch.long), text=text)
     expanded = text
-    if image_inputs:
-        expanded = _add_images(processor, image_inputs, result, expanded)
+    if images is not None:
+        result.pixel_values = images.pixel_values
+        result.image_grid_thw = images.grid_thw
+        expanded = _expand_pads(expanded, processor.image_token, images.pad_texts, "image")
     elif (pad := processor.image_token) in text:
         raise PlaceholderMismatch("image", f"the rendered prompt has {text.count(pad)} {pad} tokens but no images")
-    if video_inputs:
-        natives = _native_rates(native_fps, len(video_inputs))
-        expanded = _add_videos(processor, video_inputs, natives, video_fps, result, expanded)
+    if videos:
+        natives = _native_rates(native_fps, len(videos))
+        expanded = _add_videos(processor, videos, natives, video_fps, result, expanded)
     elif (pad := processor.video_token) in text:
         raise PlaceholderMismatch("video", f"the rendered prompt has {text.count(pad)} {pad} tokens but no videos")
 
     # The template already holds every special token; Qwen's tokenizer adds none.
-    ids = tokenizer(expanded, add_special_tokens=False)["input_ids"]
+    ids = processor.tokenizer(expanded, add_special_tokens=False)["input_ids"]
     result.input_ids = torch.tensor(ids, dtype=torch.long)
     return result
-
-
-def _add_images(processor: Any, images: Sequence[ImageLike], result: Prompt, text: str) -> str:
-    """Preprocess `images` into `result`; returns `text` with each image's pad token
-    replaced by the processor's text for it."""
-    pil_images = [load_image(img, f"image {i}") for i, img in enumerate(images)]
-    out = processor.image_processor(images=pil_images, return_tensors="pt")
-    result.pixel_values = out["pixel_values"]
-    result.image_grid_thw = out["image_grid_thw"].long()
-    replacements = [processor.replace_image_token(out, i) for i in range(len(pil_images))]
-    return _expand_pads(text, processor.image_token, replacements, "image")
 
 
 def _native_rates(native_fps: float | Sequence[float | None] | None, videos: int) -> list[float | None]:

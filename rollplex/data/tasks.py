@@ -6,6 +6,10 @@
              "which direction does the dot move ?" -> a direction word. With more
              or larger frames it is also the prefix-heavy benchmark workload (a
              long video prompt, a one-word answer).
+  look:      the colour task's picture behind a tool (agentic, multi-turn): the
+             prompt holds the question and the `look` tool's schema, no image; the
+             model calls `look` (rollplex.agent.look), which returns the picture,
+             then names the colour.
 
 Every word of the questions and answers is in the tiny checkpoint's word
 vocabulary, so a tiny model can learn them.
@@ -27,6 +31,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
+from rollplex.agent.look import LOOK_TOOL
 from rollplex.data.datasets import Example
 from rollplex.data.processing import prepare_prompt
 from rollplex.models.inputs import Prompt
@@ -63,13 +68,16 @@ class Task(ABC):
     name: str
     question: str
     answers: tuple[str, ...]  # every possible answer
+    # The tools the model may call, as rollout.tools names them (`module:function`); the run loads them.
+    tools: tuple[str, ...] = ()
 
     def example(self, i: int, processor: Any, seed: int) -> Example:
         """Example `i` under `seed`, rendered with the model's processor; deterministic in (seed, i)."""
         if i < 0 or seed < 0:
             raise ValueError(f"example index and seed must be >= 0, got i={i}, seed={seed}")
         media, answer = self.sample(np.random.default_rng([seed, i]))
-        return Example(prompt=self.prompt(processor, media), answer=answer, index=i)
+        return Example(prompt=self.prompt(processor, media), answer=answer, index=i,
+                       tools_kwargs=self.tools_kwargs(media))
 
     @abstractmethod
     def sample(self, rng: np.random.Generator) -> tuple[np.ndarray, str]:
@@ -78,6 +86,10 @@ class Task(ABC):
     @abstractmethod
     def prompt(self, processor: Any, media: np.ndarray) -> Prompt:
         """The question about `media`, rendered with the chat template."""
+
+    def tools_kwargs(self, media: np.ndarray) -> dict[str, dict[str, Any]]:
+        """What the example gives its tools besides the model's arguments: {tool name: {keyword: value}}."""
+        return {}
 
 
 class ColorTask(Task):
@@ -164,7 +176,28 @@ class DirectionTask(Task):
         return prepare_prompt(processor, f"<video> {self.question}", videos=[media], video_fps=self.fps)
 
 
-TASKS: dict[str, type[Task]] = {"color": ColorTask, "direction": DirectionTask}
+class LookTask(ColorTask):
+    """The colour task with the picture behind the `look` tool: the prompt holds only the question and the tool's
+    schema; the example hands the picture to the tool. Its examples are the colour task's (same pictures and
+    answers for the same seed), so a policy that never looks scores 1/7 at best."""
+
+    name = "look"
+    tools = (LOOK_TOOL,)
+
+    def __init__(self, image_size: int = 56):
+        from rollplex.agent.tools import load_tools
+
+        super().__init__(image_size)
+        self.tool_schemas = [tool.schema for tool in load_tools(list(self.tools))]
+
+    def prompt(self, processor: Any, media: np.ndarray) -> Prompt:
+        return prepare_prompt(processor, self.question, tools=self.tool_schemas)
+
+    def tools_kwargs(self, media: np.ndarray) -> dict[str, dict[str, Any]]:
+        return {"look": {"image": media}}
+
+
+TASKS: dict[str, type[Task]] = {"color": ColorTask, "direction": DirectionTask, "look": LookTask}
 
 
 def make_task(name: str, **options: Any) -> Task:
