@@ -3,7 +3,8 @@ waits for its observation without holding a decode row, and the observation (tex
 an image) is prefilled onto the K/V it has, never its history again. The engine's
 logprobs after observations equal a plain forward of the whole trajectory; the graph
 stand-in, preemption and group-shared decode give the same samples; limits end an
-episode with a finish reason."""
+episode with a finish reason. Another family's engine tests run these cases on their own
+`model` and `image` fixtures (tests/test_qwen3_vl_engine.py)."""
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from rollplex.models import Prompt, build_model
 from rollplex.models.inputs import EpisodeLog, Observation
 from rollplex.models.packing import PackedBatch
 from rollplex.models.rope import mrope_positions
-from test_model import IMG, VEND, VSTART, image, tiny_args
+from test_model import IMG, VEND, VSTART, tiny_args
+from test_model import image as random_image
 
 
 @pytest.fixture(scope="module")
@@ -21,11 +23,20 @@ def model():
     return build_model(tiny_args(), seed=3, init_std=None).eval()
 
 
-def observation_prompts() -> list[Prompt]:
+@pytest.fixture(scope="module")
+def image():
+    """A random image of (h, w) patches as the family lays it out: (pixel rows, grid, its tokens)."""
+    def make(h: int, w: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        pixels, grid, pads = random_image(1, h, w, seed)
+        return pixels, grid, [VSTART] + [IMG] * pads + [VEND]
+
+    return make
+
+
+def observation_prompts(image) -> list[Prompt]:
     """Two observations: one with an image (a tool that returns a picture), one text only."""
-    pixels, grid, pads = image(1, 4, 6, seed=30)
-    return [Prompt(torch.tensor([2, 14, VSTART] + [IMG] * pads + [VEND, 15, 16]), pixel_values=pixels,
-                   image_grid_thw=grid),
+    pixels, grid, tokens = image(4, 6, seed=30)
+    return [Prompt(torch.tensor([2, 14, *tokens, 15, 16]), pixel_values=pixels, image_grid_thw=grid),
             Prompt(torch.tensor([2, 17, 18, 19]))]
 
 
@@ -50,15 +61,14 @@ class ScriptedEpisodes:
         ready, self.pending = self.pending[:1], self.pending[1:]
         return ready
 
-    def finish(self, key, finish_reason):
-        self.finished[key] = finish_reason
+    def finish(self, key, sample):
+        self.finished[key] = sample.finish_reason
         return EpisodeLog(turns=self.turns.get(key, 1))
 
 
-def prompts(n: int = 2) -> list[Request]:
-    pixels, grid, pads = image(1, 4, 4, seed=31)
-    return [Request(Prompt(torch.tensor([3, VSTART] + [IMG] * pads + [VEND, 11, 12]), pixel_values=pixels,
-                           image_grid_thw=grid), n=n, seed=5),
+def prompts(image, n: int = 2) -> list[Request]:
+    pixels, grid, tokens = image(4, 4, seed=31)
+    return [Request(Prompt(torch.tensor([3, *tokens, 11, 12]), pixel_values=pixels, image_grid_thw=grid), n=n, seed=5),
             Request(Prompt(torch.tensor([1, 5, 9, 13, 2, 7])), n=n, seed=6)]
 
 
@@ -67,12 +77,12 @@ TURN_ENDS = frozenset(range(0, 90, 5))
 SAMPLING = SamplingParams(temperature=1.0, max_tokens=60, ignore_eos=True)
 
 
-def run(model, config: EngineConfig, **kw):
-    episodes = ScriptedEpisodes(model, observation_prompts(), TURN_ENDS)
+def run(model, image, config: EngineConfig, **kw):
+    episodes = ScriptedEpisodes(model, observation_prompts(image), TURN_ENDS)
     engine = Engine(model, config)
     for name, value in kw.items():
         setattr(engine.runner, name, value)
-    groups = engine.generate(prompts(), SAMPLING, episodes=episodes)
+    groups = engine.generate(prompts(image), SAMPLING, episodes=episodes)
     return groups, engine, episodes
 
 
@@ -95,14 +105,14 @@ def trajectory_logprobs(model, request: Request, sample) -> torch.Tensor:
     return logprobs[start:start + len(sample.token_ids)].gather(1, torch.tensor(sample.token_ids)[:, None])[:, 0]
 
 
-def test_observations_prefilled_onto_kv_and_logprobs_equal_whole_trajectory(model):
-    groups, engine, episodes = run(model, EngineConfig(block_size=4, num_blocks=256, enforce_eager=True))
+def test_observations_prefilled_onto_kv_and_logprobs_equal_whole_trajectory(model, image):
+    groups, engine, episodes = run(model, image, EngineConfig(block_size=4, num_blocks=256, enforce_eager=True))
     observations = sum(len(s.observations) for g in groups for s in g.samples)
     assert observations == 8  # every sample got both observations (none ran out of room)
-    prefilled = sum(len(r.prompt.input_ids) for r in prompts())  # each group's prompt, once
+    prefilled = sum(len(r.prompt.input_ids) for r in prompts(image))  # each group's prompt, once
     prefilled += sum(len(o) + 1 for g in groups for s in g.samples for o in s.observations)  # + its turn's last token
     assert engine.stats["prefill_tokens"] == prefilled
-    for request, group in zip(prompts(), groups):
+    for request, group in zip(prompts(image), groups):
         for s in group.samples:
             assert s.finish_reason == "stop" and s.episode.turns == 3
             for o in s.observations:
@@ -122,26 +132,27 @@ def same_samples(a, b) -> None:
             torch.testing.assert_close(torch.tensor(sa.logprobs), torch.tensor(sb.logprobs), atol=1e-5, rtol=0)
 
 
-def test_graph_stand_in_preemption_and_cascade_give_the_same_episodes(model):
-    reference, _, _ = run(model, EngineConfig(block_size=4, num_blocks=256, enforce_eager=True))
-    graphs, engine, _ = run(model, EngineConfig(block_size=4, num_blocks=256), use_cuda_graphs=True)
+def test_graph_stand_in_preemption_and_cascade_give_the_same_episodes(model, image):
+    reference, _, _ = run(model, image, EngineConfig(block_size=4, num_blocks=256, enforce_eager=True))
+    graphs, engine, _ = run(model, image, EngineConfig(block_size=4, num_blocks=256), use_cuda_graphs=True)
     assert engine.runner.captures > 0
     same_samples(reference, graphs)
-    # A pool of 28 blocks cannot hold the four episodes at once: decode preempts, and blocks held by paused
+    # A pool of 20 blocks cannot hold the four episodes at once: decode preempts, and blocks held by paused
     # episodes are given up (recomputed whole, their observations' images included).
-    small, engine, _ = run(model, EngineConfig(block_size=4, num_blocks=28, max_num_seqs=4, enforce_eager=True))
+    small, engine, _ = run(model, image, EngineConfig(block_size=4, num_blocks=20, max_num_seqs=4,
+                                                      enforce_eager=True))
     assert engine.stats["preemptions"] + engine.stats["released_episodes"] > 0
     same_samples(reference, small)
-    cascade, _, _ = run(model, EngineConfig(block_size=4, num_blocks=256, enforce_eager=True,
-                                            shared_prefix_decode=True))
+    cascade, _, _ = run(model, image, EngineConfig(block_size=4, num_blocks=256, enforce_eager=True,
+                                                   shared_prefix_decode=True))
     same_samples(reference, cascade)
 
 
-def test_an_observation_past_the_length_limit_ends_the_episode_as_length(model):
+def test_an_observation_past_the_length_limit_ends_the_episode_as_length(model, image):
     long_observation = Prompt(torch.arange(20, 80))  # 60 tokens: past what is left of max_tokens 60
     episodes = ScriptedEpisodes(model, [long_observation], TURN_ENDS)
     groups = Engine(model, EngineConfig(block_size=4, num_blocks=256, enforce_eager=True)).generate(
-        prompts(), SAMPLING, episodes=episodes)
+        prompts(image), SAMPLING, episodes=episodes)
     for g in groups:
         for s in g.samples:
             assert s.finish_reason == "length" and not s.observations

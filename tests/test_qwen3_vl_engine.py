@@ -1,4 +1,5 @@
-"""The decode engine on a tiny Qwen3-VL that transformers wrote: greedy tokens equal
+"""The decode engine on a tiny Qwen3-VL that transformers wrote (and multi-turn episodes, whose cases
+tests/test_agent_engine.py holds): greedy tokens equal
 transformers' generate, logprobs equal transformers' full-sequence log-softmax, and the graph
 stand-in and group-shared decode give the eager engine's tokens. DeepStack's
 additions enter at prefill only (the prompt's vision tokens); decode steps are text."""
@@ -8,6 +9,9 @@ import torch
 
 from rollplex.engine import Engine, EngineConfig, Request, SamplingParams
 from rollplex.models import Prompt
+from test_agent_engine import (test_an_observation_past_the_length_limit_ends_the_episode_as_length,  # noqa: F401
+                               test_graph_stand_in_preemption_and_cascade_give_the_same_episodes,
+                               test_observations_prefilled_onto_kv_and_logprobs_equal_whole_trajectory)
 from test_qwen3_vl_model import image_tokens, make_pair, mm_types, pixels, video_tokens
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
@@ -17,6 +21,22 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 def pair(tmp_path_factory):
     _, hf, ours = make_pair(tmp_path_factory, seed=5)
     return hf, ours
+
+
+@pytest.fixture(scope="module")
+def model(pair):
+    """What the multi-turn cases (tests/test_agent_engine.py) run on: ours, DeepStack adding an observation's
+    image features at its continuation prefill."""
+    return pair[1]
+
+
+@pytest.fixture(scope="module")
+def image():
+    def make(h: int, w: int, seed: int):
+        rows, grid = pixels(1, h, w, seed)
+        return rows, grid, image_tokens(grid)
+
+    return make
 
 
 def requests(n: int = 1) -> list[Request]:

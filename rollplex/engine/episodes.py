@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from rollplex.models.inputs import EpisodeLog, Observation
+from rollplex.models.inputs import EpisodeLog, Observation, Sample
 
 SampleKey = tuple[int, int]
 
@@ -31,5 +31,5 @@ class Episodes(Protocol):
         """The observations ready since the last call (or finish reasons for episodes that end
         instead); with `wait`, block until at least one is ready."""
 
-    def finish(self, key: SampleKey, finish_reason: str) -> EpisodeLog:
-        """The sample's episode is over: how it went."""
+    def finish(self, key: SampleKey, sample: Sample) -> EpisodeLog:
+        """The sample's episode is over (`sample`: as it ended): how it went."""

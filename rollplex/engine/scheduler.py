@@ -28,9 +28,10 @@ are issued to the batch when the step runs and recorded when the host has them
 A multi-turn sample (with `episodes`, rollplex.engine.episodes) whose turn ends
 pauses: it leaves the decode batch, keeps its blocks, and waits in `paused` for its
 observation; `resume` then queues it for a prefill of its new tokens onto the K/V it
-holds (the front of the queue: finishing it frees its blocks). When nothing runs and
-the waiting sequence at the front cannot get its blocks, paused and waiting episodes'
-blocks are given up (youngest first): they are recomputed whole, as after a preemption.
+holds (the front of the queue: finishing it frees its blocks). A paused episode's
+blocks are the first to go when decode needs blocks (before any running sequence is
+preempted), and when nothing runs and the waiting sequence at the front cannot get its
+blocks (then a waiting episode's too): it is recomputed whole, as after a preemption.
 
 The engine schedules a decode step before the host has read the previous one's
 tokens (`can_run_ahead`) unless the step may need what only those tokens tell:
@@ -165,16 +166,25 @@ class Scheduler:
         return self.blocks.blocks_needed(len(seq))
 
     def _make_room(self, seq: Sequence) -> None:
-        """With nothing running, give up the blocks of paused episodes, then of the other waiting
-        ones (youngest first), until `seq` at the front of the queue fits: they would otherwise hold
-        the pool while each waits for blocks only the others could free. They are recomputed whole."""
-        holders = [s for s in self.paused.values()] + [s for s in self.waiting if s.num_cached and s is not seq]
-        while self._blocks_for(seq) > self.blocks.num_free and holders:
-            victim = holders.pop()
-            if victim.block_table:
-                self.blocks.free(victim.block_table)
-                victim.num_cached = 0
-                self.num_released_episodes += 1
+        """With nothing running, give up episodes' blocks (`_release_an_episode`) until `seq` at the
+        front of the queue fits: they would otherwise hold the pool while each waits for blocks only
+        the others could free."""
+        while self._blocks_for(seq) > self.blocks.num_free and self._release_an_episode(keep=seq):
+            pass
+
+    def _release_an_episode(self, keep: Sequence | None = None) -> bool:
+        """Free the blocks of the youngest paused episode, else of the youngest waiting one that holds
+        blocks (but `keep`): it is recomputed whole when it continues, as after a preemption. False
+        when none holds any."""
+        holders = [s for s in self.paused.values() if s.block_table] or \
+            [s for s in self.waiting if s.num_cached and s is not keep]
+        if not holders:
+            return False
+        victim = holders[-1]
+        self.blocks.free(victim.block_table)
+        victim.num_cached = 0
+        self.num_released_episodes += 1
+        return True
 
     def _schedule_decode(self) -> Step:
         """Room for every running sequence's next token. Where the pool is short, the
@@ -197,13 +207,16 @@ class Scheduler:
 
     def _grow(self, i: int, length: int) -> tuple[int, int] | None:
         """Room in running[i]'s blocks for its next token (at index length - 1),
-        preempting the youngest sequences (running[i] itself last) until there is;
+        giving up paused episodes' blocks first, then preempting the youngest
+        sequences (running[i] itself last) until there is;
         returns the copy-on-write copy to make, if any."""
         seq = self.running[i]
         while True:
             try:
                 return self.blocks.append_slot(seq.block_table, length)[1]
             except NoFreeBlocks:
+                if self._release_an_episode():  # an episode waiting for its tool holds blocks it does not use now
+                    continue
                 self._preempt_youngest()
                 if len(self.running) == i:
                     return None
@@ -254,7 +267,7 @@ class Scheduler:
         if routes is not None:
             sample.prompt_routes, sample.routes = seq.prompt.routes, routes.sample_routes(seq)
         if self.episodes is not None:
-            sample.episode = self.episodes.finish(_key(seq), sample.finish_reason)
+            sample.episode = self.episodes.finish(_key(seq), sample)
         seq.prompt.samples[seq.sample_index] = sample
         self.blocks.free(seq.block_table)
 
