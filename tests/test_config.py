@@ -441,12 +441,21 @@ def test_a_config_file_starts_from_a_preset(tmp_path):
     assert load_config(["--preset", "tiny"]) == tiny
 
 
+def test_a_task_with_a_demo_preset_of_its_own_starts_from_it():
+    """`python train.py --data.task look` runs the look demo (rollplex/presets/tiny_look.yaml, over tiny.yaml); a
+    config file or --preset given is used as it is."""
+    look = load_config(["--data.task", "look"])
+    assert (look.rollout.max_tokens, look.data.reward, look.rollout.n) == (18, "look", 16)
+    assert load_config(["--data.task=color"]).rollout.max_tokens == 1  # no preset of its own: the tiny demo's
+    assert load_config(["--preset", "tiny", "--data.task", "look"]).rollout.max_tokens == 1
+
+
 def test_an_unknown_preset_lists_the_presets(tmp_path):
-    with pytest.raises(ConfigError, match=r"unknown preset 'huge': the presets are tiny \("):
+    with pytest.raises(ConfigError, match=r"unknown preset 'huge': the presets are tiny, tiny_look \("):
         load_config(["--preset", "huge"])
     with pytest.raises(ConfigError, match=r"unknown preset 'template'"):  # the defaults, not a preset
         load_config_file(write_yaml(tmp_path / "c.yaml", {"preset": "template"}))
-    with pytest.raises(ConfigError, match=r"preset in .*c.yaml: expected the name of a preset \(tiny\)"):
+    with pytest.raises(ConfigError, match=r"preset in .*c.yaml: expected the name of a preset \(tiny, tiny_look\)"):
         load_config_file(write_yaml(tmp_path / "c.yaml", {"preset": ["tiny"]}))
 
 
@@ -455,4 +464,4 @@ def test_help_names_the_presets_and_key_value_overrides(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         load_config(["--help"])
     out = capsys.readouterr().out
-    assert "--preset NAME" in out and "(tiny)" in out and "preset: NAME" in out and "rollout.n=4" in out
+    assert "--preset NAME" in out and "(tiny, tiny_look)" in out and "preset: NAME" in out and "rollout.n=4" in out

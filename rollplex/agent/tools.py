@@ -133,14 +133,13 @@ def load_tools(specs: list[str], schemas: bool = True) -> list[Tool]:
 def row_context(tools_kwargs: Mapping[str, Any] | None, tool: Tool) -> dict[str, Any] | str:
     """The context keyword arguments of `tool` from a row's `tools_kwargs`: verl's layout
     `{"look": {"create_kwargs": {...}, "execute_kwargs": {...}}}` (the two merged) or a flat
-    `{"look": {...}}`. A name the tool has no keyword-only parameter for, or a required one
-    missing, gives an error message instead (the call fails as a tool error)."""
+    `{"look": {...}}`. Names the tool has no keyword-only parameter for are left out (verl's rows
+    carry extras, such as a ground truth, that its tools' create() swallows in **kwargs); a required
+    one missing gives an error message instead (the call fails as a tool error)."""
     entry = dict((tools_kwargs or {}).get(tool.name) or {})
     if entry and set(entry) <= {*_VERL_KWARGS, *_VERL_OTHER_KWARGS}:
         entry = {name: value for part in _VERL_KWARGS for name, value in (entry.get(part) or {}).items()}
-    if unknown := sorted(set(entry) - set(tool.context_params)):
-        return (f"the row's tools_kwargs for tool {tool.name!r} hold {', '.join(unknown)}, which it has no "
-                f"keyword-only parameter for (its context parameters: {', '.join(tool.context_params) or 'none'})")
+    entry = {name: value for name, value in entry.items() if name in tool.context_params}
     parameters = inspect.signature(tool.fn).parameters
     missing = [name for name in tool.context_params
                if name not in entry and parameters[name].default is inspect.Parameter.empty]

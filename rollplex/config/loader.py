@@ -433,10 +433,22 @@ def _preset_values(path: Path) -> str:
     return ", ".join(flat(yaml.load(path.read_text(encoding="utf-8"), Loader=_YamlLoader) or {}))
 
 
+def _task_demo_preset(args: list[str]) -> str | None:
+    """The tiny demo's preset for a built-in task named on the command line (`--data.task look`), where the task
+    has one of its own (rollplex/presets/tiny_<task>.yaml, over tiny.yaml): what it needs differs from the color
+    demo's (a multi-turn answer is longer than one token)."""
+    for i, a in enumerate(args):
+        task = a.split("=", 1)[1] if a.startswith("--data.task=") else (
+            args[i + 1] if a == "--data.task" and i + 1 < len(args) else None)
+        if task is not None:
+            return f"tiny_{task}" if f"tiny_{task}" in preset_names() else None
+    return None
+
+
 def load_config(argv: list[str] | None = None) -> Config:
     """Load the config: the dataclass defaults, a preset (``--preset NAME``, or the file's ``preset:`` key), a YAML
-    file (``--config PATH``; with neither, the tiny demo preset), then command-line overrides, ``--key value`` or
-    Hydra-style ``key=value``.
+    file (``--config PATH``; with neither, the tiny demo preset, or with ``--data.task X`` its task's own,
+    ``tiny_X``, where there is one), then command-line overrides, ``--key value`` or Hydra-style ``key=value``.
 
     `argv` defaults to ``sys.argv[1:]``. ``--help`` prints every option and raises SystemExit(0): with the
     values of ``--config PATH`` or ``--preset NAME`` when given, else the dataclass defaults (a user file's, not the
@@ -453,6 +465,7 @@ def load_config(argv: list[str] | None = None) -> Config:
     if path is None and preset is None and asks_help:
         base, source = Config(), None
     elif path is None:
+        preset = preset or _task_demo_preset(rest)
         source = str(preset_path(preset) if preset else TINY_PRESET_PATH)
         base = load_config_file(source)
     else:

@@ -215,6 +215,28 @@ class RolloutConfig(Section):
     shared_prefix_decode: bool = False
     """Decode attention reads each group's shared prompt blocks once per step for all its samples (a Triton
     kernel on CUDA, in the decode graphs too; a torch path on CPU). Off until measured on a GPU (docs/ENGINE.md)."""
+    tools: list[str] = field(default_factory=list)
+    """Multi-turn rollouts with tools (TRL's tools=): functions as `path/to/file.py:name` or `module:name`; their
+    type hints and docstrings are the schema the chat template renders, keyword-only parameters are row context
+    (verl's extra_info.tools_kwargs). The model calls one per turn, Hermes / Qwen style
+    (<tool_call>{"name": ..., "arguments": {...}}</tool_call>); its text, images or both are the observation.
+    Empty: the task's own tools (data.task look), else single-turn."""
+    environment: str = ""
+    """Multi-turn rollouts with an environment (TRL's environment_factory, verl's interaction): a class
+    `path/to/file.py:Name` with reset(**interaction_kwargs) and step(action) -> (observation, reward, done); each
+    policy turn is an action, the observation a user message. The rewards reach the reward function."""
+    max_turns: int = 8
+    """Policy turns per multi-turn episode: a tool call on the last one ends the episode (finish reason max_turns).
+    rollout.max_tokens bounds the whole response, observations included."""
+    max_observation_tokens: int = 1024
+    """A tool's or environment's observation longer than this is cut (text at a token, an image left out whole,
+    each with a note the model reads); 0 = no limit but max_tokens."""
+    tool_workers: int = 2
+    """Worker processes that run tool calls and environments, kept for the run (0 = in the trainer's process:
+    no deadline possible)."""
+    tool_timeout_s: float = 30.0
+    """A tool call or environment step that takes longer is stopped (its worker killed and replaced); the model
+    reads an error, counted in rollout/tool_errors."""
 
     def _check_ranges(self) -> None:
         self._require(self.n >= 2, "n", ">= 2 (GRPO and Dr. GRPO centre each reward on its group's mean: with one "
@@ -228,6 +250,12 @@ class RolloutConfig(Section):
         self._require(self.block_size >= 1, "block_size", ">= 1")
         self._require(self.kv_cache_memory >= 0, "kv_cache_memory", ">= 0 (0 = the memory plan's)")
         self._require(self.max_num_seqs >= 1, "max_num_seqs", ">= 1")
+        self._require(not (self.tools and self.environment), "environment",
+                      "empty when rollout.tools is set (an episode's turns go to its tools or to its environment)")
+        self._require(self.max_turns >= 1, "max_turns", ">= 1")
+        self._require(self.max_observation_tokens >= 0, "max_observation_tokens", ">= 0")
+        self._require(self.tool_workers >= 0, "tool_workers", ">= 0")
+        self._require(self.tool_timeout_s > 0, "tool_timeout_s", "> 0")
 
 
 @dataclass
@@ -569,6 +597,10 @@ class LoggingConfig(Section):
         self._require(self.progress_every_s > 0, "progress_every_s", "> 0")
 
 
+# The built-in tasks (data.task) whose episodes call tools of their own (rollplex.data.tasks).
+TASKS_WITH_TOOLS = ("look",)
+
+
 @dataclass
 class Config:
     """The whole run configuration."""
@@ -616,6 +648,31 @@ class Config:
             raise ConfigError("lora.train_vision and parallel.freeze_vision both set: the first trains the vision "
                               "tower in full, the second freezes it")
         self._check_expert_parallel()
+        self._check_multi_turn()
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether the rollout runs multi-turn episodes: tools or an environment, or a task with tools of its own."""
+        return bool(self.rollout.tools or self.rollout.environment or
+                    (not self.data.train_files and self.data.task in TASKS_WITH_TOOLS))
+
+    def _check_multi_turn(self) -> None:
+        """What multi-turn rollouts (rollout.tools / environment) cannot run with yet."""
+        if not self.multi_turn:
+            return
+        what = "rollout.tools" if self.rollout.tools else "rollout.environment" if self.rollout.environment else \
+            f"data.task {self.data.task}"
+        if self.schedule.kind != "serial":
+            raise ConfigError(f"{what} with schedule.kind {self.schedule.kind}: multi-turn rollouts run with the "
+                              "serial schedule for now (overlap's decode window and disagg's rollout ranks do not "
+                              "run tools yet); use schedule.kind serial")
+        if self.algorithm.routing_replay == "rollout":
+            raise ConfigError(f"{what} with algorithm.routing_replay rollout: the engine does not record the routes "
+                              "of observations yet; use routing_replay old or none")
+        if self.rollout.tp > self.parallel.tp:
+            raise ConfigError(f"{what} with rollout.tp {self.rollout.tp} > parallel.tp {self.parallel.tp}: an "
+                              "engine shared by several dp ranks would run each tool call on every one of them; "
+                              "use rollout.tp <= parallel.tp")
 
     def _check_expert_parallel(self) -> None:
         """What parallel.ep > 1 cannot run with yet. The model's checks (it has MoE layers, ep divides their

@@ -333,7 +333,10 @@ class PromptDataset:
         video_fps: float = 2.0,
         format_prompt: str = "",
         system_prompt: str = "",
+        tools: Sequence[dict[str, Any]] = (),
     ):
+        """`tools`: the schemas of a multi-turn run's tools (rollplex.agent.tools), which every prompt's chat
+        template renders."""
         if format not in FORMATS:
             raise ValueError(f"format must be one of {', '.join(FORMATS)}; got {format!r}")
         if isinstance(files, (str, os.PathLike)):
@@ -342,6 +345,7 @@ class PromptDataset:
             raise ValueError("PromptDataset needs at least one file")
         self.processor = processor
         self.max_prompt_length = max_prompt_length
+        self.tools = list(tools)
         self.prompt_key = prompt_key
         self.answer_key = answer_key
         self.image_key = image_key
@@ -407,7 +411,7 @@ class PromptDataset:
         images = [_resolve_paths(x, folder) for x in _images_of(row.get(self.image_key))]
         videos = [_resolve_paths(x, folder) for x in _videos_of(row.get(self.video_key))]
         inputs = prepare_prompt(self.processor, self._messages(prompt), images=images, videos=videos,
-                                video_fps=self.video_fps)
+                                video_fps=self.video_fps, tools=self.tools or None)
         if len(inputs.input_ids) > self.max_prompt_length:
             raise _TooLong(f"{len(inputs.input_ids)} tokens > max_prompt_length {self.max_prompt_length}")
         columns = {k: v for k, v in row.items() if k not in (self.image_key, self.video_key)}

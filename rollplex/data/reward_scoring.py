@@ -20,11 +20,14 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from rollplex.data.rewards import BATCH_KINDS, Reward, RewardSample, RewardTypeError, score_of
 from rollplex.user_code import user_traceback
 from rollplex.worker_processes import WorkerDied, WorkerPool, describe_error
+
+if TYPE_CHECKING:
+    from rollplex.models.inputs import EpisodeLog
 
 # One sample's outcome: (score, components, error); a failed sample is (0.0, {}, its error).
 Outcome = tuple[float, dict[str, float], str]
@@ -231,15 +234,20 @@ class RewardScorer:
         self.kind = self._reward.kind if self._reward else self._pool.kind  # the calling convention in use
 
     def score(self, responses: Sequence[str], answers: Sequence[str], response_ids: Sequence[list[int]] | None = None,
-              columns: Sequence[dict[str, Any]] | None = None, warn: bool = True) -> RewardScores:
+              columns: Sequence[dict[str, Any]] | None = None, warn: bool = True,
+              episodes: Sequence[EpisodeLog | None] | None = None) -> RewardScores:
         """Score each response against its answer; `response_ids` (its tokens) and `columns`
-        (its dataset row's, see `RewardSample`) are what the anchors' functions also read.
+        (its dataset row's, see `RewardSample`) are what the anchors' functions also read, and
+        a multi-turn sample's `episodes` entry its trajectory and environment rewards.
         Warns once when some failed (with `warn`; else the caller does: `warn_failures`).
 
         A score of the wrong type (a string, a list: see `score_of`) raises RewardTypeError,
         naming the function: its mistake, not the sample's. With `clip`, every score comes
         back clipped into [-clip, clip], as it trains (`_bounded`)."""
         samples = _samples(responses, answers, response_ids, columns)
+        for sample, episode in zip(samples, episodes or ()):
+            if episode is not None:
+                sample.messages, sample.env_rewards = episode.messages, episode.rewards
         try:
             scores = self._score(samples)
         except RewardTypeError as mistake:

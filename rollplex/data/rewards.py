@@ -2,8 +2,8 @@
 the calling conventions of verl, EasyR1 and TRL (`Reward`, `REWARD_KINDS`).
 
 Built in: "exact_match" (one-word / short answers, the synthetic tasks), "math"
-(a final math answer, checked with math-verify when it is installed) and "format"
-(the <think>...</think> answer layout). `load_reward` also loads a user function
+(a final math answer, checked with math-verify when it is installed), "format"
+(the <think>...</think> answer layout) and "look" (the look task's, multi-turn). `load_reward` also loads a user function
 from `module:function` or `path/to/file.py:function` (which imports the modules
 beside it, as a script does); without `:function`, verl's default `compute_score`
 or the module's one public function (`load_user_object` loads tools and environments
@@ -215,12 +215,29 @@ def math_answer(response: str, answer: str) -> float:
     return float(_plain_equal(predicted, gold) or _math_verify_equal(predicted, gold))
 
 
+# ----------------------------------------------------------------------------- look (multi-turn)
+
+LOOKED_BONUS = 0.1
+
+
+def look_answer(response: str, answer: str, messages: list[dict] | None = None) -> float:
+    """The look task's reward (rollplex.data.tasks, rollplex.agent.look): 1.0 for the right colour
+    (`exact_match` of the last turn), else LOOKED_BONUS when the trajectory holds a tool's answer
+    (`messages`: the model looked), else 0.0. A policy that never looks scores at most 1/7 (7
+    colours); the bonus makes looking pay before a from-scratch model can read the picture, which
+    it otherwise would almost never find the call for (1 token of ~120, then the right colour)."""
+    if exact_match(response, answer):
+        return 1.0
+    return LOOKED_BONUS if any(m.get("role") == "tool" for m in messages or ()) else 0.0
+
+
 # ----------------------------------------------------------------------------- loading
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "exact_match": exact_match,
     "math": math_answer,
     "format": format_reward,
+    "look": look_answer,
 }
 
 
@@ -383,6 +400,18 @@ class RewardSample:
     # The dataset row's columns but its images and videos (data_source, extra_info, ...), and the prompt as the
     # row holds it (text or chat messages) under "prompt"; empty for the synthetic tasks.
     columns: dict[str, Any] = field(default_factory=dict)
+    # A multi-turn sample (rollplex.agent): its trajectory after the prompt as chat messages (the policy's turns, the
+    # tools' or environment's answers; images as {"type": "image"}), and its environment's reward at each step.
+    # `response` is then its last turn.
+    messages: list[dict] | None = None
+    env_rewards: list[float] | None = None
+
+    def multi_turn_keywords(self, fn: Callable) -> dict[str, Any]:
+        """A multi-turn sample's `messages` and `env_rewards`, for the ones `fn` takes by name (or **kwargs)."""
+        if self.messages is None:
+            return {}
+        return {name: value for name, value in (("messages", self.messages), ("env_rewards", self.env_rewards or []))
+                if _takes_keyword(fn, name)}
 
 
 def detect_kind(fn: Callable) -> str:
@@ -400,6 +429,14 @@ def detect_kind(fn: Callable) -> str:
     return "rollplex"
 
 
+def _takes_keyword(fn: Callable, name: str) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
 def _verl_ground_truth(sample: RewardSample) -> Any:
     # verl passes reward_model.ground_truth as the row holds it (a list stays a list), not as text.
     reward_model = sample.columns.get("reward_model")
@@ -409,27 +446,33 @@ def _verl_ground_truth(sample: RewardSample) -> Any:
 
 
 def _easyr1_input(sample: RewardSample) -> dict[str, Any]:
+    turns = {} if sample.messages is None else {"messages": sample.messages, "env_rewards": sample.env_rewards or []}
     return {**sample.columns, "response": sample.response, "response_length": len(sample.response_ids),
-            "ground_truth": sample.answer}
+            "ground_truth": sample.answer, **turns}
 
 
 def _call_trl(fn: Callable, samples: Sequence[RewardSample]) -> Any:
     """As TRL's GRPOTrainer calls it: every other dataset column as a keyword holding one value
-    per response, and chat-message completions where the prompt was chat messages."""
+    per response, and chat-message completions where the prompt was chat messages (a multi-turn
+    sample's: its whole trajectory's messages, tool answers included, as TRL's with tools)."""
     prompts = [s.columns.get("prompt", "") for s in samples]
-    completions = [[{"role": "assistant", "content": s.response}] if isinstance(p, list) else s.response
+    completions = [s.messages if s.messages is not None else
+                   [{"role": "assistant", "content": s.response}] if isinstance(p, list) else s.response
                    for s, p in zip(samples, prompts)]
     columns = {name: [s.columns.get(name) for s in samples] for name in samples[0].columns
                if name not in _TRL_OWN_ARGUMENTS}
+    if samples[0].messages is not None and _takes_keyword(fn, "env_rewards"):
+        columns["env_rewards"] = [s.env_rewards or [] for s in samples]
     # trainer_state is TRL's Trainer state: there is none here.
     return fn(**columns, prompts=prompts, completions=completions,
               completion_ids=[s.response_ids for s in samples], trainer_state=None)
 
 
 _PER_SAMPLE_CALLS: dict[str, Callable[[Callable, RewardSample], Any]] = {
-    "rollplex": lambda fn, s: fn(s.response, s.answer),
+    "rollplex": lambda fn, s: fn(s.response, s.answer, **s.multi_turn_keywords(fn)),
     "verl": lambda fn, s: fn(data_source=s.columns.get("data_source"), solution_str=s.response,
-                             ground_truth=_verl_ground_truth(s), extra_info=s.columns.get("extra_info", {})),
+                             ground_truth=_verl_ground_truth(s), extra_info=s.columns.get("extra_info", {}),
+                             **s.multi_turn_keywords(fn)),
     "easyr1_sequential": lambda fn, s: fn(_easyr1_input(s)),
 }
 _BATCH_CALLS: dict[str, Callable[[Callable, Sequence[RewardSample]], Any]] = {

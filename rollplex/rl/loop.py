@@ -48,10 +48,11 @@ from rollplex.rl.memory import GiB, MemoryPlan
 from rollplex.rl.prompt_work import PromptWorkPlanner, update_chunks
 from rollplex.rl.reports import (slow_cpu_compute_note, startup_summary, training_records, validation_metrics,
                                  validation_records)
+from rollplex.agent.episodes import Agent, episode_metrics
 from rollplex.rl.rollout import Rollout, RolloutRunner, balanced_share, build_engine
 from rollplex.rl.schedules.prompt_items import PromptKind
 from rollplex.rl.schedules.registry import build_schedule
-from rollplex.rl.setup import PromptSource, load_run_processor, model_path, plan_run_memory, resume_point
+from rollplex.rl.setup import PromptSource, load_run_processor, model_path, plan_run_memory, resume_point, run_tools
 from rollplex.rl.step import StepState, norm_by_std, score_groups
 from rollplex.rl.step_metrics import (PhaseMeter, combine_updates, gather_metrics, memory_metrics, speed_metrics,
                                       stop_if_every_reward_failed)
@@ -91,6 +92,7 @@ class RLTrainer:
 
     def __init__(self, cfg: Config):
         self.run_lock: RunLock | None = None  # rank 0's, on trainer.output_dir (rollplex.run_lock)
+        self.agent: Agent | None = None  # multi-turn rollouts' tools or environment (rollplex.agent)
         try:
             self._set_up(cfg)
         except BaseException:
@@ -128,7 +130,7 @@ class RLTrainer:
         self.compute_dtype = getattr(torch, cfg.model.dtype)
         self.processor = load_run_processor(path, cfg.data)
         self.tokenizer = self.processor.tokenizer
-        self.data = PromptSource(cfg.data, self.processor)
+        self.data = PromptSource(cfg.data, self.processor, cfg.rollout.tools)
         self.skipped_rows = 0.0  # training rows skipped as of the batch being trained on (data/skipped_total)
         self.save_due = False  # a checkpoint is due, waiting for a step whose optimizer step was not skipped
         self.total_steps = self.data.run_steps(cfg.trainer)
@@ -210,8 +212,11 @@ class RLTrainer:
                                    record_routes=cfg.algorithm.routing_replay == "rollout")
         self.engine.progress = self.progress
         tp_group = self.weights.engine_tp_group if cfg.rollout.tp > cfg.parallel.tp else None
+        # Multi-turn rollouts' tools or environment, in worker processes kept for the run.
+        self.agent = Agent(cfg.rollout, self.processor, self.model.args.rope_spec, run_tools(cfg)) \
+            if cfg.multi_turn else None
         self.rollout_runner = RolloutRunner(self.engine, self.weights, self.model, self.tokenizer, cfg.rollout,
-                                            cfg.trainer.seed, tp_group)
+                                            cfg.trainer.seed, tp_group, self.agent)
         # The prompt-work slices' side stream, one for the trainer's lifetime (see rollplex.rl.prompt_work), at priority 0,
         # CUDA's lowest: the engine's decode stream goes first.
         self.side_stream = torch.cuda.Stream(self.device, priority=0) if self.device.type == "cuda" else None
@@ -277,9 +282,11 @@ class RLTrainer:
             exported = self._save_hf() if cfg.trainer.save_hf else None
             self.logger.summarize_run(self.step, self.step - first_step,
                                       latest_checkpoint(self.out / "checkpoints"), exported)
-        finally:  # a run that stops on an error still flushes its trackers and stops its reward workers
+        finally:  # a run that stops on an error still flushes its trackers and stops its reward and tool workers
             self.logger.close()
             self.reward_scorer.close()
+            if self.agent is not None:
+                self.agent.close()
 
     def _evaluate_before_training(self) -> None:
         """trainer.val_before_train: the starting point of the val/score curve, logged as step 0."""
@@ -498,6 +505,8 @@ class RLTrainer:
     def _step_metrics(self, state: StepState, actor_metrics: dict[str, float], timer: Timer, data_s: float,
                       seconds: float) -> dict[str, float]:
         metrics = gather_metrics(state, actor_metrics, self.skipped_rows, self.dp_group)
+        if self.agent is not None:
+            metrics.update(episode_metrics(state.rollout.samples, self.rollout_runner.tool_wait_s, self.dp_group))
         metrics["timing_s/data"] = data_s
         metrics.update(timer.as_metrics())
         metrics.update(state.metrics)

@@ -6,7 +6,11 @@ per generation:
      "response": decoded response, "answer": reference answer, "score": reward,
      "components": {name: value}   (a reward that returns a dict: its entries),
      "advantage": ..., "finish_reason": "stop" | "length"   (training samples),
-     "data_source": the row's data_source column   (validation samples of rows that have one)}
+     "data_source": the row's data_source column   (validation samples of rows that have one),
+     "turns": [{"role": "assistant" | "tool" | "user", "content": ...}, ...]   (multi-turn samples: the
+              trajectory turn by turn, the policy's turns and the observations, images as {"type": "image"};
+              "response" is then the last turn),
+     "turns_taken", "tool_calls", "tool_errors", "env_rewards"   (multi-turn samples)}
 
 and the validation scores made from those records (`validation_metrics`).
 """
@@ -25,11 +29,16 @@ from rollplex.rl.setup import PromptSource, ResumePoint
 DATA_SOURCE = "data_source"  # verl's column naming the dataset a row comes from (its validation metrics split by it)
 
 
-def _record(split: str, example, response: str, rewards: RewardScores, i: int) -> dict[str, Any]:
+def _record(split: str, example, response: str, rewards: RewardScores, i: int, sample) -> dict[str, Any]:
     record = {"split": split, "index": example.index, "prompt": example.prompt.text, "response": response,
               "answer": example.answer, "score": rewards.scores[i]}
     if rewards.components and rewards.components[i]:
         record["components"] = rewards.components[i]
+    if (episode := sample.episode) is not None:
+        record.update(turns=episode.messages, turns_taken=episode.turns, tool_calls=episode.tool_calls,
+                      tool_errors=episode.tool_errors)
+        if episode.rewards:
+            record["env_rewards"] = episode.rewards
     return record
 
 
@@ -38,7 +47,7 @@ def training_records(rollout: Rollout, rewards: RewardScores, advantages: list[f
     (different prompts before a group's spread)."""
     n = len(rollout.texts) // len(rollout.examples)
     chosen = sorted(range(len(rollout.texts)), key=lambda i: (i % n, i // n))[:count]
-    return [{**_record("train", rollout.examples[i // n], rollout.texts[i], rewards, i),
+    return [{**_record("train", rollout.examples[i // n], rollout.texts[i], rewards, i, rollout.samples[i]),
              "advantage": advantages[i], "finish_reason": rollout.finish_reasons[i]} for i in chosen]
 
 
@@ -46,7 +55,8 @@ def validation_records(rollout: Rollout, rewards: RewardScores) -> list[dict]:
     """One record per validation response (trainer.val_n per prompt, prompt by prompt), with
     its row's data_source when the row has one (verl's layout)."""
     per_sample = [e for e, g in zip(rollout.examples, rollout.groups) for _ in g.samples]
-    records = [_record("val", e, text, rewards, i) for i, (e, text) in enumerate(zip(per_sample, rollout.texts))]
+    records = [_record("val", e, text, rewards, i, sample)
+               for i, (e, text, sample) in enumerate(zip(per_sample, rollout.texts, rollout.samples))]
     for record, e in zip(records, per_sample):
         if DATA_SOURCE in e.columns:
             record[DATA_SOURCE] = e.columns[DATA_SOURCE]

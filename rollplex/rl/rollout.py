@@ -13,7 +13,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from functools import cached_property
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,9 @@ from rollplex.engine.sampler import mix_seed
 from rollplex.models.inputs import Group, Sample, VisionEmbeds
 from rollplex.models.protocol import VisionLanguageModel
 from rollplex.rl.weights import SharedWeights
+
+if TYPE_CHECKING:
+    from rollplex.agent.episodes import Agent
 
 # The step a validation seed mixes in: a training prompt's seed mixes (run seed, step, index) with a step of 0 or
 # more, so no validation draw repeats a training one, whatever the indices of the training and validation rows.
@@ -44,8 +47,8 @@ class Rollout:
         """The rollout of `examples` from their groups (the engine's, or a disagg rollout rank's);
         `decoded`: the responses of the groups decoded already, by group (the decode window's)."""
         decoded = decoded or {}
-        texts = [t for i, g in enumerate(groups)
-                 for t in decoded.get(i) or [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in g.samples]]
+        texts = [t for i, g in enumerate(groups) for t in decoded.get(i) or [response_text(tokenizer, s)
+                                                                             for s in g.samples]]
         return cls(examples, groups, texts)
 
     # The per-sample views are built once: the groups do not change after `of`.
@@ -72,6 +75,13 @@ class Rollout:
     def tokens(self) -> int:
         """Tokens the training passes read: each sample's prompt and response."""
         return sum(len(g.prompt.input_ids) * len(g.samples) + sum(map(len, g.responses)) for g in self.groups)
+
+
+def response_text(tokenizer, sample: Sample) -> str:
+    """What the reward reads as a sample's response: its decoded tokens, special tokens skipped; a
+    multi-turn sample's last turn, its answer (the whole trajectory is its episode's messages)."""
+    last_turn = sample.observations[-1].end if sample.observations else 0
+    return tokenizer.decode(sample.token_ids[last_turn:], skip_special_tokens=True)
 
 
 def balanced_share(examples: list, ranks: int, rank: int) -> list:
@@ -117,12 +127,14 @@ class RolloutRunner:
     (evaluation: greedy by default), on the trainer's weights."""
 
     def __init__(self, engine: Engine, weights: SharedWeights, model: VisionLanguageModel, tokenizer, r: RolloutConfig,
-                 seed: int, tp_group: dist.ProcessGroup | None = None):
+                 seed: int, tp_group: dist.ProcessGroup | None = None, agent: Agent | None = None):
         """`tp_group`: the engine's TP group when it spans several dp ranks (rollout.tp >
-        parallel.tp); the group then generates all its ranks' requests together."""
+        parallel.tp); the group then generates all its ranks' requests together. `agent`:
+        multi-turn rollouts' tools or environment (rollplex.agent), None for single-turn."""
         self.engine, self.weights, self.model, self.tokenizer = engine, weights, model, tokenizer
-        self.config, self.seed, self.tp_group = r, seed, tp_group
+        self.config, self.seed, self.tp_group, self.agent = r, seed, tp_group, agent
         self.sampling = SamplingParams.from_config(r)
+        self.tool_wait_s = 0.0  # the last generation's wait on tools with nothing else to run
 
     @contextmanager
     def session(self) -> Iterator[None]:
@@ -142,12 +154,18 @@ class RolloutRunner:
 
     def generate(self, requests: list[Request], params: SamplingParams | None = None,
                  between_steps: Callable[[int], None] | None = None,
-                 on_finished: Callable[[int, Group], None] | None = None) -> list[Group]:
+                 on_finished: Callable[[int, Group], None] | None = None, examples: list | None = None) -> list[Group]:
         """Generate on this rank's engine (`params`: the rollout's sampling by default),
         with the TP group's requests when it has one; each rank keeps its own outputs
         (seeds come from the prompts, so the samples do not depend on the grouping),
-        and hears of its own finished groups (`Engine.generate`)."""
+        and hears of its own finished groups (`Engine.generate`). With an agent, the
+        samples are multi-turn episodes over `examples`' rows (one per request)."""
         params = params or self.sampling
+        if self.agent is not None:  # the config keeps multi-turn rollouts to engines of one dp rank's requests
+            episodes = self.agent.episodes(examples)
+            groups = self.engine.generate(requests, params, between_steps, on_finished, episodes)
+            self.tool_wait_s = episodes.waited_s
+            return groups
         if self.tp_group is None:
             return self.engine.generate(requests, params, between_steps, on_finished)
         # Vision features are left out: a peer's engine encodes its own (they are device tensors).
@@ -171,4 +189,4 @@ class RolloutRunner:
         params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=self.config.max_tokens)
         requests = [Request(e.prompt, n=n, seed=mix_seed(self.seed, VALIDATION_STEP, e.index)) for e in examples]
         with self.session():
-            return self.generate(requests, params)
+            return self.generate(requests, params, examples=examples)

@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from rollplex.agent.tools import load_tools
 from rollplex.config import Config, ConfigError, DataConfig, TrainerConfig, config_to_dict, load_config_file
 from rollplex.dist import ParallelDims, all_reduce_values
 from rollplex.device import free_memory
@@ -165,27 +166,39 @@ def load_run_processor(path: Path, d: DataConfig):
                           video_max_pixels=d.video_max_pixels or None, video_max_frames=d.video_max_frames or None)
 
 
+def run_tools(cfg: Config) -> list[str]:
+    """The run's tool specs: rollout.tools, else the built-in task's own (data.task look)."""
+    if cfg.rollout.tools or cfg.data.train_files:
+        return list(cfg.rollout.tools)
+    from rollplex.data.tasks import make_task
+
+    return list(make_task(cfg.data.task).tools)
+
+
 class PromptSource:
     """A run's prompts: training batches (resumable by step) and validation
     examples, from files (data.train_files) or from the built-in synthetic task."""
 
-    def __init__(self, d: DataConfig, processor):
+    def __init__(self, d: DataConfig, processor, tools: list[str] = ()):
+        """`tools`: a multi-turn run's tool specs (rollout.tools), whose schemas the files' prompts render."""
         from rollplex.data.datasets import PromptDataset
         from rollplex.data.tasks import make_task, validation_examples
 
         self.config, self.processor = d, processor
         self.train_data, self.task = None, None
         if d.train_files:
+            schemas = [t.schema for t in load_tools(list(tools))] if tools else []
+
             def dataset(files: list[str]) -> PromptDataset:
                 return PromptDataset(files, processor=processor, max_prompt_length=d.max_prompt_length,
                                      format=d.format, prompt_key=d.prompt_key, answer_key=d.answer_key,
                                      image_key=d.image_key, video_key=d.video_key, video_fps=d.video_fps,
-                                     format_prompt=d.format_prompt, system_prompt=d.system_prompt)
+                                     format_prompt=d.format_prompt, system_prompt=d.system_prompt, tools=schemas)
 
             self.train_data = dataset(d.train_files)
             self.val_examples = list(dataset(d.val_files)) if d.val_files else []
         else:
-            options = {"color": dict(image_size=d.image_size),
+            options = {"color": dict(image_size=d.image_size), "look": dict(image_size=d.image_size),
                        "direction": dict(num_frames=d.num_frames, frame_size=d.image_size)}.get(d.task, {})
             self.task = make_task(d.task, **options)
             self.val_examples = validation_examples(self.task, processor, d.val_size, d.seed)

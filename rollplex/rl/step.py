@@ -84,5 +84,6 @@ def score_groups(scorer: RewardScorer, examples: list, groups: list[Group], text
     """The rewards of every sample of `groups` (one example each; `texts`: the samples' decoded
     responses), in group order."""
     per_sample = [e for e, g in zip(examples, groups) for _ in g.samples]
-    return scorer.score(texts, [e.answer for e in per_sample], [s.token_ids for g in groups for s in g.samples],
-                        [e.columns for e in per_sample], warn=warn)
+    samples = [s for g in groups for s in g.samples]
+    return scorer.score(texts, [e.answer for e in per_sample], [s.token_ids for s in samples],
+                        [e.columns for e in per_sample], warn=warn, episodes=[s.episode for s in samples])

@@ -59,7 +59,7 @@ class Schedule:
         with runner.session():
             requests, window = self.before_decode(trainer, state)
             groups = runner.generate(requests, between_steps=window.between_steps if window else None,
-                                     on_finished=window.on_finished if window else None)
+                                     on_finished=window.on_finished if window else None, examples=state.examples)
             self.after_decode(trainer, state)
         state.rollout = Rollout.of(state.examples, groups, trainer.tokenizer, state.texts)
 

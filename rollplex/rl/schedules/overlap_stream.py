@@ -63,6 +63,7 @@ from rollplex.rl.prompt_work import PromptWorkScheduler, update_chunks
 from rollplex.rl.schedules.base import DecodeWindow
 from rollplex.rl.schedules.overlap import Overlap
 from rollplex.rl.schedules.prompt_items import PromptKind
+from rollplex.rl.rollout import response_text
 from rollplex.rl.step import StepState, StreamReport, norm_by_std, score_groups
 from rollplex.train.actor import Actor, PolicyBatch
 from rollplex.train.kept_prefix import KeptPrefix
@@ -245,7 +246,7 @@ class GroupStream:
     def _score(self, g: int) -> tuple[RewardScores, float, float]:
         """Group `g`'s scores, and when scoring started and ended (time.perf_counter)."""
         start, group = time.perf_counter(), self.finished[g]
-        texts = self.state.texts[g] = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in group.samples]
+        texts = self.state.texts[g] = [response_text(self.tokenizer, s) for s in group.samples]
         return score_groups(self.scorer, [self.state.examples[g]], [group], texts, warn=False), start, time.perf_counter()
 
     def _take_scores(self, g: int, scores: RewardScores, start: float, end: float, queue_passes: bool = True) -> None:
