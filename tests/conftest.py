@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -24,3 +25,15 @@ def processor(tiny_dir):
     from rollplex.data.processor import load_processor
 
     return load_processor(tiny_dir)
+
+
+@pytest.fixture
+def time_limit():
+    """Fails a test that hangs rather than hang the suite."""
+    def fail(signum, frame):
+        raise TimeoutError("the test ran past its 60 s limit")
+    previous = signal.signal(signal.SIGALRM, fail)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)

@@ -5,7 +5,6 @@ deadline, and whatever a tool does, the run goes on."""
 
 from __future__ import annotations
 
-import signal
 import time
 
 import numpy as np
@@ -18,16 +17,7 @@ from rollplex.agent.tools import (Tool, ToolCall, ToolResult, call_tool, load_to
 from rollplex.agent.workers import ToolFailure, ToolRunner
 
 
-@pytest.fixture(autouse=True)
-def time_limit():
-    """Fails a test that hangs rather than hang the suite."""
-    def fail(signum, frame):
-        raise TimeoutError("the test ran past its 60 s limit")
-    previous = signal.signal(signal.SIGALRM, fail)
-    signal.alarm(60)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
+pytestmark = pytest.mark.usefixtures("time_limit")  # tests/conftest.py: a hanging tool fails its test
 
 
 def crop(box: list[int], zoom: float = 1.0, *, image: Image.Image) -> Image.Image:

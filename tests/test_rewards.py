@@ -327,18 +327,6 @@ def user_reward(tmp_path) -> str:
     return f"{path}:score"
 
 
-@pytest.fixture
-def time_limit():
-    """Fails a test that hangs rather than hang the suite."""
-    def fail(signum, frame):
-        raise TimeoutError("the test ran past its 60 s limit")
-    previous = signal.signal(signal.SIGALRM, fail)
-    signal.alarm(60)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
-
-
 def test_workers_by_default_for_user_functions_only(user_reward, time_limit):
     assert RewardScorer("exact_match").workers == 0
     with RewardScorer(user_reward) as scorer:
