@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from rollplex.agent.environment import EnvironmentRunner, StepResult
 from rollplex.agent.observation import ObservationOverLimit, ObservationRenderer
-from rollplex.agent.tools import Tool, ToolResult, load_tools, parse_tool_call, row_context
+from rollplex.agent.tools import ToolResult, load_tools, parse_tool_call, row_context
 from rollplex.agent.workers import ToolFailure, ToolRunner
 from rollplex.dist import all_reduce_values
 from rollplex.engine.episodes import SampleKey
