@@ -35,3 +35,11 @@ def test_look_episodes_train_on_the_rollouts_tokens_and_two_ranks_equal_one(tmp_
     for key in ("critic/score/mean", "rollout/turns_mean", "rollout/tool_calls_mean", "rollout/tool_errors",
                 "rollout/observation_tokens_mean", "response_length/mean", "val/score"):
         assert [r.get(key) for r in double] == [r.get(key) for r in single], key
+
+
+def test_look_episodes_train_lora_adapters_on_the_rollouts_tokens(tmp_path):
+    """LoRA (the engine runs the same adapters) on multi-turn samples: the logprobs after observations agree too."""
+    RLTrainer(load_config(LOOK + ["--trainer.output_dir", str(tmp_path), "--lora.rank", "8",
+                                  "--trainer.eval_every", "0"])).fit()
+    for row in read_metrics(tmp_path / "metrics.jsonl"):
+        assert row["rollout/turns_mean"] > 1.1 and row["training/rollout_probs_diff_max"] <= 1e-5
