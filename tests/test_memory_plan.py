@@ -25,10 +25,11 @@ from rollplex.models.qwen2_5_vl.hf import hf_config_from_args
 from rollplex.models.qwen2_5_vl import ModelArgs, Qwen2_5_VL, TextArgs, VisionArgs
 from rollplex.models.qwen_vl.tp_plan import decoder_layer_plan
 from rollplex.rl.memory import (GiB, PHASES, PRESETS, TENSOR_CLASSES, UNCOUNTED_FRACTION, BatchShape, MemoryOptions,
-                                MemoryPlanError, ParallelLayout, count_lora, count_params, kv_bytes_per_token,
-                                loop_phase_bytes, micro_batch, plan_memory, kept_prompt_state)
-from rollplex.rl.memory.estimates import (decoder_layer_bytes, deltanet_layer_bytes, dispatch_bytes, expert_counts,
-                                          layer_backward_bytes, sparse_mlp_bytes)
+                                MemoryPlan, MemoryPlanError, ParallelLayout, count_lora, count_params,
+                                kv_bytes_per_token, loop_phase_bytes, micro_batch, plan_memory, kept_prompt_state)
+from rollplex.rl.memory.estimates import (_vision_forward_bytes, decoder_layer_bytes, deltanet_layer_bytes,
+                                          dispatch_bytes, expert_counts, layer_backward_bytes, sparse_mlp_bytes,
+                                          vision_patch_bytes)
 from rollplex.rl.schedules.prompt_items import PromptItem, prompt_work_items
 from rollplex.rl.schedules.registry import build_schedule
 from rollplex.train.lora import apply_lora, is_adapter
@@ -565,6 +566,93 @@ def test_sizes_set_by_the_run_are_kept_and_a_warning_says_when_they_do_not_fit()
     with pytest.warns(UserWarning, match="phase train needs .* over the .* usable: the sizes set in the config"):
         plan_memory(PRESETS["qwen2.5-vl-7b"], LAYOUT_7B, BATCH_7B, MemoryOptions(activation_checkpointing=True,
                                                                                  micro_batch_tokens=200_000))
+
+
+# ----------------------------------------------------------------------------- multi-turn
+
+
+def config_plan(config: dict) -> MemoryPlan:
+    """A run's plan from its config, as rollplex.rl.setup.plan_run_memory builds it, for Qwen2.5-VL-7B on 8 GPUs
+    of 80 GiB and prompts of 256 text and 1024 vision tokens."""
+    cfg = config_from_dict(config)
+    options = MemoryOptions.from_config(cfg, build_schedule(cfg).memory_layout, torch.bfloat16, 80 * GiB, "torch")
+    batch = BatchShape(cfg.data.batch_size, cfg.rollout.n, 256, cfg.rollout.max_tokens, 1024)
+    return plan_memory(PRESETS["qwen2.5-vl-7b"], LAYOUT_7B, batch, options)
+
+
+# Each run's sizes (KV pool bytes, micro-batch tokens, prefix budget bytes) and phases' totals, as planned before
+# multi-turn runs were counted (commit b73b67d).
+SINGLE_TURN_PLANS = [
+    ({}, (24428544000, 3328, 578557952),
+     dict(rollout=55644748288, prefix=53568567808, logprobs=0, train=76730853376, optimizer=41012877312)),
+    ({"algorithm": {"kl_coef": 0.001}, "parallel": {"activation_checkpointing": True}},
+     (24428544000, 48576, 4200070400),
+     dict(rollout=57717789952, prefix=63271631616, logprobs=52362781440, train=74577490688, optimizer=43085918976)),
+]
+
+
+@pytest.mark.parametrize("config,sizes,totals", SINGLE_TURN_PLANS)
+def test_a_single_turn_run_plans_as_before(config, sizes, totals):
+    plan = config_plan(config)
+    assert not plan.options.multi_turn
+    assert (plan.sizes.kv_pool, plan.sizes.micro_batch_tokens, plan.prefix_budget) == sizes
+    assert {phase: plan.rollplex.total(phase) for phase in PHASES} == totals
+
+
+def test_a_multi_turn_config_plans_multi_turn():
+    """A task with tools of its own makes the run multi-turn (Config.multi_turn), and its plan: the tower over
+    the observations in every pass leaves the update a smaller micro-batch."""
+    checkpointing = {"parallel": {"activation_checkpointing": True}}
+    multi = config_plan({"data": {"task": "look"}, **checkpointing})
+    assert multi.options.multi_turn
+    assert multi.sizes.micro_batch_tokens < config_plan(checkpointing).sizes.micro_batch_tokens
+
+
+@pytest.mark.parametrize("freeze_vision", [False, True])
+def test_a_multi_turn_plan_counts_observation_images_in_its_passes(freeze_vision):
+    """At the same sizes, a multi-turn plan counts, per response token of a micro-batch, one observation's
+    merged vision token: spatial_merge_size**2 patches through the vision tower. Its update keeps the tower's
+    saved tensors over them (none when the tower is frozen); its logprob passes (suffix passes over kept prompts)
+    then peak in the tower's forward over them. Its rollout keeps each sample's observation features, at most a
+    full response's, and its engine prefills up to a step's token budget of observations. The prompt work and
+    the optimizer step are unchanged."""
+    args = small_args()
+    single = MemoryOptions(ref_model=True, recompute_old_logprobs=True, schedule="serial-prefix",
+                           freeze_vision=freeze_vision, kv_pool=2e6, micro_batch_tokens=300, prefix_budget=1e7)
+    plans = [plan_memory(args, ParallelLayout(), BATCH, options)
+             for options in (single, dataclasses.replace(single, multi_turn=True))]
+    single_phases, multi_phases = (plan.rollplex.phases for plan in plans)
+    assert all(plans[0].admitted) and plans[1].admitted == plans[0].admitted
+    for phase in ("prefix", "optimizer"):
+        assert multi_phases[phase] == single_phases[phase]
+
+    mb = micro_batch(args, BATCH, 300, groups=BATCH.prompts, share_prefix=True, kept=True)
+    observed = micro_batch(args, BATCH, 300, groups=BATCH.prompts, share_prefix=True, kept=True,
+                           observation_vision=True)
+    assert mb.patches == 0 and observed.patches == mb.responses * 4  # a 2 x 2 merge, no prompt in the pass
+    assert dataclasses.replace(observed, patches=0) == mb
+    tower_saved = 0 if freeze_vision else observed.patches * vision_patch_bytes(args, 2, checkpointing=False)
+    assert multi_phases["train"]["activations"] - single_phases["train"]["activations"] == tower_saved
+    assert single_phases["logprobs"]["activations"] < multi_phases["logprobs"]["activations"] == \
+        observed.patches * _vision_forward_bytes(args, 2) + observed.tokens * HID * 2
+
+    rollout = {c: multi_phases["rollout"][c] - single_phases["rollout"][c] for c in single_phases["rollout"]}
+    assert rollout.pop("vision_embeds") == BATCH.prompts * BATCH.n * BATCH.response_tokens * HID * 2
+    assert rollout.pop("workspace") > 0
+    assert set(rollout.values()) == {0}
+
+
+def test_cli_multi_turn(capsys):
+    """--multi-turn says so, and what it counts; at the same micro-batch its update holds more."""
+    run = ["--model", "qwen2.5-vl-7b", "--gpus-per-node", "8", "--activation-checkpointing", "--ref-model",
+           "--schedule", "serial-prefix", "--micro-batch-tokens", "40000"]
+    peaks = []
+    for flag in ("--no-multi-turn", "--multi-turn"):
+        memory_plan.main([*run, flag])
+        out = capsys.readouterr().out
+        peaks.append(float(out.split("peak per GPU, rollplex:")[1].split()[0]))
+        assert ("multi-turn: the response tokens above hold the observations" in out) == (flag == "--multi-turn")
+    assert peaks[1] > peaks[0]
 
 
 # ----------------------------------------------------------------------------- the first H200 run

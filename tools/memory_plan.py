@@ -13,6 +13,8 @@ micro-batch, prefix budget) where they are not given.
     python tools/memory_plan.py --model qwen3.5-35b-a3b --gpus-per-node 8 --device-memory-gib 140.4 \\
         --max-num-seqs 64 --offload-optimizer --activation-checkpointing --ref-model --ep 8 \\
         --schedule serial-prefix --routing-replay rollout    # MoE on one node of 8 H200s
+    python tools/memory_plan.py --model qwen2.5-vl-7b --schedule serial-prefix --ref-model \\
+        --activation-checkpointing --multi-turn   # observations (tool answers, their images) in the responses
 
 Presets: every family's named sizes (their hub config.json values; the list is in
 --help), or the config.json of any supported family (or the directory holding
@@ -131,6 +133,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--routing-replay", choices=ROUTING_REPLAYS, default="none",
                    help="MoE models: algorithm.routing_replay (rollout: the engine logs every token's experts, the "
                         "samples carry them to the update; old: the old-logprob pass records them)")
+    g.add_argument("--multi-turn", action=argparse.BooleanOptionalAction, default=False,
+                   help="multi-turn rollouts (rollout.tools, rollout.environment): observations in the responses, "
+                        "their images through the vision tower in every pass over responses (at most every "
+                        "response token, within --response-tokens)")
     g = p.add_argument_group("LoRA (the lora config section; rank 0: full fine-tuning)")
     default = LoRAConfig()
     g.add_argument("--lora-rank", type=int, default=default.rank, help="adapter rank r")
@@ -176,7 +182,8 @@ def main(argv: list[str] | None = None) -> None:
                                 lora=lora, schedule=a.schedule, updates_per_batch=a.updates_per_batch, attention=a.attention,
                                 max_num_seqs=a.max_num_seqs, micro_batch_tokens=a.micro_batch_tokens,
                                 kv_pool=a.kv_pool, prefix_budget=a.prefix_budget,
-                                device_memory=int(a.device_memory_gib * GiB), routing_replay=a.routing_replay)
+                                device_memory=int(a.device_memory_gib * GiB), routing_replay=a.routing_replay,
+                                multi_turn=a.multi_turn)
         args = load_model_args(a.model)
         for tp in {layout.tp, layout.engine_tp}:  # a split the family cannot make would fail the run at its start
             family_of(args).check_tp(args, tp)

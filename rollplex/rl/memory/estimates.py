@@ -591,16 +591,23 @@ class MicroBatch:
     responses: int  # response tokens: logits
     sequences: int  # responses
     prompts: int  # prompts computed in it (0 over kept prompts)
-    patches: int  # through the vision tower
+    patches: int  # through the vision tower: its prompts' and, multi-turn, its responses' observations'
 
 
 def micro_batch(args: FamilyArgs, batch: BatchShape, budget: int, groups: int, share_prefix: bool,
-                kept: bool) -> MicroBatch:
+                kept: bool, observation_vision: bool = False) -> MicroBatch:
     """A budget counts a unit's prompt once with its responses (share_prefix) or once
     per response, and kept prompts too, though a pass over them computes responses
     only. Responses may end early, so units pack tighter than at full length: the
     most response tokens a micro-batch can hold is, over the number g of prompts in
-    it, the smaller of g full units and the budget less g prompts."""
+    it, the smaller of g full units and the budget less g prompts.
+
+    `observation_vision` (a multi-turn run): the pass also runs the tower over its
+    responses' observation images, per response (rollplex.models.packing,
+    rollplex.train.kept_prefix), whose pads are response tokens: at most every
+    response token is one, spatial_merge_size**2 patches each. rollout.max_observation_tokens
+    does not lower this bound: responses that end early (a call, then an observation
+    up to that cap) pack as many as the budget holds, nearly all observation tokens."""
     per_prompt = batch.n if share_prefix else 1  # responses a prompt's tokens are counted once for
     units = groups * (1 if share_prefix else batch.n)
     best = (0, 1)
@@ -612,8 +619,9 @@ def micro_batch(args: FamilyArgs, batch: BatchShape, budget: int, groups: int, s
     responses, g = best
     sequences = -(-responses // batch.response_tokens)
     prompts = 0 if kept else g if share_prefix else sequences
+    observation_patches = responses * args.vision.spatial_merge_size ** 2 if observation_vision else 0
     return MicroBatch(responses + prompts * batch.prompt_len, responses, sequences, prompts,
-                      prompts * batch.vision_patches(args))
+                      prompts * batch.vision_patches(args) + observation_patches)
 
 
 def micro_batch_bytes(args: FamilyArgs, mb: MicroBatch, batch: BatchShape, options: MemoryOptions, tp: int,

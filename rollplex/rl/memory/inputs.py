@@ -132,6 +132,10 @@ class MemoryOptions:
     # MoE models: algorithm.routing_replay (none, rollout: the engine logs every token's experts and the samples
     # carry them to the update, old: the old-logprob pass records them), which the plan counts as `routes`.
     routing_replay: str = "none"
+    # Multi-turn rollouts (Config.multi_turn): a response holds observations (tool or environment answers) whose
+    # images go through the vision tower in the passes over responses, per response; at most every response token
+    # is an observation's vision token (rollout.max_tokens bounds the whole response, observations included).
+    multi_turn: bool = False
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -169,7 +173,8 @@ class MemoryOptions:
                    attention=attention, block_size=cfg.rollout.block_size, max_num_seqs=cfg.rollout.max_num_seqs,
                    micro_batch_tokens=cfg.trainer.max_tokens_per_micro_batch or None,
                    kv_pool=cfg.rollout.kv_cache_memory or None, prefix_budget=s.prefix_memory_budget or None,
-                   device_memory=device_memory, routing_replay=getattr(cfg.algorithm, "routing_replay", "none"))
+                   device_memory=device_memory, routing_replay=getattr(cfg.algorithm, "routing_replay", "none"),
+                   multi_turn=cfg.multi_turn)
 
 
 def usable_bytes(options: MemoryOptions) -> int:

@@ -29,6 +29,11 @@ only (and the vision tower with lora.train_vision); the frozen base is held whol
 on every dp rank in the compute dtype (`params_frozen`), read in place by the
 trainer and the engine, never gathered; the engine keeps its own copy of the
 adapters for the run (`engine_adapters`) unless it reads them in place.
+
+Multi-turn runs (options.multi_turn): a response's observations may hold images, at most
+every response token a merged vision token. Every pass over responses runs the vision
+tower over them (`micro_batch`'s observation_vision), and the rollout keeps each sample's
+observation features (`vision_embeds`) and prefills its continuations (`workspace`).
 """
 
 from __future__ import annotations
@@ -256,16 +261,32 @@ class _Shapes:
         rows = self.batch.vision_tokens * family_of(self.args).vision_feature_levels(self.args)
         return self.prompts_per_rank * rows * self.args.text.hidden_size * self.size
 
+    def observation_embeds(self) -> int:
+        """A multi-turn rollout's observation features: each sample keeps its observations' (encoded at their
+        continuation prefill, kept for a recompute after preemption: rollplex.engine.runner) until it
+        finishes; at most every response token's, for every sample of the engine's batch."""
+        if not self.o.multi_turn:
+            return 0
+        rows = self.batch.response_tokens * family_of(self.args).vision_feature_levels(self.args)
+        return self.prompts_per_engine * self.batch.n * rows * self.args.text.hidden_size * self.size
+
     def engine_workspace(self) -> int:
         """The engine's transient memory: a prefill step's layer (and the vision tower
         over its prompts when their features are not cached), or a decode step's
-        float32 logits and the sampler's vocabulary-wide temporaries over the batch."""
+        float32 logits and the sampler's vocabulary-wide temporaries over the batch.
+        Multi-turn, a step's continuation prefills (many samples' observations) fill
+        up to its token budget, and the tower encodes one observation at a time (at
+        most a response's tokens)."""
         b, size = self.batch, self.size
         prompts = max(1, min(self.prompts_per_engine, PREFILL_TOKENS // b.prompt_len))
         layer = _layer_forward_bytes(self.args, size, self.layout.engine_tp, self.o.attention)
         prefill = prompts * b.prompt_len * layer
         if not self.o.share_prefix:
             prefill = max(prefill, prompts * self.patches * _vision_forward_bytes(self.args, size))
+        if self.o.multi_turn:
+            observations = min(PREFILL_TOKENS, self.prompts_per_engine * b.n * b.response_tokens)
+            one_observation = b.response_tokens * self.args.vision.spatial_merge_size ** 2
+            prefill = max(prefill, observations * layer, one_observation * _vision_forward_bytes(self.args, size))
         decode = min(self.o.max_num_seqs, self.prompts_per_engine * b.n) * self.args.text.vocab_size * 4 * FP32
         return max(prefill, decode)
 
@@ -302,7 +323,7 @@ class _Shapes:
 
     def micro_batch(self, kept: bool) -> MicroBatch:
         return micro_batch(self.args, self.batch, self.o.micro_batch_tokens, self.chunk_prompts, self.o.share_prefix,
-                           kept)
+                           kept, observation_vision=self.o.multi_turn)
 
     def pass_bytes(self, kept: bool, grad: bool) -> int:
         """A micro-batch's working memory (`micro_batch_bytes`) at the options' token budget."""
@@ -318,9 +339,9 @@ class _Shapes:
 def _rollout_phases(s: _Shapes, admitted: list[bool], base: dict[str, int]) -> dict[str, dict[str, int]]:
     """Rollout, and the prompt work: in the decode window beside the KV pool (overlap, the
     engine's steps and the slices alternating), or after rollout without it (serial)."""
-    rollout = dict(base, params_gathered=s.engine_weights(), vision_embeds=s.vision_embeds(),
-                   workspace=s.engine_workspace(), **_some(engine_experts=s.engine_experts(),
-                                                           routes=s.route_log() + s.sample_routes("rollout")))
+    rollout = dict(base, params_gathered=s.engine_weights(),
+                   vision_embeds=s.vision_embeds() + s.observation_embeds(), workspace=s.engine_workspace(),
+                   **_some(engine_experts=s.engine_experts(), routes=s.route_log() + s.sample_routes("rollout")))
     if not s.o.share_prefix:
         return {"rollout": rollout}
     # The reference model's root unit stays gathered from its prompt forward to its logprob passes.

@@ -29,7 +29,8 @@ def _header(plan: MemoryPlan) -> list[str]:
         f"options: schedule {o.schedule}, {o.updates_per_batch} update(s) per batch, activation checkpointing "
         f"{o.activation_checkpointing}, freeze vision {o.freeze_vision}, optimizer offload {o.offload_optimizer}, "
         f"ref model {o.ref_model}, old prefix {o.recompute_old_logprobs}, {o.param_dtype}, {o.attention} attention"
-        + (f", routing replay {o.routing_replay}" if moe_of(args) is not None else ""),
+        + (f", routing replay {o.routing_replay}" if moe_of(args) is not None else "")
+        + (", multi-turn" if o.multi_turn else ""),
         *_lora_line(plan),
         f"sizes within {z.usable / GiB:.1f} GiB ({o.device_memory / GiB:.1f} GiB less {UNCOUNTED_FRACTION:.0%} "
         f"uncounted): KV pool {z.kv_pool / GiB:.2f} GiB, micro-batch {z.micro_batch_tokens} tokens, prefix budget "
@@ -115,6 +116,21 @@ def _recurrent_notes(plan: MemoryPlan) -> list[str]:
     ]
 
 
+def _multi_turn_notes(plan: MemoryPlan) -> list[str]:
+    """What the plan counts for a multi-turn run's observations, where it is one."""
+    if not plan.options.multi_turn:
+        return []
+    return [
+        "multi-turn: the response tokens above hold the observations, at full length (KV pool, activations, "
+        "logits). Their images, at most every response token a merged vision token: in each logprob pass and "
+        "update micro-batch the vision tower over spatial_merge_size^2 patches per response token (its forward, "
+        "and in the update its saved tensors unless it is frozen); in rollout each sample's observation features "
+        "(vision_embeds), continuation prefills up to the engine's token budget and one observation's encoding "
+        "(workspace). Not counted: the continuation prefill's gathered context K/V, one sequence and layer at a "
+        "time.",
+    ]
+
+
 def _lora_line(plan: MemoryPlan) -> list[str]:
     if plan.lora is None:
         return []
@@ -162,6 +178,7 @@ def format_plan(plan: MemoryPlan) -> str:
         "prefill layer or decode logits and sampling, or a prompt slice's layer.",
         *_recurrent_notes(plan),
         *_moe_notes(plan),
+        *_multi_turn_notes(plan),
         "naive = the same tensors with nothing ever freed: each class at its largest, in every phase "
         "(so optimizer offload does not apply to it).",
         f"not counted (the {UNCOUNTED_FRACTION:.0%} headroom): allocator fragmentation, library workspaces, "
