@@ -465,3 +465,16 @@ def test_help_names_the_presets_and_key_value_overrides(capsys, monkeypatch):
         load_config(["--help"])
     out = capsys.readouterr().out
     assert "--preset NAME" in out and "(tiny, tiny_look)" in out and "preset: NAME" in out and "rollout.n=4" in out
+
+
+@pytest.mark.parametrize("options, refused", [
+    (["--schedule.kind", "disagg", "--schedule.rollout_ranks", "1"], "schedule.kind disagg: its rollout ranks"),
+    (["--schedule.kind", "overlap", "--schedule.stream_groups", "true"], "schedule.stream_groups"),
+    (["--algorithm.routing_replay", "rollout"], "routing_replay rollout"),
+    (["--rollout.tp", "2"], "rollout.tp 2 > parallel.tp 1"),
+])
+def test_multi_turn_runs_refuse_what_they_cannot_run_yet(options, refused):
+    for multi_turn in (["--data.task", "look"], ["--rollout.tools", "tools.py:crop"]):
+        with pytest.raises(ConfigError, match=refused):
+            load_config(multi_turn + options)
+    assert load_config(["--data.task", "look", "--schedule.kind", "overlap"]).multi_turn

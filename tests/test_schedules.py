@@ -187,3 +187,16 @@ def test_prompt_work_that_runs_out_of_memory_takes_the_serial_path(tmp_path, mon
     rows = read_metrics(tmp_path / "dropped" / "metrics.jsonl")
     assert all(r["prefix/dropped_for_memory"] == 1 and r["prefix/deferred_items"] == 1 for r in rows)
     assert max_difference(dropped, unlimited) <= 2e-5
+
+
+def test_schedules_train_the_same_on_multi_turn_episodes(tmp_path):
+    """The look task with room for observations (tests/test_agent_loop.py): episodes whose responses hold tool
+    answers, pictures among them, train alike under every schedule; overlap still equals serial-prefix bitwise (it
+    moves the initial prompts' work only: the observations are the responses', in the suffix passes)."""
+    look = ["--data.task", "look", "--rollout.max_tokens", "40", "--trainer.total_steps", "2"]
+    runs = {}
+    for name, extra in SCHEDULES.items():
+        _, params = train(tmp_path / name, *look, *extra)
+        runs[name] = params, read_metrics(tmp_path / name / "metrics.jsonl")
+    check_same_training(runs)
+    assert all(r["rollout/turns_mean"] > 1.1 for r in runs["overlap"][1])

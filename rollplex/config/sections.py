@@ -662,10 +662,13 @@ class Config:
             return
         what = "rollout.tools" if self.rollout.tools else "rollout.environment" if self.rollout.environment else \
             f"data.task {self.data.task}"
-        if self.schedule.kind != "serial":
-            raise ConfigError(f"{what} with schedule.kind {self.schedule.kind}: multi-turn rollouts run with the "
-                              "serial schedule for now (overlap's decode window and disagg's rollout ranks do not "
-                              "run tools yet); use schedule.kind serial")
+        if self.schedule.kind == "disagg":
+            raise ConfigError(f"{what} with schedule.kind disagg: its rollout ranks do not run tools yet; use "
+                              "schedule.kind serial or overlap")
+        if self.schedule.stream_groups:
+            raise ConfigError(f"{what} with schedule.stream_groups: a finished group's passes in the decode window "
+                              "would wait on the device for its observations' images; use schedule.stream_groups "
+                              "false")
         if self.algorithm.routing_replay == "rollout":
             raise ConfigError(f"{what} with algorithm.routing_replay rollout: the engine does not record the routes "
                               "of observations yet; use routing_replay old or none")
