@@ -106,12 +106,17 @@ def trajectory_logprobs(model, request: Request, sample) -> torch.Tensor:
 
 
 def test_observations_prefilled_onto_kv_and_logprobs_equal_whole_trajectory(model, image):
-    groups, engine, episodes = run(model, image, EngineConfig(block_size=4, num_blocks=256, enforce_eager=True))
+    # Without run-ahead no decode step feeds a turn's last token: each continuation prefills it, then the observation.
+    groups, engine, episodes = run(model, image, EngineConfig(block_size=4, num_blocks=256, enforce_eager=True,
+                                                              run_ahead=False))
     observations = sum(len(s.observations) for g in groups for s in g.samples)
     assert observations == 8  # every sample got both observations (none ran out of room)
     prefilled = sum(len(r.prompt.input_ids) for r in prompts(image))  # each group's prompt, once
-    prefilled += sum(len(o) + 1 for g in groups for s in g.samples for o in s.observations)  # + its turn's last token
-    assert engine.stats["prefill_tokens"] == prefilled
+    prefilled += sum(len(o) for g in groups for s in g.samples for o in s.observations)
+    assert engine.stats["prefill_tokens"] == prefilled + observations  # + each turn's last token
+    # Run ahead, the decode step after a turn's end may have fed its last token already: then only the observation.
+    _, ahead, _ = run(model, image, EngineConfig(block_size=4, num_blocks=256, enforce_eager=True))
+    assert prefilled <= ahead.stats["prefill_tokens"] <= prefilled + observations
     for request, group in zip(prompts(image), groups):
         for s in group.samples:
             assert s.finish_reason == "stop" and s.episode.turns == 3
@@ -133,7 +138,10 @@ def same_samples(a, b) -> None:
 
 
 def test_graph_stand_in_preemption_and_cascade_give_the_same_episodes(model, image):
-    reference, _, _ = run(model, image, EngineConfig(block_size=4, num_blocks=256, enforce_eager=True))
+    """Against an engine that never runs ahead (every turn's last token re-fed at its continuation), the others
+    run ahead: a turn's last token may have been fed by the decode step after it (its K/V, a hybrid's state)."""
+    reference, _, _ = run(model, image, EngineConfig(block_size=4, num_blocks=256, enforce_eager=True,
+                                                     run_ahead=False))
     graphs, engine, _ = run(model, image, EngineConfig(block_size=4, num_blocks=256), use_cuda_graphs=True)
     assert engine.runner.captures > 0
     same_samples(reference, graphs)

@@ -43,3 +43,13 @@ def test_look_episodes_train_lora_adapters_on_the_rollouts_tokens(tmp_path):
                                   "--trainer.eval_every", "0"])).fit()
     for row in read_metrics(tmp_path / "metrics.jsonl"):
         assert row["rollout/turns_mean"] > 1.1 and row["training/rollout_probs_diff_max"] <= 1e-5
+
+
+def test_look_episodes_on_the_hybrid_family(tmp_path):
+    """Qwen3.5 (Gated DeltaNet beside attention): a waiting episode keeps its recurrent state, and the trainer's
+    logprobs after observations agree with the engine's."""
+    RLTrainer(load_config(LOOK + ["--trainer.output_dir", str(tmp_path), "--model.tiny.family", "qwen3_5",
+                                  "--trainer.eval_every", "0"])).fit()
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert max(row["rollout/turns_mean"] for row in rows) > 1
+    assert all(row["training/rollout_probs_diff_max"] <= 1e-5 for row in rows)

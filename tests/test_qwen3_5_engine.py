@@ -13,7 +13,11 @@ import torch
 
 from rollplex.engine import Engine, EngineConfig, Request, SamplingParams
 from rollplex.models import Prompt
+from test_agent_engine import (test_an_observation_past_the_length_limit_ends_the_episode_as_length,  # noqa: F401
+                               test_graph_stand_in_preemption_and_cascade_give_the_same_episodes,
+                               test_observations_prefilled_onto_kv_and_logprobs_equal_whole_trajectory)
 from test_qwen3_5_model import long_text, make_pair
+from test_qwen3_vl_engine import image  # noqa: F401
 from test_qwen3_vl_model import image_tokens, mm_types, pixels, video_tokens
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
@@ -24,6 +28,13 @@ SAMPLED = SamplingParams(temperature=1.0, max_tokens=8, seed=3, ignore_eos=True)
 def pair(tmp_path_factory):
     _, hf, ours = make_pair(tmp_path_factory)
     return hf, ours
+
+
+@pytest.fixture(scope="module")
+def model(pair):
+    """What the multi-turn cases (tests/test_agent_engine.py) run on: a waiting episode keeps its DeltaNet state,
+    and its next turn's prefill continues from it."""
+    return pair[1]
 
 
 def requests(n: int = 1) -> list[Request]:

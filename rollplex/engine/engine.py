@@ -206,7 +206,9 @@ class Engine:
                 issued = None
                 if scheduler.can_step() and (in_flight is None or self._may_run_ahead(in_flight, scheduler)):
                     issued = self._issue(scheduler.schedule(), scheduler.batch, params)
-                finished = None if in_flight is None else self._finish(in_flight, scheduler)
+                # A decode step issued before `in_flight` is finished fed the last tokens of the sequences it ends.
+                ran_ahead = issued is not None and not issued.step.is_prefill
+                finished = None if in_flight is None else self._finish(in_flight, scheduler, ran_ahead)
             in_flight = issued
             if ended:
                 finished = (finished or []) + ended
@@ -244,9 +246,8 @@ class Engine:
         """A new generation: the KV pool (allocated again if it was released), the runner
         told, and a scheduler over a new block manager and decode batch, with every
         prompt waiting."""
-        if episodes is not None and (self.states is not None or self.config.record_routes):
-            raise ValueError("multi-turn rollouts do not yet run on models with recurrent layers (Qwen3.5) nor "
-                             "record MoE routes (algorithm.routing_replay rollout)")
+        if episodes is not None and self.config.record_routes:
+            raise ValueError("multi-turn rollouts do not record MoE routes yet (algorithm.routing_replay rollout)")
         self.cache.allocate()
         # A group larger than max_num_seqs still runs, alone.
         rows = max([self.config.max_num_seqs] + [p.request.n for p in prompts])
@@ -300,7 +301,7 @@ class Engine:
         host, ready = to_host(torch.stack([tokens.double(), logprobs.double()]))
         return _Issued(step, index, advanced, host, ready)
 
-    def _finish(self, issued: _Issued, scheduler: Scheduler) -> list[Sequence]:
+    def _finish(self, issued: _Issued, scheduler: Scheduler, ran_ahead: bool = False) -> list[Sequence]:
         """Wait for an issued step's tokens on the host and record them; returns the
         sequences that finished. A non-finite logprob of a running sequence means NaN
         or inf in its logits (rollplex.engine.nonfinite): the step then raises, naming
@@ -316,7 +317,8 @@ class Engine:
             kept = int(live.sum())
             self.stats["decode_tokens"] += kept
             self.stats["dropped_tokens"] += len(live) - kept
-        return scheduler.finish(issued.advanced, tokens.astype(np.int64), logprobs.astype(np.float32))
+        return scheduler.finish(issued.advanced, tokens.astype(np.int64), logprobs.astype(np.float32), ran_ahead,
+                                None if self.states is None else self.states.save)
 
     def _run(self, step: Step, batch: DecodeBatch) -> torch.Tensor:
         """The model's float32 logits for the step: one row per prefilled sequence, or per running one."""
@@ -325,7 +327,10 @@ class Engine:
             self.stats["prefill_tokens"] += sum(len(s) - s.num_cached for s in step.seqs)
             self.cache.copy_blocks(step.copies)  # an episode's next turn writes into a block its group shared
             # The sequences that decode from the prefill start from its states: a group's samples fork its prompt's.
-            return self.runner.prefill(step.seqs, step.slots, [s.decode_row for s in step.sampling], step.logit_rows)
+            logits = self.runner.prefill(step.seqs, step.slots, [s.decode_row for s in step.sampling], step.logit_rows)
+            for s in step.seqs:  # a continued episode's kept recurrent state is in its row now (a locating rerun
+                s.kept_state = None  # of this prefill, after non-finite logits, starts it from zero)
+            return logits
         return self.runner.decode(batch, step.copies)
 
     def _prepare(self, index: int, r: Request, params: SamplingParams) -> PromptState:

@@ -11,7 +11,8 @@ One extra slot at the end is a sink, which the padded rows of a CUDA-graph
 decode batch update, as their K/V go to the KV pool's sink block.
 
 Prefill runs each packed sequence from a zero state (the chunked rule over the
-whole prompt, no state crossing a sequence boundary) and writes its final state
+whole prompt, no state crossing a sequence boundary; a multi-turn episode's next
+turn continues from the state it kept while it waited for its observation) and writes its final state
 into the slot of every sequence that decodes from it: a GRPO group's prompt is
 prefilled once, and each of its n samples starts from a copy of its state (the
 fork), as they share its KV blocks. A preempted sequence is prefilled again,
@@ -90,6 +91,12 @@ class RecurrentStatePool:
         i = self.layer_index[layer]
         return self.conv[i], self.recurrent[i]
 
+    def save(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of row `row`'s state, every layer: (conv (layers, channels, kernel - 1), recurrent
+        (layers, value heads, key dim, value dim)), as a multi-turn episode keeps it while it waits for
+        its observation without a row (rollplex.engine.scheduler)."""
+        return self.conv[:, row].clone(), self.recurrent[:, row].clone()
+
     def with_data(self, conv: torch.Tensor, recurrent: torch.Tensor) -> RecurrentStatePool:
         """This pool's description over other storage of the same layout: what a CUDA
         graph captured reads (the runner's CPU stand-in replays through it)."""
@@ -100,24 +107,35 @@ class RecurrentStatePool:
 
 class PrefillStates:
     """A prefill's recurrent layers: packed sequences of boundaries `cu_seqlens`, each from
-    a zero state; the final state of sequence `sources[j]` goes to slot `rows[j]` (no rows:
-    the states are computed and dropped, as when a failed step is run again to locate it)."""
+    a zero state, or from `initial[i]` where given (a multi-turn episode continuing from the state
+    it kept while it waited: `RecurrentStatePool.save`); the final state of sequence `sources[j]`
+    goes to slot `rows[j]` (no rows: the states are computed and dropped, as when a failed step is
+    run again to locate it)."""
 
-    def __init__(self, pool: RecurrentStatePool, cu_seqlens: list[int], rows: list[int], sources: list[int]):
+    def __init__(self, pool: RecurrentStatePool, cu_seqlens: list[int], rows: list[int], sources: list[int],
+                 initial: list[tuple[torch.Tensor, torch.Tensor] | None] = ()):
         device = pool.device
         self.pool = pool
         self.cu_seqlens = PackedSequences([b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])], device)
         self.rows = torch.tensor(rows, dtype=torch.long, device=device)
         self.sources = torch.tensor(sources, dtype=torch.long, device=device)
+        self.initial = None  # (conv (layers, N, ...), recurrent (layers, N, ...)), or None: every sequence from zero
+        if any(state is not None for state in initial):
+            zeros = tuple(torch.zeros_like(t) for t in next(s for s in initial if s is not None))
+            self.initial = tuple(torch.stack([(s or zeros)[part] for s in initial], dim=1) for part in (0, 1))
+
+    def _initial(self, layer: int, part: int) -> torch.Tensor | None:
+        return None if self.initial is None else self.initial[part][self.pool.layer_index[layer]]
 
     def short_convolution(self, layer: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        out, final = causal_conv1d(x, weight, self.cu_seqlens)
+        initial = self._initial(layer, 0)
+        out, final = causal_conv1d(x, weight, self.cu_seqlens, None if initial is None else initial.to(x.dtype))
         self.pool.layer(layer)[0].index_copy_(0, self.rows, final[self.sources].to(self.pool.dtype))
         return out
 
     def gated_delta(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                     beta: torch.Tensor) -> torch.Tensor:
-        out, final = chunk_gated_delta_rule(q, k, v, g, beta, self.cu_seqlens)
+        out, final = chunk_gated_delta_rule(q, k, v, g, beta, self.cu_seqlens, self._initial(layer, 1))
         self.pool.layer(layer)[1].index_copy_(0, self.rows, final[self.sources])
         return out
 

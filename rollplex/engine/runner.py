@@ -196,7 +196,8 @@ class ModelRunner:
         ids = torch.tensor([t for s in seqs for t in s.token_ids[s.num_cached:]], device=dev)
         positions = torch.cat([s.positions(s.num_cached, len(s)) for s in seqs], dim=1)
         bounds = [0, *itertools.accumulate(len(s) - s.num_cached for s in seqs)]
-        states = None if self.states is None else PrefillStates(self.states, bounds, state_rows, state_sources)
+        states = None if self.states is None else PrefillStates(
+            self.states, bounds, state_rows, state_sources, [s.kept_state if s.num_cached else None for s in seqs])
         attn = PagedAttention(self.cache, torch.tensor([x for sl in slots for x in sl], device=dev),
                               prefill=PackedSegments(bounds, True, self.model.attn_backend, dev),
                               backend=self.model.attn_backend, layer_ops=self.layer_ops, states=states,

@@ -42,9 +42,11 @@ preempted sequence takes its tokens along).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from rollplex.engine.block_manager import BlockManager, NoFreeBlocks
 from rollplex.engine.decode_batch import Advanced, DecodeBatch
@@ -182,7 +184,7 @@ class Scheduler:
             return False
         victim = holders[-1]
         self.blocks.free(victim.block_table)
-        victim.num_cached = 0
+        victim.forget_kept()
         self.num_released_episodes += 1
         return True
 
@@ -225,20 +227,26 @@ class Scheduler:
         assert self.batch.settled(), "preemption needs every issued token on the host: the engine ran ahead too far"
         (seq,) = self.batch.leave([len(self.running) - 1])
         self.blocks.free(seq.block_table)
-        seq.num_cached = 0
+        seq.forget_kept()
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def finish(self, advanced: Advanced, tokens: np.ndarray, logprobs: np.ndarray) -> list[Sequence]:
+    def finish(self, advanced: Advanced, tokens: np.ndarray, logprobs: np.ndarray, ran_ahead: bool = False,
+               keep_state: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None) -> list[Sequence]:
         """Record an issued step's tokens and their logprobs, read back to the host
         (`DecodeBatch.record`, which decides which sequences finish); returns the sequences
         that finished, their samples recorded and blocks freed. A multi-turn sample whose turn
-        ended and whose episode goes on pauses instead (`paused`)."""
+        ended and whose episode goes on pauses instead (`paused`): `ran_ahead`, a decode step
+        issued after this one fed its last token; `keep_state(row)`, a recurrent model's state
+        of the row it leaves."""
         done = []
-        for seq in self.batch.leave(self.batch.record(advanced, tokens, logprobs)):
+        finished = self.batch.record(advanced, tokens, logprobs)
+        rows = [self.running[i].decode_row for i in finished]
+        for seq, row in zip(self.batch.leave(finished), rows):
             if self.episodes is not None and seq.finish_reason == "stop":
                 reason = self.episodes.end_turn(_key(seq), seq.token_ids[seq.num_prompt:])
                 if reason is None:
+                    seq.pause(ran_ahead, None if keep_state is None else keep_state(row))
                     self.paused[_key(seq)] = seq
                     continue
                 seq.end_episode(reason)

@@ -93,6 +93,10 @@ class Sequence:
         self.observations: list[Observation] = []
         self.observation_vision: list[VisionEmbeds | None] = []
         self.num_cached = 0
+        # While it waits for an observation: how many of its tokens its blocks hold K/V of (all, or all but the last
+        # sampled one, which no decode step fed), and a recurrent model's state after exactly those.
+        self.kept_len = 0
+        self.kept_state: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -158,15 +162,26 @@ class Sequence:
             mask |= (index >= self.num_prompt + o.start) & (index < self.num_prompt + o.end)
         return mask
 
+    def pause(self, last_token_fed: bool, state: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """It waits for an observation, out of the decode batch: its blocks hold the K/V of every
+        token it has when a decode step already fed its last one (run ahead), else of all but that
+        one; `state`: a recurrent model's state after those same tokens."""
+        self.kept_len = len(self) if last_token_fed else len(self) - 1
+        self.kept_state = state
+
+    def forget_kept(self) -> None:
+        """Its blocks (and kept state) went to others: its next prefill computes every token."""
+        self.num_cached, self.kept_len, self.kept_state = 0, 0, None
+
     def continue_with(self, observation: Observation) -> None:
         """Its episode goes on: `observation`'s tokens follow the ones it has (a placeholder
-        logprob of 0.0 each) and its next prefill computes them, with its last sampled token
-        (whose K/V no decode step stored), onto the K/V its blocks hold."""
+        logprob of 0.0 each) and its next prefill computes them (with its last sampled token
+        where no decode step fed it) onto the K/V its blocks hold (`pause`)."""
         assert self.batch is None, "a sequence continues its episode once it has left the decode batch"
         if observation.start != len(self) - self.num_prompt:
             raise ValueError(f"an observation starting at response index {observation.start} cannot follow a "
                              f"response of {len(self) - self.num_prompt} tokens")
-        self.num_cached = len(self) - 1 if self.block_table else 0  # its blocks may have gone to others meanwhile
+        self.num_cached = self.kept_len if self.block_table else 0
         self._token_ids = self._token_ids + observation.prompt.input_ids.tolist()
         self._logprobs = self._logprobs + [0.0] * len(observation)
         self._finish_reason = None
