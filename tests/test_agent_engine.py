@@ -166,3 +166,44 @@ def test_an_observation_past_the_length_limit_ends_the_episode_as_length(model, 
             assert s.finish_reason == "length" and not s.observations
             assert s.token_ids[-1] in TURN_ENDS  # trained as far as it went: its turn, whole
     assert set(episodes.finished.values()) == {"length"}
+
+
+class SlowEncode:
+    """The runner's encode_aside as on a GPU, where an observation's images are encoded on the vision stream
+    while decode goes on: its stand-in event is not done for the first `polls` queries (a real event is not done
+    until the stream gets there), and synchronize() waits it out. Counts the encodes."""
+
+    def __init__(self, encode_aside, polls: int):
+        self.encode_aside, self.polls, self.encodes, self.queries_while_busy = encode_aside, polls, 0, 0
+
+    def __call__(self, observation):
+        features, _ = self.encode_aside(observation)
+        self.encodes += 1
+        return features, SlowEncode.Event(self)
+
+    class Event:
+        def __init__(self, owner):
+            self.owner, self.left = owner, owner.polls
+
+        def query(self) -> bool:
+            self.left -= 1
+            self.owner.queries_while_busy += self.left >= 0
+            return self.left < 0
+
+        def synchronize(self) -> None:
+            self.left = -1
+
+
+def test_observation_images_are_encoded_once_while_decode_goes_on(model, image):
+    """Each image observation is encoded once, when it comes (not by its prefill, nor again after a preemption);
+    while its images are not ready the sample waits and the others decode; the samples are the same."""
+    reference, _, _ = run(model, image, EngineConfig(block_size=4, num_blocks=256, enforce_eager=True,
+                                                     run_ahead=False))
+    episodes = ScriptedEpisodes(model, observation_prompts(image), TURN_ENDS)
+    engine = Engine(model, EngineConfig(block_size=4, num_blocks=20, max_num_seqs=4, enforce_eager=True))
+    slow = engine.runner.encode_aside = SlowEncode(engine.runner.encode_aside, polls=3)
+    groups = engine.generate(prompts(image), SAMPLING, episodes=episodes)
+    same_samples(reference, groups)
+    with_images = sum(o.prompt.has_vision for g in groups for s in g.samples for o in s.observations)
+    assert slow.encodes == with_images == 4 and slow.queries_while_busy > 0
+    assert engine.stats["preemptions"] + engine.stats["released_episodes"] > 0  # recomputed, not encoded again

@@ -226,16 +226,21 @@ class Engine:
                 self._finish(in_flight, scheduler)
 
     def _resume_episodes(self, scheduler: Scheduler, wait: bool) -> list[Sequence]:
-        """Queue the paused samples whose observations are ready (with `wait`, after waiting for
-        one); returns those whose episodes ended instead."""
-        if scheduler.episodes is None or not scheduler.paused:
+        """Continue the paused samples whose observations are ready, their images encoded on the
+        vision stream while decode goes on, and queue those whose images are (with `wait`, nothing
+        else can run: after waiting for one); returns the samples whose episodes ended instead."""
+        if scheduler.episodes is None:
             return []
-        ready = scheduler.episodes.poll(wait)
-        if wait and not ready:
-            raise RuntimeError(f"{len(scheduler.paused)} samples wait for observations, and waiting for one "
-                               "returned none")
-        ended = [scheduler.resume(key, outcome) for key, outcome in ready]
-        return [seq for seq in ended if seq is not None]
+        ended = []
+        if scheduler.paused:
+            ready = scheduler.episodes.poll(wait and not scheduler.preparing)
+            if wait and not ready and not scheduler.preparing:
+                raise RuntimeError(f"{len(scheduler.paused)} samples wait for observations, and waiting for one "
+                                   "returned none")
+            ended = [seq for key, outcome in ready
+                     if (seq := scheduler.resume(key, outcome, self.runner.encode_aside)) is not None]
+        scheduler.queue_prepared(wait and not ended)
+        return ended
 
     def _may_run_ahead(self, in_flight: _Issued, scheduler: Scheduler) -> bool:
         """Whether the next step may be issued before `in_flight`'s tokens are read back:

@@ -65,7 +65,7 @@ from rollplex.engine.kv_cache import ContextPrefill, KVCache, PagedAttention
 from rollplex.engine.recurrent_state import DecodeStates, PrefillStates, RecurrentStatePool
 from rollplex.engine.routes import RouteLog
 from rollplex.engine.sequence import Sequence
-from rollplex.models.inputs import VisionEmbeds
+from rollplex.models.inputs import Observation, VisionEmbeds
 from rollplex.models.moe import Routing, with_routing
 from rollplex.models.protocol import VisionLanguageModel
 from rollplex.ops.attention import PackedSegments
@@ -148,6 +148,8 @@ class ModelRunner:
         # Highest priority (the lowest number): decode kernels go before the prompt work's side stream.
         self.decode_stream = (torch.cuda.Stream(self.device, priority=min(torch.cuda.Stream.priority_range()))
                               if self.device.type == "cuda" else None)
+        # Lowest priority: multi-turn observations' images are encoded there while decode goes on (`encode_aside`).
+        self.vision_stream = torch.cuda.Stream(self.device, priority=0) if self.device.type == "cuda" else None
 
     def start_generation(self) -> None:
         """A generation starts, maybe on a pool allocated again or moved weights: its first
@@ -220,26 +222,40 @@ class ModelRunner:
                  for s in seqs]
         return ContextPrefill(bounds, slots)
 
+    @torch.no_grad()
+    def encode_aside(self, observation: Observation) -> tuple[VisionEmbeds, torch.cuda.Event | None]:
+        """A multi-turn observation's vision features, encoded on the lowest-priority vision stream
+        while the decode steps go on (theirs go first), and the event recorded when they are done,
+        which the engine queries before it schedules the observation's prefill. On CPU, at once."""
+        q = observation.prompt
+        if self.vision_stream is None:
+            return self.model.encode_vision(q.pixel_values, q.image_grid_thw, q.pixel_values_videos,
+                                            q.video_grid_thw), None
+        self.vision_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.vision_stream):
+            features = self.model.encode_vision(q.pixel_values, q.image_grid_thw, q.pixel_values_videos,
+                                                q.video_grid_thw)
+            done = torch.cuda.Event()
+            done.record()
+        for t in features.tensors():
+            t.record_stream(self.caller_stream)  # read by the prefill, on the caller's stream
+        return features, done
+
     def _vision_of(self, seqs: list[Sequence]) -> VisionEmbeds:
         """Vision features of the step's new tokens in token order: a prompt's images are
-        encoded the first time it is prefilled and kept, as are an observation's."""
-        encode = self.model.encode_vision
+        encoded the first time it is prefilled and kept; an observation's were encoded when it
+        came (`encode_aside`)."""
         parts = []
         for s in seqs:
             p = s.prompt
             if s.num_cached == 0 and p.has_vision:
                 if p.vision is None:
                     q = p.request.prompt
-                    p.vision = encode(q.pixel_values, q.image_grid_thw, q.pixel_values_videos, q.video_grid_thw)
+                    p.vision = self.model.encode_vision(q.pixel_values, q.image_grid_thw, q.pixel_values_videos,
+                                                        q.video_grid_thw)
                 parts.append(p.vision)
-            for i, o in enumerate(s.observations):
-                if s.num_prompt + o.start < s.num_cached or not o.prompt.has_vision:
-                    continue  # its K/V are in the blocks already, or it has no images
-                if s.observation_vision[i] is None:
-                    q = o.prompt
-                    s.observation_vision[i] = encode(q.pixel_values, q.image_grid_thw, q.pixel_values_videos,
-                                                     q.video_grid_thw)
-                parts.append(s.observation_vision[i])
+            parts += [s.observation_vision[i] for i, o in enumerate(s.observations)
+                      if s.num_prompt + o.start >= s.num_cached and o.prompt.has_vision]  # not in the blocks yet
         return VisionEmbeds.concat(parts)
 
     # ------------------------------------------------------------------ decode

@@ -27,8 +27,10 @@ are issued to the batch when the step runs and recorded when the host has them
 
 A multi-turn sample (with `episodes`, rollplex.engine.episodes) whose turn ends
 pauses: it leaves the decode batch, keeps its blocks, and waits in `paused` for its
-observation; `resume` then queues it for a prefill of its new tokens onto the K/V it
-holds (the front of the queue: finishing it frees its blocks). A paused episode's
+observation; `resume` appends it and hands its images to be encoded (the engine's
+low-priority vision stream), and once they are (`queue_prepared`) it is queued for a
+prefill of its new tokens onto the K/V it holds (the front of the queue: finishing it
+frees its blocks). A paused episode's
 blocks are the first to go when decode needs blocks (before any running sequence is
 preempted), and when nothing runs and the waiting sequence at the front cannot get its
 blocks (then a waiting episode's too): it is recomputed whole, as after a preemption.
@@ -44,6 +46,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -52,7 +55,14 @@ from rollplex.engine.block_manager import BlockManager, NoFreeBlocks
 from rollplex.engine.decode_batch import Advanced, DecodeBatch
 from rollplex.engine.episodes import Episodes, SampleKey
 from rollplex.engine.sequence import PromptState, Sequence
-from rollplex.models.inputs import Observation
+from rollplex.models.inputs import Observation, VisionEmbeds
+
+
+class Ready(Protocol):
+    """When work on another stream is done (a torch.cuda.Event): an observation's images encoded."""
+
+    def query(self) -> bool: ...
+    def synchronize(self) -> None: ...
 
 
 @dataclass
@@ -78,6 +88,8 @@ class Scheduler:
         self.episodes = episodes
         self.waiting: deque[Sequence] = deque()
         self.paused: dict[SampleKey, Sequence] = {}  # multi-turn samples waiting for their observations
+        # Continued multi-turn samples whose observations' images are being encoded, and when they will be ready.
+        self.preparing: list[tuple[Sequence, Ready | None]] = []
         self.num_preemptions = 0
         self.num_released_episodes = 0  # paused or waiting episodes whose blocks were given up (recomputed)
 
@@ -90,7 +102,7 @@ class Scheduler:
         self.waiting.append(Sequence(prompt, -1, prompt.request.prompt.input_ids.tolist()))
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.paused)
+        return bool(self.waiting or self.running or self.paused or self.preparing)
 
     def can_step(self) -> bool:
         """Whether a step can be scheduled now (else every unfinished sample waits for an observation)."""
@@ -178,8 +190,8 @@ class Scheduler:
         """Free the blocks of the youngest paused episode, else of the youngest waiting one that holds
         blocks (but `keep`): it is recomputed whole when it continues, as after a preemption. False
         when none holds any."""
-        holders = [s for s in self.paused.values() if s.block_table] or \
-            [s for s in self.waiting if s.num_cached and s is not keep]
+        holders = ([s for s in self.paused.values() if s.block_table] or [s for s, _ in self.preparing if s.block_table]
+                   or [s for s in self.waiting if s.num_cached and s is not keep])
         if not holders:
             return False
         victim = holders[-1]
@@ -254,19 +266,35 @@ class Scheduler:
             done.append(seq)
         return done
 
-    def resume(self, key: SampleKey, outcome: Observation | str) -> Sequence | None:
-        """A paused sample's observation is ready (queued to be prefilled onto its K/V), or its
-        episode ends (`outcome` its finish reason; then returned, its sample recorded). An
-        observation that leaves no room for one more sampled token ends it as "length", not
-        appended: the episode is trained as far as it went."""
+    def resume(self, key: SampleKey, outcome: Observation | str,
+               encode: Callable[[Observation], tuple[VisionEmbeds, Ready | None]]) -> Sequence | None:
+        """A paused sample's observation is ready: it is appended, its images handed to `encode`
+        (features, and when they will be ready), and the sample is prepared (`queue_prepared` queues it
+        for its prefill). Or its episode ends (`outcome` its finish reason; then returned, its sample
+        recorded). An observation that leaves no room for one more sampled token ends it as "length",
+        not appended: the episode is trained as far as it went."""
         seq = self.paused.pop(key)
         if isinstance(outcome, str) or len(seq) + len(outcome) >= seq.prompt.max_length:
             seq.end_episode(outcome if isinstance(outcome, str) else "length")
             self._record(seq)
             return seq
         seq.continue_with(outcome)
-        self.waiting.appendleft(seq)
+        ready = None
+        if outcome.prompt.has_vision:
+            seq.observation_vision[-1], ready = encode(outcome)
+        self.preparing.append((seq, ready))
         return None
+
+    def queue_prepared(self, wait: bool) -> None:
+        """Queue, at the front, the continued episodes whose observations' images are encoded
+        (`Ready.query`); with `wait`, when none is, wait for the first (nothing else can run)."""
+        ready = [(seq, r) for seq, r in self.preparing if r is None or r.query()]
+        if wait and not ready and self.preparing:
+            self.preparing[0][1].synchronize()
+            ready = self.preparing[:1]
+        for seq, _ in ready:
+            self.waiting.appendleft(seq)
+        self.preparing = [(seq, r) for seq, r in self.preparing if all(seq is not s for s, _ in ready)]
 
     def _record(self, seq: Sequence) -> None:
         """A finished sequence's sample, recorded; its blocks freed."""
