@@ -470,7 +470,6 @@ def test_help_names_the_presets_and_key_value_overrides(capsys, monkeypatch):
 @pytest.mark.parametrize("options, refused", [
     (["--schedule.kind", "disagg", "--schedule.rollout_ranks", "1"], "schedule.kind disagg: its rollout ranks"),
     (["--schedule.kind", "overlap", "--schedule.stream_groups", "true"], "schedule.stream_groups"),
-    (["--algorithm.routing_replay", "rollout"], "routing_replay rollout"),
     (["--rollout.tp", "2"], "rollout.tp 2 > parallel.tp 1"),
 ])
 def test_multi_turn_runs_refuse_what_they_cannot_run_yet(options, refused):

@@ -19,7 +19,9 @@ from rollplex.models import qwen3_5_moe
 from rollplex.models.qwen3_vl_moe import tiny_args
 from rollplex.train import routes as route_layouts
 from rollplex.train.actor import response_logprobs
+from test_agent_engine import SAMPLING, TURN_ENDS, ScriptedEpisodes, observation_prompts
 from test_qwen3_vl_engine import requests
+from test_qwen3_vl_model import image_tokens, pixels
 from test_schedules import SCHEDULES, max_difference, train
 
 PARAMS = SamplingParams(temperature=1.0, max_tokens=6, seed=2, ignore_eos=True)
@@ -79,14 +81,36 @@ def test_a_preempted_sequence_keeps_the_routes_of_its_recomputed_tokens():
         assert_same_expert_sets(route_layouts.packed([g], share_prefix=True), live_routes(m, [g]))
 
 
+def test_multi_turn_episodes_record_their_observations_routes():
+    """An episode's observation is routed by its continuation prefill, a turn's last token by the decode step (run
+    ahead) or the prefill that fed it: every response token but the very last has the routes the trainer computes
+    over the whole trajectory, and replaying them gives the rollout's probabilities (tests/test_agent_engine.py)."""
+    m = model()
+    episodes = ScriptedEpisodes(m, observation_prompts(qwen3_vl_image), TURN_ENDS)
+    engine = Engine(m, EngineConfig(block_size=4, num_blocks=256, record_routes=True))
+    groups = engine.generate(requests(n=2), SAMPLING, episodes=episodes)
+    assert sum(len(s.observations) for g in groups for s in g.samples) > 0
+    for g in groups:
+        for s in g.samples:
+            assert (s.routes[:-1] != UNRECORDED).all() and (s.routes[-1] == UNRECORDED).all()
+        assert_same_expert_sets(route_layouts.packed([g], share_prefix=True), live_routes(m, [g]))
+    assert rollout_probs_diff(m, groups, replay=True)[0] <= 1e-5
+
+
+def qwen3_vl_image(h: int, w: int, seed: int):
+    rows, grid = pixels(1, h, w, seed)
+    return rows, grid, image_tokens(grid)
+
+
 def rollout_probs_diff(m, groups, replay: bool) -> tuple[float, Routing]:
-    """The largest |p_trainer - p_rollout| over the groups' response tokens, and the pass's routing."""
+    """The largest |p_trainer - p_rollout| over the tokens the rollout sampled, and the pass's routing."""
     batch = pack_groups(m.args, groups, share_prefix=True)
     routing = Routing(route_layouts.packed(groups, share_prefix=True) if replay else None)
     with torch.no_grad():
         logprobs, _ = response_logprobs(m, batch, routing=routing)
     rollout = torch.tensor([lp for g in groups for s in g.samples for lp in s.logprobs])
-    return (logprobs.exp() - rollout.exp()).abs().max().item(), routing
+    sampled = torch.cat([s.sampled_mask() for g in groups for s in g.samples])  # not observations' (0.0 there)
+    return (logprobs.exp() - rollout.exp()).abs()[sampled].max().item(), routing
 
 
 def test_replaying_the_rollouts_routes_matches_its_probabilities():

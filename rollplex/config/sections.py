@@ -669,9 +669,6 @@ class Config:
             raise ConfigError(f"{what} with schedule.stream_groups: a finished group's passes in the decode window "
                               "would wait on the device for its observations' images; use schedule.stream_groups "
                               "false")
-        if self.algorithm.routing_replay == "rollout":
-            raise ConfigError(f"{what} with algorithm.routing_replay rollout: the engine does not record the routes "
-                              "of observations yet; use routing_replay old or none")
         if self.rollout.tp > self.parallel.tp:
             raise ConfigError(f"{what} with rollout.tp {self.rollout.tp} > parallel.tp {self.parallel.tp}: an "
                               "engine shared by several dp ranks would run each tool call on every one of them; "

@@ -251,8 +251,6 @@ class Engine:
         """A new generation: the KV pool (allocated again if it was released), the runner
         told, and a scheduler over a new block manager and decode batch, with every
         prompt waiting."""
-        if episodes is not None and self.config.record_routes:
-            raise ValueError("multi-turn rollouts do not record MoE routes yet (algorithm.routing_replay rollout)")
         self.cache.allocate()
         # A group larger than max_num_seqs still runs, alone.
         rows = max([self.config.max_num_seqs] + [p.request.n for p in prompts])

@@ -39,15 +39,17 @@ class RouteLog:
         self.decode_start = [0] * num_rows  # each row's first response index that decode feeds
 
     def prefilled(self, seqs: list[Sequence], bounds: list[int], routing: Routing) -> None:
-        """A prefill's routes, its sequences packed at `bounds`: a group's prompt routes, or a
-        recomputed sequence's response tokens."""
+        """A prefill's routes, its sequences' new tokens packed at `bounds`: a group's prompt routes,
+        a recomputed sequence's response tokens, or a multi-turn episode's tokens past the K/V it
+        kept (its observation, and its turn's last token where no decode step fed it)."""
         routes = routing.routes(self.buffer.shape[2])
         for seq, start, end in zip(seqs, bounds, bounds[1:]):
             prompt = seq.num_prompt
             if seq.is_group_prompt:
                 seq.prompt.routes = routes[start:start + prompt].clone()
             else:
-                seq.route_pieces.append((0, routes[start + prompt:end].clone()))
+                first = max(seq.num_cached, prompt)  # the first response token this prefill computed
+                seq.route_pieces.append((first - prompt, routes[start + first - seq.num_cached:end].clone()))
 
     def joined(self, seqs: list[Sequence], rows: list[int]) -> None:
         """Sequences starting to decode in `rows`: decode feeds their response tokens from the one they sample next."""
@@ -68,6 +70,13 @@ class RouteLog:
         start, end = self.decode_start[row], len(seq) - seq.num_prompt - 1
         if end > start:
             seq.route_pieces.append((start, self.buffer[row, start:end].clone()))
+
+    def fed_last(self, seq: Sequence, row: int) -> None:
+        """`seq`, which left `row` to wait for its observation, had its last token fed by a decode step
+        run ahead (whose routes are in the row still): it keeps them, as its continuation does not feed
+        that token again."""
+        index = len(seq) - seq.num_prompt - 1
+        seq.route_pieces.append((index, self.buffer[row, index:index + 1].clone()))
 
     def sample_routes(self, seq: Sequence) -> torch.Tensor:
         """The routes of `seq`'s response tokens (response length, layers, k), UNRECORDED where no forward

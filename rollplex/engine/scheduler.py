@@ -259,6 +259,8 @@ class Scheduler:
                 reason = self.episodes.end_turn(_key(seq), seq.token_ids[seq.num_prompt:])
                 if reason is None:
                     seq.pause(ran_ahead, None if keep_state is None else keep_state(row))
+                    if ran_ahead and self.batch.routes is not None:
+                        self.batch.routes.fed_last(seq, row)
                     self.paused[_key(seq)] = seq
                     continue
                 seq.end_episode(reason)
