@@ -59,6 +59,9 @@ def test_device_command_runs_every_check_on_cpu(tmp_path):
     assert moe["train_step"]["replayed_routes_live_agreed_share"] < 1
     replayed = moe["engine_routes"]["graph_replay"]
     assert replayed["decode_steps"] > 0 and replayed["captures"] == 0
+    # Multi-turn episodes: graphed (run ahead) against eager, every sample continued with an observation.
+    multi_turn = checks["multi_turn"]
+    assert all(n > 0 for n in multi_turn["observation_tokens"]) and multi_turn["trainer_probs_max_abs_diff"] <= 1e-5
     assert list(json.loads((tmp_path / "bench_schedules/report.json").read_text())["schedules"]) == [
         "serial-prefix", "overlap", "overlap-stream"]
     files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())

@@ -1880,6 +1880,92 @@ def _moe_engine_routes(device: str) -> dict:
     return {**result, **verdict_of(criteria, text)}
 
 
+class _ScriptedEpisodes:
+    """multi_turn's episodes: a turn ends at any token id in `turn_end_ids`; after its first two turns an episode gets
+    `observation` (an image and a video); it ends after its third turn."""
+
+    def __init__(self, observation: Prompt, rope_spec, turn_end_ids: frozenset[int]):
+        self.observation, self.rope_spec, self.turn_end_ids = observation, rope_spec, turn_end_ids
+        self.turns: dict = {}
+        self.ready: list = []
+
+    def end_turn(self, key, response: list[int]) -> str | None:
+        from rollplex.models.inputs import Observation
+
+        turn = self.turns[key] = self.turns.get(key, 0) + 1
+        if turn > 2:
+            return "stop"
+        self.ready.append((key, Observation.of(self.observation, len(response), self.rope_spec)))
+        return None
+
+    def poll(self, wait: bool) -> list:
+        ready, self.ready = self.ready, []
+        return ready
+
+    def finish(self, key, sample):
+        from rollplex.models.inputs import EpisodeLog
+
+        return EpisodeLog(turns=self.turns.get(key, 1))
+
+
+def check_multi_turn(device: str) -> dict:
+    """Multi-turn episodes in the engine (issue 41; rollplex.engine.episodes): a tiny Qwen2.5-VL (bf16 on CUDA), two
+    prompts of 2 greedy samples, each turn ending at a token id in a fixed set, each episode given an observation
+    with an image and a video after its first two turns. An eager engine that never runs ahead against a CUDA-graph
+    one that does (the observations' images encoded on its low-priority vision stream while decode goes on): the
+    same tokens, logprobs within ENGINE_LOGPROB_TOLERANCE; every sample continued with an observation; the trainer's logprobs of
+    the whole trajectories (pack_groups' shared-prefix layout, the observations' images through the tower) against
+    the graphed engine's at the sampled tokens, reported (`trainer_probs_max_abs_diff`); each generation's seconds."""
+    from rollplex.engine import Request
+    from rollplex.models.packing import pack_groups
+    from rollplex.train.actor import response_logprobs
+
+    cuda = _cuda(device)
+    args = _tiny_args()
+    model = build_model(args, dtype=torch.bfloat16 if cuda else torch.float32, device=device, seed=0, init_std=None)
+    observation = _multimodal_prompt(args, device, image_hw=(4, 6), video_thw=(2, 4, 4), seed=3)
+    observation.input_ids = observation.input_ids[:-40]  # its image and video, and a little text
+    vision = {args.image_token_id, args.video_token_id, args.vision_start_token_id, args.vision_end_token_id}
+    turn_ends = frozenset(i for i in range(0, args.text.vocab_size, 7) if i not in vision)
+    requests = [Request(_multimodal_prompt(args, device, image_hw=(8, 12), video_thw=(2, 8, 8)), n=2, seed=1),
+                Request(Prompt(torch.arange(5, 45, device=device)),
+                        n=2, seed=2)]
+    params = _greedy_params(cuda)
+    params = dataclasses.replace(params, max_tokens=160 if cuda else 80)
+    config = dict(max_num_seqs=4, max_model_len=512, num_blocks=160)
+    runs = {}
+    for name, engine in (("eager", _engine(model, enforce_eager=True, run_ahead=False, **config)),
+                         ("graphed", _engine(model, **config))):
+        _sync(device)
+        start = time.perf_counter()
+        groups = engine.generate(requests, params, episodes=_ScriptedEpisodes(observation, args.rope_spec, turn_ends))
+        _sync(device)
+        runs[name] = groups, time.perf_counter() - start, engine
+    (want, eager_s, _), (got, graphed_s, graphed) = runs["eager"], runs["graphed"]
+    samples = [(a, b) for ga, gb in zip(got, want) for a, b in zip(ga.samples, gb.samples)]
+    logprob_diff = max((torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs().max().item() for a, b in samples)
+    with torch.no_grad():
+        trainer, _ = response_logprobs(model, pack_groups(args, got, share_prefix=True))
+    rollout = torch.tensor([lp for g in got for s in g.samples for lp in s.logprobs], device=trainer.device)
+    sampled = torch.cat([s.sampled_mask() for g in got for s in g.samples]).to(trainer.device)
+    trainer_diff = (trainer.float().exp() - rollout.exp()).abs()[sampled].max().item()
+    criteria = {"tokens_equal_eager": all(a.token_ids == b.token_ids for a, b in samples),
+                "logprobs_equal_eager": logprob_diff <= ENGINE_LOGPROB_TOLERANCE,
+                "observations_appended": all(a.observations for a, _ in samples),
+                "graphs_captured": graphed.runner.captures > 0,
+                "vision_stream_on_cuda": (graphed.runner.vision_stream is not None) == cuda,
+                "trainer_probs_finite": math.isfinite(trainer_diff)}
+    result = {"dtype": str(next(model.parameters()).dtype), "rows": sum(r.n for r in requests),
+              "response_tokens": [len(a.token_ids) for a, _ in samples],
+              "observation_tokens": [sum(len(o) for o in a.observations) for a, _ in samples],
+              "prefill_tokens": {name: run[2].stats["prefill_tokens"] for name, run in runs.items()},
+              "generate_seconds": {"eager": round(eager_s, 3), "graphed": round(graphed_s, 3)},
+              "engine_logprob_max_abs_diff": logprob_diff, "trainer_probs_max_abs_diff": trainer_diff}
+    text = ("graphed engine (run ahead, observation images on the vision stream) gives the eager engine's tokens and "
+            "logprobs; every sample continued with an observation; the trainer's probabilities are reported")
+    return {**result, **verdict_of(criteria, text)}
+
+
 def _greedy_params(cuda: bool) -> SamplingParams:
     from rollplex.engine import SamplingParams
 
@@ -2008,6 +2094,7 @@ CHECKS = {
     "bench_schedules": Check(check_bench_schedules, 130, "bench", compile_s=10),
     "qwen3_5": Check(check_qwen3_5, 50, "rest", optional=True, compile_s=35),
     "moe": Check(check_moe, 60, "rest", optional=True, compile_s=30),
+    "multi_turn": Check(check_multi_turn, 15, "rest", optional=True, compile_s=5),
     "train_attention_backends": Check(check_train_attention_backends, 60, "rest", optional=True, compile_s=40),
     "packed_train_3b": Check(check_packed_train_3b, 50, "rest", optional=True, compile_s=10),
     "lora_train_3b": Check(check_lora_train_3b, 10, "rest", optional=True),
