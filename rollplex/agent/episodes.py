@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from rollplex.agent.environment import EnvironmentRunner, StepResult
 from rollplex.agent.observation import ObservationOverLimit, ObservationRenderer
-from rollplex.agent.tools import ToolResult, load_tools, parse_tool_call, row_context
+from rollplex.agent.tools import ToolCall, ToolResult, load_tools, parse_tool_call, row_context
 from rollplex.agent.workers import ToolFailure, ToolRunner
 from rollplex.dist import all_reduce_values
 from rollplex.engine.episodes import SampleKey
@@ -124,16 +124,22 @@ class Episodes:
         if episode.log.turns >= self.agent.config.max_turns:
             return "max_turns"
         episode.log.tool_calls += 1
-        tool = self.agent.tools.get(getattr(call, "name", None))
-        context = row_context(episode.row.tools_kwargs, tool) if tool is not None else {}
-        if isinstance(call, str) or tool is None or isinstance(context, str):
-            problem = call if isinstance(call, str) else (
-                f"there is no tool named {call.name!r} (tools: {', '.join(self.agent.tools)})" if tool is None
-                else context)
-            self.ready.append((key, ToolFailure("bad_call", problem)))
+        context = self._context(call, episode)
+        if isinstance(context, str):  # the call cannot be made: the model reads why
+            self.ready.append((key, ToolFailure("bad_call", context)))
         else:
             self.agent.tool_runner.submit(key, call, context)
         return None
+
+    def _context(self, call: ToolCall | str, episode: _Episode) -> dict | str:
+        """The row's context for the tool `call` names, or why the call cannot be made (it did not parse, names no
+        tool, or the row lacks the tool's context)."""
+        if isinstance(call, str):
+            return call
+        tool = self.agent.tools.get(call.name)
+        if tool is None:
+            return f"there is no tool named {call.name!r} (tools: {', '.join(self.agent.tools)})"
+        return row_context(episode.row.tools_kwargs, tool)
 
     def poll(self, wait: bool) -> list[tuple[SampleKey, Observation | str]]:
         results, self.ready = self.ready, []
